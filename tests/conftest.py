@@ -1,0 +1,43 @@
+"""Shared fixtures: paths to the project, ../shared, and a tiny random model folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+PROJECT = Path(__file__).resolve().parents[1]
+SHARED = PROJECT.parent / "shared"
+
+os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hub is unreachable here: fail fast, not after DNS timeouts
+
+
+@pytest.fixture(scope="session")
+def project_path() -> Path:
+    return PROJECT
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    path = SHARED / "data"
+    if not path.is_dir():
+        pytest.skip(f"offline data copies not found at {path} (../shared beside the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    path = SHARED / "golden" / "nvfp4a16"
+    if not path.is_dir():
+        pytest.skip(f"golden NVFP4 files not found at {path} (../shared beside the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random tiny Llama (hidden 128, 2 heads of 64, 2 layers) with the SmolLM2 tokenizer."""
+    from qerl_pipeline.models import tiny_model_folder
+
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")

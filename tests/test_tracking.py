@@ -1,0 +1,57 @@
+"""The logger protocol: MLflow (embedded SQLite) and in-memory backends record the same things."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pytest
+
+from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, MlflowLogger
+
+
+@pytest.fixture()
+def sqlite_store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    mlflow.set_tracking_uri(None)
+
+
+def _exercise(logger: MetricsLogger):
+    logger.log_metrics({"reward": 0.5, "bad": float("nan"), "text": "x"}, step=1)
+    logger.log_metrics({"reward": 0.75}, step=2)
+    logger.log_params({"grpo.num_generations": 4})
+    logger.set_tags({"method": "qerl"})
+    logger.log_table([{"prompt": "p", "reward": 1.0}], "completions/step_1.json")
+
+
+def test_memory_logger():
+    log = MemoryLogger()
+    assert isinstance(log, MetricsLogger)
+    _exercise(log)
+    assert log.metrics["reward"] == [(1, 0.5), (2, 0.75)]
+    assert "bad" not in log.metrics and "text" not in log.metrics
+    assert log.tags == {"method": "qerl"}
+
+
+def test_mlflow_logger_resumes_a_run_by_id(sqlite_store, tmp_path):
+    first = MlflowLogger(experiment="t")
+    _exercise(first)
+    first.end()
+    again = MlflowLogger(run_id=first.run_id)  # e.g. a resumed training run
+    again.log_metrics({"reward": 1.0}, step=3)
+    again.log_params({"grpo.num_generations": 4})  # same value again: no error
+    client = mlflow.tracking.MlflowClient()
+    history = client.get_metric_history(first.run_id, "reward")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.75), (3, 1.0)]
+    assert client.get_run(first.run_id).data.tags["method"] == "qerl"
+    table = client.download_artifacts(first.run_id, "completions/step_1.json", str(tmp_path))
+    assert json.loads(open(table).read()) == {"columns": ["prompt", "reward"], "data": [["p", 1.0]]}
+
+
+def test_failed_status(sqlite_store):
+    log = MlflowLogger(experiment="t")
+    log.end("FAILED")
+    assert mlflow.tracking.MlflowClient().get_run(log.run_id).info.status == "FAILED"

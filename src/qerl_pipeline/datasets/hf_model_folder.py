@@ -1,0 +1,104 @@
+"""A Kedro dataset for Hugging Face model folders (weights, config, tokenizer): atomic, versionable.
+
+What a node returns and what the dataset does with it:
+
+* a folder path (``str`` / ``Path``): that folder becomes the dataset's folder;
+* a mapping ``{name: folder path}``: each folder becomes the subfolder ``<filepath>/<name>``,
+  other subfolders already there are left alone. The quantize pipeline uses this to put
+  ``base_<format>`` under ``data/06_models`` for whichever method it was run for.
+
+Nodes build model folders themselves (``qerl_pipeline.models.save_model_folder`` or
+``quantization.checkpoint.write_base`` into a temporary folder) and hand over the path, so
+the dataset never imports transformers and never holds a model in memory. With
+``move: true`` (default) the handed-over folder is moved (a rename when on the same
+filesystem, else a copy then delete); ``move: false`` copies and leaves it.
+
+Every write goes to a temporary sibling of its destination first and is swapped in with
+``os.replace``: a crash never leaves a half-written model where a reader would find it.
+With ``versioned: true`` each save goes to ``<filepath>/<version>/<name>``, Kedro's layout.
+
+``load()`` returns the folder's ``Path`` (for a mapping save, the parent folder); readers
+pick what they need (``from_pretrained(path)``, ``path / "base_nvfp4"``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from kedro.io.core import AbstractVersionedDataset, DatasetError, Version
+
+
+def _place(src: Path, dst: Path, move: bool) -> None:
+    """Put folder ``src`` at ``dst`` atomically (replacing an existing ``dst``)."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise DatasetError(f"HFModelFolderDataset: {src} is not a folder")
+    if src.resolve() == dst.resolve():
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    staged = tmp / "folder"
+    try:
+        if move:
+            shutil.move(str(src), str(staged))
+        else:
+            shutil.copytree(src, staged)
+        if dst.exists():
+            old = tmp / "old"
+            os.replace(dst, old)
+        os.replace(staged, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class HFModelFolderDataset(AbstractVersionedDataset[Any, Path]):
+    """A Hugging Face model folder (or a folder of them) in the Kedro catalog.
+
+    Example ``catalog.yml`` entry::
+
+        base_models:
+          type: qerl_pipeline.datasets.hf_model_folder.HFModelFolderDataset
+          filepath: data/06_models
+          versioned: false
+    """
+
+    def __init__(self, filepath: str, version: Version | None = None, move: bool = True,
+                 metadata: dict[str, Any] | None = None) -> None:
+        super().__init__(PurePosixPath(Path(filepath).as_posix()), version)
+        self._move = move
+        self.metadata = metadata
+
+    def load(self) -> Path:
+        path = Path(self._get_load_path().as_posix())
+        if not path.is_dir():
+            raise DatasetError(f"HFModelFolderDataset: {path} does not exist; run the pipeline that writes it first")
+        return path
+
+    def save(self, data: str | os.PathLike | Mapping[str, str | os.PathLike]) -> None:
+        dst = Path(self._get_save_path().as_posix())
+        if isinstance(data, Mapping):
+            for name, folder in data.items():
+                if not name or name in (".", "..") or "/" in name or "\\" in name:
+                    raise DatasetError(f"HFModelFolderDataset: subfolder name {name!r} must be one path component")
+                _place(Path(folder), dst / name, self._move)
+            dst.mkdir(parents=True, exist_ok=True)
+        elif isinstance(data, (str, os.PathLike)):
+            _place(Path(data), dst, self._move)
+        else:
+            raise DatasetError(
+                f"HFModelFolderDataset saves a folder path or a mapping name -> folder path, got {type(data).__name__}"
+            )
+
+    def _exists(self) -> bool:
+        try:
+            return Path(self._get_load_path().as_posix()).is_dir()
+        except DatasetError:
+            return False
+
+    def _describe(self) -> dict[str, Any]:
+        return {"filepath": str(self._filepath), "version": self._version, "move": self._move}

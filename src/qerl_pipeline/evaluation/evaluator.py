@@ -1,0 +1,271 @@
+"""Benchmark evaluation of a policy: base weights served by vLLM, optionally with a LoRA adapter.
+
+One vLLM engine (``rollout.engine.RolloutEngine``, its own process) serves one base; every
+policy on that base is evaluated on it in turn: the trained adapter, other adapters over
+the same base (compare), and the base alone. The adapter is really applied: it goes to
+vLLM as ``lora_path`` (a ``LoRARequest``) on every generate call. (The paper's GSM8K
+script loaded the adapter but never passed it to generation, so it scored the base.)
+
+Decoding (paper, Sec. 5 / App. C): ``temperature 0.6, top_p 0.95``, ``k`` samples per
+problem (pass@1 averaged over k), plus greedy decoding (temperature 0) when
+``evaluate.greedy``. Every request carries the same sampling seed (``evaluate.seed``), so
+results do not depend on how prompts are batched.
+
+Scoring: ``rewards.math.RewardScorer``: the full math-verify comparison of the extracted
+answer with the gold (never a first-character compare, the paper script's other defect).
+A sample is correct when its accuracy reward is 1.
+
+Subsets: ``limit`` keeps a deterministic subset per benchmark: the ``limit`` problems with
+the smallest SHA-1 of their id, in their original order. It does not depend on file order
+and spreads over the set (a prefix of MATH-500 would be one subject).
+
+Prompts longer than ``max_model_len - max_new_tokens`` cannot be served; they are skipped
+with a warning and listed in ``EvalResult.skipped`` (never silently truncated, which
+would change the question).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qerl_pipeline.config import EvaluateConfig, RewardConfig, RolloutConfig
+
+log = logging.getLogger(__name__)
+
+#: vLLM's allowed ``max_lora_rank`` values (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: Prompts per generate call (progress granularity; vLLM batches inside a call anyway).
+CHUNK = 64
+
+
+@dataclass
+class EvalResult:
+    """Per-problem records of every policy, plus what was skipped and how fast it ran."""
+
+    records: list[dict[str, Any]]
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def subset(records: Sequence[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
+    """The ``limit`` records with the smallest SHA-1 of their id, in their original order."""
+    records = list(records)
+    if limit is None or limit >= len(records):
+        return records
+    keyed = sorted(range(len(records)), key=lambda i: hashlib.sha1(str(records[i]["id"]).encode()).hexdigest())
+    keep = set(keyed[:limit])
+    return [r for i, r in enumerate(records) if i in keep]
+
+
+def group_by_source(records: Sequence[dict[str, Any]], benchmarks: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Records by ``source``, in ``benchmarks`` order (all sources when None)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for i, r in enumerate(records):
+        for key in ("id", "source", "messages", "gold"):
+            if key not in r:
+                raise ValueError(f"prompt record {i} (id={r.get('id')!r}) has no {key!r} field")
+        groups.setdefault(r["source"], []).append(r)
+    if benchmarks is None:
+        return groups
+    return {b: groups[b] for b in benchmarks if b in groups}
+
+
+def chat_prompts(records: Sequence[dict[str, Any]], tokenizer) -> tuple[list[str], list[list[int]]]:
+    """Chat-template text and token ids of each record's ``messages`` (generation prompt added)."""
+    texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) for r in records]
+    ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    return texts, ids
+
+
+def adapter_rank(adapter_dir: str | Path) -> int:
+    """LoRA rank ``r`` from a PEFT adapter folder's ``adapter_config.json``."""
+    path = Path(adapter_dir) / "adapter_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter folder)")
+    cfg = json.loads(path.read_text())
+    ranks = [int(cfg["r"]), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())]
+    return max(ranks)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that fits ``rank``."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's maximum {VLLM_LORA_RANKS[-1]}")
+
+
+def weight_bytes(base_dir: str | Path) -> int:
+    """Bytes of a base checkpoint's weight files (top level only: not the ``serving/`` copy)."""
+    base_dir = Path(base_dir)
+    files = [p for p in base_dir.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt")]
+    return sum(p.stat().st_size for p in files)
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]eval[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=not enabled,
+        transient=False,
+    )
+
+
+def _generate_chunks(engine, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, lora_path, progress, task):
+    samples, seconds, tokens = [], 0.0, 0
+    for start in range(0, len(prompt_ids), CHUNK):
+        chunk = prompt_ids[start : start + CHUNK]
+        out = engine.generate(chunk, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, lora_path=lora_path)
+        samples.extend(out.samples)
+        seconds += out.seconds
+        tokens += out.output_tokens
+        progress.advance(task, len(chunk))
+    return samples, seconds, tokens
+
+
+def evaluate_on_engine(
+    engine,
+    tokenizer,
+    records: Sequence[dict[str, Any]],
+    cfg: EvaluateConfig,
+    scorer,
+    *,
+    policy: str,
+    lora_path: str | Path | None = None,
+    max_model_len: int,
+    show_progress: bool = True,
+) -> EvalResult:
+    """Evaluate one policy (the engine's base, plus ``lora_path`` when given) on ``records``.
+
+    ``records`` are prompt records (any mix of sources); ``cfg.limit`` is applied per
+    source here. Returns one record per problem with ``policy, id, source, split, level,
+    question, gold, prompt, completions, extracted, correct, finish_reasons,
+    completion_tokens`` and, with ``cfg.greedy``, ``greedy_completion, greedy_extracted,
+    greedy_correct, greedy_finish_reason``.
+    """
+    groups = {b: subset(rs, cfg.limit) for b, rs in group_by_source(records, cfg.benchmarks).items()}
+    missing = [b for b in cfg.benchmarks if b not in groups]
+    if missing:
+        log.warning("evaluate: no prompt records for benchmark(s) %s (skipped)", ", ".join(missing))
+    result = EvalResult(records=[])
+    gen_s = gen_tokens = 0.0
+    with _progress(show_progress) as progress:
+        for bench, recs in groups.items():
+            texts, ids = chat_prompts(recs, tokenizer)
+            keep = []
+            for r, t, p in zip(recs, texts, ids, strict=True):
+                if len(p) + cfg.max_new_tokens > max_model_len:
+                    result.skipped.append({"policy": policy, "id": r["id"], "source": bench, "prompt_tokens": len(p)})
+                else:
+                    keep.append((r, t, p))
+            if len(keep) < len(recs):
+                log.warning("evaluate %s/%s: %d prompt(s) longer than max_model_len - max_new_tokens skipped", policy, bench, len(recs) - len(keep))
+            if not keep:
+                continue
+            prompt_ids = [p for _, _, p in keep]
+            runs = [("sampled", cfg.samples_k, cfg.temperature, cfg.top_p, cfg.seed)]
+            if cfg.greedy:
+                runs.append(("greedy", 1, 0.0, 1.0, None))
+            outputs = {}
+            for kind, n, temp, top_p, seed in runs:
+                task = progress.add_task(f"{policy} {bench} {kind}", total=len(prompt_ids))
+                samples, secs, toks = _generate_chunks(
+                    engine, prompt_ids, n=n, temperature=temp, top_p=top_p, max_new_tokens=cfg.max_new_tokens,
+                    seed=seed, lora_path=lora_path, progress=progress, task=task,
+                )
+                outputs[kind] = samples
+                gen_s += secs
+                gen_tokens += toks
+            for kind, groups_ in outputs.items():
+                flat = [s.text for g in groups_ for s in g]
+                golds = [r["gold"] for (r, _, _), g in zip(keep, groups_, strict=True) for _ in g]
+                scores = scorer.score(flat, golds)
+                it = iter(scores)
+                outputs[kind] = [[(s, next(it)) for s in g] for g in groups_]
+            for i, (r, text, _) in enumerate(keep):
+                sampled = outputs["sampled"][i]
+                row = {
+                    "policy": policy,
+                    "id": r["id"],
+                    "source": bench,
+                    "split": r.get("split"),
+                    "level": r.get("level"),
+                    "question": r.get("question"),
+                    "gold": r["gold"],
+                    "prompt": text,
+                    "completions": [s.text for s, _ in sampled],
+                    "extracted": [sc["extracted"] for _, sc in sampled],
+                    "correct": [sc["accuracy"] >= 0.5 for _, sc in sampled],
+                    "finish_reasons": [s.finish_reason for s, _ in sampled],
+                    "completion_tokens": [len(s.completion_ids) for s, _ in sampled],
+                }
+                if "greedy" in outputs:
+                    g, gs = outputs["greedy"][i][0]
+                    row.update(
+                        greedy_completion=g.text,
+                        greedy_extracted=gs["extracted"],
+                        greedy_correct=gs["accuracy"] >= 0.5,
+                        greedy_finish_reason=g.finish_reason,
+                    )
+                result.records.append(row)
+    result.timings = {"generate_s": gen_s, "output_tokens": gen_tokens, "tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0}
+    return result
+
+
+def evaluate_policies(
+    model_dir: str | Path,
+    records: Sequence[dict[str, Any]],
+    cfg: EvaluateConfig,
+    reward_cfg: RewardConfig,
+    policies: dict[str, str | Path | None],
+    *,
+    max_model_len: int,
+    rollout_cfg: RolloutConfig | None = None,
+    tokenizer=None,
+    show_progress: bool = True,
+) -> EvalResult:
+    """Start one engine on ``model_dir`` and evaluate each policy (name -> adapter folder or None).
+
+    LoRA is enabled in the engine only when some policy has an adapter, with
+    ``max_lora_rank`` the smallest vLLM rank that fits the largest adapter.
+    """
+    from transformers import AutoTokenizer
+
+    from qerl_pipeline.rewards.math import RewardScorer
+    from qerl_pipeline.rollout.engine import RolloutEngine
+
+    model_dir = Path(model_dir)
+    adapters = {name: Path(p) for name, p in policies.items() if p is not None}
+    for name, path in adapters.items():
+        if not path.is_dir():
+            raise FileNotFoundError(f"policy {name!r}: adapter folder {path} does not exist")
+    rank = vllm_lora_rank(max(adapter_rank(p) for p in adapters.values())) if adapters else 8
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+    total = EvalResult(records=[])
+    t0 = time.perf_counter()
+    with RolloutEngine(
+        model_dir, max_model_len=max_model_len, enable_lora=bool(adapters), max_lora_rank=rank, seed=cfg.seed, rollout=rollout_cfg
+    ) as engine, RewardScorer(reward_cfg) as scorer:
+        total.timings["engine_start_s"] = engine.start_seconds
+        for name, path in policies.items():
+            res = evaluate_on_engine(
+                engine, tokenizer, records, cfg, scorer, policy=name, lora_path=path, max_model_len=max_model_len, show_progress=show_progress
+            )
+            total.records += res.records
+            total.skipped += res.skipped
+            for key, value in res.timings.items():
+                total.timings[f"{name}/{key}"] = value
+    total.timings["total_s"] = time.perf_counter() - t0
+    return total

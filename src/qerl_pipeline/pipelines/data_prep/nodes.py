@@ -1,0 +1,159 @@
+"""data_prep nodes: read the configured sources and write prompt records and a report.
+
+Each node takes ``params:data`` (``DataConfig``) and is a plain function, usable outside
+Kedro. Malformed rows (``data.prompts.row_problem``) fail the node or are dropped per
+``data.on_bad_row``; either way each is named by id and source, in the error or in the
+log and the report. An eval source that cannot be had is skipped with a warning (and
+listed under ``skipped`` in the report) or fails the run, per ``data.on_missing_source``;
+the training source always fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from qerl_pipeline.config import DataConfig, SourceConfig, parse
+from qerl_pipeline.data.generator import generate_splits
+from qerl_pipeline.data.prompts import BadRow, bad_rows_error, make_record, split_valid, system_prompt
+from qerl_pipeline.data.sources import SourceUnavailable, load_source
+
+log = logging.getLogger(__name__)
+
+GENERATOR = "generator"
+
+
+def _generator_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    problems = generate_splits(cfg.generator)[split]
+    return [{"id": p.id, "question": p.question, "gold": str(p.answer), "level": p.level} for p in problems]
+
+
+def _source_config(cfg: DataConfig, key: str, role: str) -> SourceConfig:
+    if key not in cfg.sources:
+        raise ValueError(f"data.{role}: source {key!r} has no entry under data.sources (known: {', '.join(cfg.sources)})")
+    return cfg.sources[key]
+
+
+def _records(
+    cfg: DataConfig, name: str, split: str, rows: list[dict[str, Any]], limit: int | None
+) -> tuple[list[dict[str, Any]], list[BadRow], dict[str, Any]]:
+    """Validate rows (up to ``limit`` good ones) and build prompt records plus a summary."""
+    good, bad = split_valid(rows, name, limit)
+    system = system_prompt(cfg.system_prompt)
+    records = [
+        make_record(id=r["id"], source=name, split=split, question=r["question"], gold=r["gold"], level=r["level"],
+                    system=system)
+        for r in good
+    ]
+    summary = {
+        "rows_read": len(rows),
+        "kept": len(records),
+        "dropped": len(bad),
+        "levels": {str(k): v for k, v in sorted(Counter(r["level"] for r in records).items(), key=lambda kv: str(kv[0]))},
+    }
+    return records, bad, summary
+
+
+def _report_bad(bad: list[BadRow], cfg: DataConfig) -> None:
+    if not bad:
+        return
+    if cfg.on_bad_row == "fail":
+        raise ValueError(bad_rows_error(bad))
+    for b in bad[:50]:
+        log.warning("dropped malformed row %s/%s: %s", b.source, b.id, b.reason)
+    if len(bad) > 50:
+        log.warning("... dropped %d more malformed rows (all listed in the data report)", len(bad) - 50)
+
+
+def prepare_train_prompts(data: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Training prompt records from ``data.train_source`` and a summary for the report.
+
+    generator: its train split (``data.generator``). gsm8k/bigmath: ``data.sources.<name>_train``
+    when that key exists (GSM8K's train split), else ``data.sources.<name>``; its ``limit``
+    applies. A missing training source always fails the run.
+    """
+    cfg: DataConfig = parse(DataConfig, data, "data")
+    name = cfg.train_source
+    if name == GENERATOR:
+        rows, origin, split, limit = _generator_rows(cfg, "train"), f"generator(seed={cfg.generator.seed})", "train", None
+    else:
+        key = f"{name}_train" if f"{name}_train" in cfg.sources else name
+        src = _source_config(cfg, key, "train_source")
+        try:
+            rows, origin = load_source(name, src, cfg.seed)
+        except SourceUnavailable as err:
+            raise RuntimeError(f"training source unavailable: {err}") from err
+        split, limit = src.split, src.limit
+    records, bad, summary = _records(cfg, name, split, rows, limit)
+    _report_bad(bad, cfg)
+    if not records:
+        raise ValueError(f"training source {name!r} ({origin}) gave no usable rows")
+    summary.update(source=name, origin=origin, split=split, bad_rows=[b.as_dict() for b in bad])
+    log.info("train prompts: %d from %s (%d dropped)", len(records), origin, len(bad))
+    return records, summary
+
+
+def prepare_eval_prompts(data: dict[str, Any]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """Eval prompt records keyed by source name (``data.eval_sources``) and a summary.
+
+    'generator' is the generator's held-out split (disjoint from its train split). Bad
+    rows of every source are collected first, so a failing run lists them all at once.
+    """
+    cfg: DataConfig = parse(DataConfig, data, "data")
+    out: dict[str, list[dict[str, Any]]] = {}
+    summary: dict[str, Any] = {"sources": {}, "skipped": {}}
+    all_bad: list[BadRow] = []
+    for name in dict.fromkeys(cfg.eval_sources):  # unique, in order
+        if name == GENERATOR:
+            rows, origin, split, limit = _generator_rows(cfg, "test"), f"generator(seed={cfg.generator.seed})", "test", None
+        else:
+            src = _source_config(cfg, name, "eval_sources")
+            try:
+                rows, origin = load_source(name, src, cfg.seed)
+            except SourceUnavailable as err:
+                if cfg.on_missing_source == "fail":
+                    raise RuntimeError(f"eval source unavailable (data.on_missing_source: fail): {err}") from err
+                log.warning("skipping eval source %r: %s", name, err)
+                summary["skipped"][name] = str(err)
+                continue
+            split, limit = src.split, src.limit
+        records, bad, s = _records(cfg, name, split, rows, limit)
+        all_bad.extend(bad)
+        s.update(origin=origin, split=split, bad_rows=[b.as_dict() for b in bad])
+        summary["sources"][name] = s
+        out[name] = records
+        log.info("eval prompts %s: %d from %s (%d dropped)", name, len(records), origin, len(bad))
+    _report_bad(all_bad, cfg)
+    return out, summary
+
+
+def build_data_report(train_summary: dict[str, Any], eval_summary: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """The data report: per-set counts, dropped rows (id, source, reason), skipped sources, settings."""
+    cfg: DataConfig = parse(DataConfig, data, "data")
+    dropped = train_summary["dropped"] + sum(s["dropped"] for s in eval_summary["sources"].values())
+    return {
+        "train": train_summary,
+        "eval": eval_summary["sources"],
+        "skipped_sources": eval_summary["skipped"],
+        "totals": {
+            "train_prompts": train_summary["kept"],
+            "eval_prompts": sum(s["kept"] for s in eval_summary["sources"].values()),
+            "dropped_rows": dropped,
+            "skipped_sources": len(eval_summary["skipped"]),
+        },
+        "settings": {
+            "seed": cfg.seed,
+            "generator_seed": cfg.generator.seed,
+            "on_bad_row": cfg.on_bad_row,
+            "on_missing_source": cfg.on_missing_source,
+            "system_prompt": system_prompt(cfg.system_prompt),
+        },
+    }
+
+
+def data_metrics(report: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Counts from the report as MLflow metrics (``{name: {"value", "step"}}``)."""
+    metrics = {f"data.{k}": v for k, v in report["totals"].items()}
+    metrics.update({f"data.eval.{name}.kept": s["kept"] for name, s in report["eval"].items()})
+    return {k: {"value": float(v), "step": 0} for k, v in metrics.items()}

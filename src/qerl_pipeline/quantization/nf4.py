@@ -1,0 +1,137 @@
+"""NF4 codec (the QLoRA baseline's base format) in plain torch, code-compatible with bitsandbytes.
+
+NF4 (Dettmers et al., QLoRA) maps each weight, divided by the absolute maximum of its
+block, to the nearest of 16 "normal float" levels (quantiles of N(0, 1) rescaled to
+[-1, 1], with an exact zero). The rules below are those of bitsandbytes' ``quantize_4bit``
+reference path (the one its CPU backend runs), so our codes are byte-identical to
+``bitsandbytes.functional.quantize_4bit(w, blocksize, quant_type="nf4")``; tests/test_nf4.py
+checks this when bitsandbytes is importable:
+
+* the tensor is flattened row-major and cut into blocks of ``blocksize`` (64 by default);
+  a trailing partial block gets its own absmax;
+* ``absmax`` per block in float32; the block is multiplied by ``1 / max(absmax, 1e-38)``
+  (a trailing partial block is divided instead, as bitsandbytes does) and clamped to [-1, 1];
+* the code is the index of the nearest level, a value exactly on a midpoint between two
+  levels taking the lower one (``torch.bucketize`` over the float32 midpoints);
+* two codes per byte, the FIRST element in the HIGH nibble (bitsandbytes' order; NVFP4 is
+  the other way round);
+* dequantization is ``NF4[code] * absmax`` in float32.
+
+Double quantization of the absmax values (QLoRA's second level) is not implemented: with
+blocksize 64 it saves 0.37 bits a weight, which only matters for the memory comparison, and
+its output would have to match bitsandbytes' 8-bit dynamic code to be comparable.
+``quantize.nf4_double_quant: true`` is therefore rejected with a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: The 16 NF4 levels, as float32 (the QLoRA paper's table, as bitsandbytes stores it).
+NF4_LEVELS = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=torch.float32,
+)
+_MIDPOINTS = (NF4_LEVELS[:-1] + NF4_LEVELS[1:]) / 2
+DEFAULT_BLOCKSIZE = 64
+
+
+@dataclass
+class NF4Weight:
+    """One NF4 tensor: packed codes (flat uint8), float32 absmax per block, original shape."""
+
+    packed: torch.Tensor  # uint8 [ceil(numel / 2)]
+    absmax: torch.Tensor  # float32 [ceil(numel / blocksize)]
+    shape: tuple[int, ...]
+    blocksize: int = DEFAULT_BLOCKSIZE
+
+    def decode(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return decode(self.packed, self.absmax, self.shape, self.blocksize, dtype=dtype)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.absmax.numel() * self.absmax.element_size()
+
+    def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Tensor names of our NF4 checkpoint format: ``weight_nf4``, ``weight_absmax``."""
+        return {f"{prefix}weight_nf4": self.packed, f"{prefix}weight_absmax": self.absmax}
+
+
+def _check_blocksize(blocksize: int) -> None:
+    if blocksize <= 0 or blocksize % 2:
+        raise ValueError(f"quantize.nf4_blocksize must be a positive even number, got {blocksize}")
+
+
+def encode(weight: torch.Tensor, blocksize: int = DEFAULT_BLOCKSIZE) -> NF4Weight:
+    """Quantize ``weight`` (any shape, any float dtype) to NF4."""
+    _check_blocksize(blocksize)
+    if not weight.is_floating_point():
+        raise ValueError(f"NF4 quantizes floating weights, got {weight.dtype}")
+    with torch.no_grad():
+        flat = weight.reshape(-1).to(torch.float32)
+        n = flat.numel()
+        full = n - n % blocksize
+        body = flat[:full].reshape(-1, blocksize)
+        absmax = body.abs().amax(dim=-1)
+        scaled = torch.clamp(body * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(-1), -1, 1).reshape(-1)
+        if full < n:
+            tail_max = flat[full:].abs().max().clamp(min=1e-38)
+            absmax = torch.cat([absmax, tail_max.reshape(1)])
+            scaled = torch.cat([scaled, torch.clamp(flat[full:] / tail_max, -1, 1)])
+        if scaled.numel() % 2:
+            scaled = torch.nn.functional.pad(scaled, (0, 1))
+        codes = torch.bucketize(scaled, _MIDPOINTS.to(scaled.device)).to(torch.uint8)
+        packed = (codes[0::2] << 4) | codes[1::2]
+    return NF4Weight(packed=packed, absmax=absmax, shape=tuple(weight.shape), blocksize=blocksize)
+
+
+def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Codes (uint8 in [0, 15]) of the first ``numel`` elements."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed NF4 codes must be uint8, got {packed.dtype}")
+    flat = packed.reshape(-1)
+    return torch.stack((flat >> 4, flat & 0x0F), dim=-1).reshape(-1)[:numel]
+
+
+def decode(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    shape: tuple[int, ...],
+    blocksize: int = DEFAULT_BLOCKSIZE,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dense tensor ``NF4[code] * absmax`` (float32 arithmetic), cast to ``dtype``."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    vals = NF4_LEVELS.to(packed.device)[unpack(packed, n).long()]
+    full = n - n % blocksize
+    absmax = absmax.to(torch.float32)
+    out = torch.empty(n, dtype=torch.float32, device=packed.device)
+    out[:full] = (vals[:full].reshape(-1, blocksize) * absmax[: full // blocksize].unsqueeze(-1)).reshape(-1)
+    if full < n:
+        out[full:] = vals[full:] * absmax[-1]
+    return out.reshape(shape).to(dtype)
+
+
+def bits_per_weight(blocksize: int = DEFAULT_BLOCKSIZE) -> float:
+    """4 bits + one float32 absmax per block."""
+    return 4.0 + 32.0 / blocksize

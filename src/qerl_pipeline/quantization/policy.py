@@ -1,0 +1,358 @@
+"""The trainable policy: a packed (NVFP4 / NF4) or plain base with PEFT LoRA adapters.
+
+``build_policy(base_dir, fmt, lora, dtype=..., device=...)`` reads a base folder written by
+``checkpoint.write_base`` and returns a ``PeftModel`` whose quantized linears are
+``PackedLinear`` modules:
+
+* A ``PackedLinear`` keeps only the codes and scales (NVFP4: uint8 codes, FP8 block scales,
+  FP32 global scale, 4.5 bits a weight; NF4: uint8 codes and FP32 absmax, 4.5 bits a
+  weight). Its forward runs a custom autograd function that decodes the dense weight,
+  multiplies, and drops it; backward decodes again to compute ``grad_out @ W``. The base is
+  frozen, so no weight gradient exists and nothing weight-sized is saved for backward: at
+  any moment at most one layer's dense weight is alive. ``DENSE_TRACKER`` counts the live
+  decoded bytes so that this is measured, not assumed.
+* Decoding is done in float32 and then cast to the compute dtype (float32 on CPU, bf16 on
+  GPU): the same numbers as the ``serving/`` copy that vLLM on CPU serves.
+* Float scales are held as integer bit patterns (``view``), so a stray ``model.to(dtype)``
+  cannot round them.
+* NF4 uses the same ``PackedLinear`` on CPU and CUDA (our codes are byte-identical to
+  bitsandbytes'). bitsandbytes' ``Linear4bit`` kernel would be faster on CUDA but cannot be
+  trained through on CPU, and one code path keeps the three methods comparable.
+* The ``bf16`` base keeps ordinary ``nn.Linear`` layers (weights in the compute dtype,
+  frozen); PEFT wraps them natively.
+* LoRA comes from PEFT: ``PackedLinear`` is registered through ``LoraConfig``'s custom-module
+  mapping with ``PackedLoraLinear`` (PEFT's LoRA ``Linear`` minus merging, which has no
+  meaning on packed codes; merge LoRA into ``dense_state_dict`` instead). Adapters stay
+  float32 (PEFT's default) whatever the compute dtype.
+* ``lora.train_norms`` makes every RMSNorm weight trainable (the paper's ``ln=True``);
+  PEFT's ``save_pretrained`` does not store them, so the trainer saves
+  ``trainable_state_dict(policy)``.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from qerl_pipeline.config import LoraConfig
+from qerl_pipeline.quantization import checkpoint, nf4, nvfp4
+from qerl_pipeline.quantization.checkpoint import serving_dir  # noqa: F401  (public API)
+
+Format = Literal["nvfp4", "nf4", "bf16"]
+
+
+class _DenseTracker:
+    """Bytes of decoded dense weights alive right now, and the peak since ``reset``."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self.baseline = 0
+
+    def reset(self) -> None:
+        """Start a measurement: later ``transient_peak`` counts only what is decoded from now on."""
+        self.baseline = self.peak = self.live
+
+    @property
+    def transient_peak(self) -> int:
+        return self.peak - self.baseline
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._release, nbytes)
+        return tensor
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+DENSE_TRACKER = _DenseTracker()
+
+
+class _PackedMatmul(torch.autograd.Function):
+    """``x @ W.T`` with W decoded in forward and again in backward, never saved."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
+        ctx.layer = layer
+        weight = layer.dense_weight(x.dtype)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        weight = ctx.layer.dense_weight(grad_out.dtype)
+        return grad_out @ weight, None
+
+
+class PackedLinear(nn.Module):
+    """A frozen linear layer stored as NVFP4 or NF4 codes, decoded on the fly."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, tensors: dict[str, torch.Tensor], *,
+                 compute_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
+                 blocksize: int = nf4.DEFAULT_BLOCKSIZE) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.fmt = fmt
+        self.compute_dtype = compute_dtype
+        self.blocksize = blocksize
+        if fmt == "nvfp4":
+            packed, scale, gs = (tensors[s] for s in checkpoint.NVFP4_SUFFIXES)
+            if tuple(packed.shape) != (out_features, in_features // 2):
+                raise ValueError(f"weight_packed shape {tuple(packed.shape)} != {(out_features, in_features // 2)}")
+            self.register_buffer("packed", packed.contiguous())
+            self.register_buffer("scale_bits", scale.contiguous().view(torch.uint8))
+            self.register_buffer("gs_bits", gs.to(torch.float32).reshape(1).view(torch.int32))
+        elif fmt == "nf4":
+            packed, absmax = (tensors[s] for s in checkpoint.NF4_SUFFIXES)
+            if packed.numel() * 2 < in_features * out_features:
+                raise ValueError(f"weight_nf4 has {packed.numel()} bytes, too few for {out_features}x{in_features}")
+            self.register_buffer("packed", packed.reshape(-1).contiguous())
+            self.register_buffer("absmax_bits", absmax.to(torch.float32).reshape(-1).view(torch.int32))
+        else:
+            raise ValueError(f"PackedLinear: unknown format {fmt!r}")
+        if bias is not None:
+            self.register_buffer("bias", bias.detach().to(compute_dtype))
+        else:
+            self.bias = None
+
+    def dense_weight(self, dtype: torch.dtype | None = None, *, track: bool = True) -> torch.Tensor:
+        """The decoded ``[out, in]`` weight (float32 math, then ``dtype``); tracked while alive."""
+        dtype = dtype or self.compute_dtype
+        with torch.no_grad():
+            if self.fmt == "nvfp4":
+                w = nvfp4.decode(self.packed, self.scale_bits.view(torch.float8_e4m3fn), self.gs_bits.view(torch.float32), dtype)
+            else:
+                w = nf4.decode(self.packed, self.absmax_bits.view(torch.float32), (self.out_features, self.in_features),
+                               self.blocksize, dtype)
+        return DENSE_TRACKER.track(w) if track else w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _PackedMatmul.apply(x, self)
+        return out + self.bias.to(out.dtype) if self.bias is not None else out
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The packed codes; PEFT looks for ``qweight`` to find a quantized layer's device."""
+        return self.packed
+
+    def packed_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+def _packed_lora_class():
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    class PackedLoraLinear(LoraLinear):
+        """PEFT's LoRA Linear over a PackedLinear base (merging is not supported on codes)."""
+
+        def _get_in_out_features(self, module):
+            return module.in_features, module.out_features
+
+        def merge(self, *args, **kwargs):
+            raise NotImplementedError("cannot merge LoRA into packed NVFP4/NF4 codes; merge into dense_state_dict()")
+
+        def get_delta_weight(self, adapter):  # used by merge/unmerge only
+            raise NotImplementedError("packed base: use the adapters' lora_A/lora_B weights directly")
+
+    return PackedLoraLinear
+
+
+# ----------------------------------------------------------------------------- loading
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(owner) if owner else model
+    if leaf in mod._parameters:
+        mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    elif leaf in mod._buffers:
+        mod._buffers[leaf] = value
+    else:
+        raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+
+
+def load_base(base_dir: Path, fmt: Format, *, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+    """The base model of ``base_dir`` with packed linears (no LoRA yet), frozen, on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base_dir = Path(base_dir)
+    actual = checkpoint.base_format(base_dir)
+    if actual != fmt:
+        raise ValueError(f"{base_dir} holds a {actual!r} base, not {fmt!r}")
+    if fmt == "bf16":
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
+        model.requires_grad_(False)
+        return model
+    from accelerate import init_empty_weights
+
+    raw = json.loads((base_dir / "config.json").read_text())
+    blocksize = raw.get("qerl_quantization", {}).get("blocksize", nf4.DEFAULT_BLOCKSIZE)
+    config = AutoConfig.from_pretrained(base_dir)
+    for attr in ("quantization_config", "qerl_quantization"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    suffixes = checkpoint.NVFP4_SUFFIXES if fmt == "nvfp4" else checkpoint.NF4_SUFFIXES
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in checkpoint.iter_tensors(base_dir):
+        owner, _, leaf = name.rpartition(".")
+        if leaf in suffixes:
+            groups.setdefault(owner, {})[leaf] = tensor.to(device)
+        else:
+            _set_tensor(model, name, tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor.to(device))
+    for owner, tensors in groups.items():
+        lin = model.get_submodule(owner)
+        if not isinstance(lin, nn.Linear):
+            raise ValueError(f"{owner}: quantized tensors for a {type(lin).__name__}, expected Linear")
+        bias = lin.bias if lin.bias is not None and lin.bias.device.type != "meta" else None
+        packed = PackedLinear(lin.in_features, lin.out_features, fmt, tensors, compute_dtype=dtype, bias=bias,
+                              blocksize=blocksize)
+        parent, _, leaf = owner.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, packed)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if missing:
+        raise ValueError(f"{base_dir}: tensors missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    model.requires_grad_(False)
+    return model.to(device).eval()
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm")
+
+
+def build_policy(base_dir: Path, fmt: Format, lora: LoraConfig, *, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+    """Base (packed per ``fmt``) + PEFT LoRA (+ trainable norms, gradient checkpointing)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    model = load_base(base_dir, fmt, dtype=dtype, device=device)
+    targets = list(lora.target_modules)
+    found = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, (nn.Linear, PackedLinear))}
+    unknown = [t for t in targets if t not in found]
+    if unknown:
+        raise ValueError(f"lora.target_modules: {unknown} not found among the model's linears {sorted(found)}")
+    peft_cfg = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                              bias="none", task_type="CAUSAL_LM")
+    peft_cfg._register_custom_module({PackedLinear: _packed_lora_class()})
+    if lora.gradient_checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = get_peft_model(model, peft_cfg)
+    if lora.train_norms:
+        for mod in policy.modules():
+            if _is_norm(mod):
+                mod.weight.requires_grad_(True)
+    return policy.to(device)
+
+
+def load_adapter_weights(policy: nn.Module, adapter_dir: Path) -> None:
+    """Load a saved adapter (``adapter_model.safetensors``) into a policy built by ``build_policy``."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(policy, state)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"{adapter_dir}: adapter keys not in the policy: {result.unexpected_keys[:5]}")
+
+
+# ----------------------------------------------------------------------------- views
+def _base_model(policy: nn.Module) -> nn.Module:
+    return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+
+
+def _hf_name(name: str) -> str:
+    return name.replace(".base_layer", "")
+
+
+def dense_state_dict(policy: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Dense base weights under Hugging Face names (no LoRA), decoded from the packed codes.
+
+    Plain tensors are returned as detached views (norms carry whatever the trainer set,
+    e.g. AQN noise); packed linears are decoded (float32 math, then ``dtype`` or the compute
+    dtype). A tied lm_head appears only as the embedding, as in HF checkpoints.
+    """
+    model = _base_model(policy)
+    out: dict[str, torch.Tensor] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, PackedLinear):
+            w = mod.dense_weight(dtype, track=False)
+            out[_hf_name(name) + ".weight"] = w
+            if mod.bias is not None:
+                out[_hf_name(name) + ".bias"] = mod.bias.detach()
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        t = p.detach()
+        out[_hf_name(name)] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return out
+
+
+def trainable_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable tensor (LoRA and, with train_norms, the norms) by its policy name."""
+    return {n: p.detach() for n, p in policy.named_parameters() if p.requires_grad}
+
+
+def _base_linear_ids(model: nn.Module) -> set[int]:
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    ids = set()
+    for name, mod in model.named_modules():
+        if "lora_" in name or mod is out_emb:
+            continue
+        if isinstance(mod, PackedLinear):
+            ids.update(id(b) for b in mod.buffers())
+        elif isinstance(mod, nn.Linear):
+            ids.add(id(mod.weight))
+    return ids
+
+
+def parameter_bytes(policy: nn.Module) -> dict[str, int]:
+    """Resident bytes: ``packed_base`` (base linears as held: codes+scales, or plain weights),
+    ``lora`` (adapters), ``other`` (embeddings, norms, lm_head, biases), ``total``."""
+    model = _base_model(policy)
+    base_ids = _base_linear_ids(model)
+    seen: set[int] = set()
+    out = {"packed_base": 0, "lora": 0, "other": 0}
+    tensors: Iterable[tuple[str, torch.Tensor]] = list(model.named_parameters()) + list(model.named_buffers())
+    for name, t in tensors:
+        key = t.data_ptr() if t.numel() else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        nbytes = t.numel() * t.element_size()
+        if "lora_" in name:
+            out["lora"] += nbytes
+        elif id(t) in base_ids:
+            out["packed_base"] += nbytes
+        else:
+            out["other"] += nbytes
+    out["total"] = sum(out.values())
+    return out
+
+
+def measure_training_memory(policy: nn.Module, input_ids: torch.Tensor) -> dict[str, int]:
+    """One forward+backward on ``input_ids``: resident bytes and the peak of live decoded weights.
+
+    ``peak_param_bytes`` = resident parameters/buffers + the largest amount of decoded dense
+    weight alive at once (one layer for a packed base). Gradients are cleared afterwards.
+    """
+    DENSE_TRACKER.reset()
+    out = policy(input_ids=input_ids)
+    out.logits.float().mean().backward()
+    policy.zero_grad(set_to_none=True)
+    resident = parameter_bytes(policy)
+    peak = DENSE_TRACKER.transient_peak
+    return {**{f"resident_{k}": v for k, v in resident.items()}, "peak_dense_transient": peak,
+            "peak_param_bytes": resident["total"] + peak}

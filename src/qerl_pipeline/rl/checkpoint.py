@@ -1,0 +1,165 @@
+"""Training checkpoints: written atomically, found by step, loaded for an exact resume.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    step-000010/
+        adapter/            PEFT ``save_pretrained`` folder (what the engine and evaluation load)
+        trainable.pt        every trainable parameter by name (LoRA and trainable norms), exact
+        state.pt            optimizer, LR scheduler, RNG states, trainer state (step, AQN
+                            stage/sigma, data position, MLflow run id, ...)
+        meta.json           written last inside the temp folder: step + file list
+
+A checkpoint is assembled in a hidden temp folder next to its final place and moved there
+with one ``os.replace``, so a crash (or SIGKILL) mid-write leaves either the previous
+checkpoints or the complete new one, never a half-written folder that looks valid.
+``find_latest`` only accepts folders holding ``meta.json``; stale temp folders are removed
+at the next save. ``keep_last`` bounds disk use (older complete checkpoints are deleted
+after the new one is in place).
+
+``trainable.pt`` is saved besides the adapter because the adapter folder is the portable
+artefact (PEFT format), while an exact resume needs every trainable tensor bit for bit,
+including norm weights that PEFT may not put into the adapter file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINTS = "checkpoints"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def checkpoint_root(run_dir: Path | str) -> Path:
+    """The folder holding the checkpoints of one run directory."""
+    return Path(run_dir) / CHECKPOINTS
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU and CUDA) RNG states."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` captured."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter with ``requires_grad``, by name, detached CPU copies."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy saved trainable tensors back into ``model``; names must match exactly."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(set(params) - set(tensors))
+    extra = sorted(set(tensors) - set(params))
+    if missing or extra:
+        raise ValueError(f"checkpoint does not match the policy: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name].to(device=p.device, dtype=p.dtype))
+
+
+def list_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
+    """Complete checkpoints as ``(step, path)``, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and (child / "meta.json").is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def find_latest(run_dir: Path | str) -> Path | None:
+    """The newest complete checkpoint of ``run_dir``, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(
+    run_dir: Path | str,
+    step: int,
+    *,
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: dict[str, Any],
+    keep_last: int | None = 2,
+) -> Path:
+    """Write checkpoint ``step`` (number of completed steps) atomically; returns its folder."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
+    tmp.mkdir()
+    policy.save_pretrained(str(tmp / "adapter"))
+    torch.save(trainable_state(policy), tmp / "trainable.pt")
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": rng_state(),
+            "trainer": state,
+        },
+        tmp / "state.pt",
+    )
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep_last is not None:
+        for _, old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(
+    path: Path | str,
+    *,
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore trainable tensors, optimizer, scheduler and RNG; return the trainer state dict."""
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
+    load_trainable_state(policy, torch.load(path / "trainable.pt", map_location="cpu"))
+    blob = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    if optimizer is not None:
+        optimizer.load_state_dict(blob["optimizer"])
+    if scheduler is not None and blob["scheduler"] is not None:
+        scheduler.load_state_dict(blob["scheduler"])
+    if restore_rng:
+        set_rng_state(blob["rng"])
+    return blob["trainer"]
+
+
+def peek_state(path: Path | str) -> dict[str, Any]:
+    """The trainer state of a checkpoint (step, data cursor, run id, ...) without restoring anything."""
+    blob = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
+    return blob["trainer"]

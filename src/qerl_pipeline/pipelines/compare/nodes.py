@@ -12,18 +12,20 @@ How the methods run (design choices)
   kedro-mlflow opened, tagged ``method``, ``qerl.compare_group = <compare run id>`` and
   ``mlflow.parentRunId`` (the UI nests them). The compare run itself is tagged
   ``qerl.role = compare``; it receives the report.
-* Bases: all methods' bases are written fresh from the configured model into the
-  compare workspace (``<train.output_dir>/compare/bases/base_<format>``) with the quantize
-  library (``quantization.checkpoint.write_base``, RTN), the model loaded once for all
-  formats, so a stale base from another config can never slip in. The calibrated NVFP4
-  path (awq/gptq) is the quantize pipeline's; compare refuses it rather than silently
-  using RTN.
+* Bases: each format's base is written fresh from the configured model into the compare
+  workspace (``<train.output_dir>/compare/bases/base_<format>``) by the quantize pipeline's
+  own node function (``quantize.nodes.quantize_base``: same algorithm, ignore list and
+  serving dtype), so a stale base from another config can never slip in. Its scalar
+  statistics go to each method's run as ``quantize/<name>``.
 * Adapters go to ``<train.output_dir>/compare/<method>``, wiped first: compare runs are
   fresh runs, never a resume of an older one.
-* Evaluation after all training, grouped by base format: one engine per base serves the
-  base and every adapter trained on it (qerl and qerl_noaqn share the NVFP4 engine), which
-  saves an engine start per extra method. Each method's run gets its ``trained`` rows and
-  the shared ``base`` rows.
+* One vLLM engine per base format (an engine start is ~30-45 s on CPU, most of a smoke
+  run): it serves the training rollouts of every method on that base (qerl and qerl_noaqn
+  share the NVFP4 engine) and then their evaluation. Training leaves AQN noise (or trained
+  norms) in the engine, so after each method the clean norm weights are written back
+  from ``serving/`` and read back to check they are exact; sampling seeds are per request,
+  so a shared engine draws from the same seeds as a fresh one. Each method's run gets its
+  ``trained`` evaluation rows and the shared ``base`` rows.
 * ``compare.reuse_runs``: no training; the runs are read from MLflow (one compare group, or
   the newest finished evaluated run of each method).
 """
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -71,37 +72,91 @@ def _new_method_run(client, experiment_id: str, parent_id: str, method: str, cfg
     return run.info.run_id
 
 
-# ------------------------------------------------------------------------- bases
-def write_bases(cfg: QerlConfig, methods: list[str], root: Path) -> dict[str, Path]:
-    """``{format: base_dir}`` for the methods' formats, written fresh under ``root``."""
-    from qerl_pipeline.models import load_base_model
-    from qerl_pipeline.quantization.checkpoint import write_base
+def reset_peak_memory() -> bool:
+    """Start a fresh peak-memory window for the next method (methods share this process).
 
-    if cfg.quantize.nvfp4_algorithm != "rtn" and any(METHOD_FORMAT[m] == "nvfp4" for m in methods):
-        raise ValueError(
-            f"compare writes RTN bases; quantize.nvfp4_algorithm={cfg.quantize.nvfp4_algorithm!r} needs the "
-            "quantize pipeline (run it per method, then compare with compare.reuse_runs after train+evaluate)"
-        )
-    formats = list(dict.fromkeys(METHOD_FORMAT[m] for m in methods))
+    CUDA: ``torch.cuda.reset_peak_memory_stats``. CPU: the trainer reads the process's
+    ``ru_maxrss``, a lifetime high-water mark; on Linux writing 5 to
+    ``/proc/self/clear_refs`` resets it to the current RSS, so each method's peak is the
+    largest RSS during its own training (resident data of earlier methods included).
+    Elsewhere the CPU number stays cumulative (logged as ``compare/peak_memory_reset = 0``).
+    """
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------- bases
+def write_bases(cfg: QerlConfig, methods: list[str], root: Path) -> tuple[dict[str, Path], dict[str, dict]]:
+    """``({format: base_dir}, {format: quantize report})`` for the methods' formats, fresh under ``root``.
+
+    Uses the quantize pipeline's own node function (same algorithm, ignore list, serving
+    dtype), once per format, and moves each result into ``root/base_<format>``.
+    """
+    from qerl_pipeline.pipelines.quantize.nodes import quantize_base
+
     root.mkdir(parents=True, exist_ok=True)
-    model, tok = load_base_model(cfg.model)
-    out = {}
-    for fmt in formats:
-        target = root / f"base_{fmt}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".base_{fmt}.", dir=root))
-        shutil.rmtree(tmp)  # write_base wants a fresh folder
+    bases, reports = {}, {}
+    for method in methods:
+        fmt = METHOD_FORMAT[method]
+        if fmt in bases:
+            continue
         t0 = time.perf_counter()
-        write_base(model, tok, fmt, tmp, ignore=cfg.quantize.ignore, nf4_blocksize=cfg.quantize.nf4_blocksize)
+        written, report = quantize_base(cfg.model.model_dump(), cfg.quantize.model_dump(), method)
+        src = Path(written[f"base_{fmt}"])
+        target = root / f"base_{fmt}"
         shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
+        shutil.move(str(src), str(target))
+        shutil.rmtree(src.parent, ignore_errors=True)  # quantize_base's temporary parent folder
         log.info("compare: base_%s written in %.1f s", fmt, time.perf_counter() - t0)
-        out[fmt] = target
-    del model
-    return out
+        bases[fmt], reports[fmt] = target, report
+    return bases, reports
+
+
+def quantize_metrics(report: dict) -> dict[str, float]:
+    """The scalar numbers of a quantize report as ``quantize/<name>`` metrics."""
+    return {f"quantize/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 # ---------------------------------------------------------------------- evaluate
-def _log_eval(run_id: str, method: str, rows: list[dict], records: list[dict], timings: dict[str, float], base_dir: Path) -> None:
+def clean_norms(engine, serving: Path) -> dict:
+    """The served model's RMSNorm weights as stored in ``serving/`` (the clean values)."""
+    from safetensors import safe_open
+
+    from qerl_pipeline.quantization.checkpoint import safetensor_files
+
+    names = set(engine.norm_weight_names())
+    out = {}
+    for f in safetensor_files(serving):
+        with safe_open(str(f), "pt") as fh:
+            out.update({k: fh.get_tensor(k) for k in fh.keys() if k in names})
+    if missing := sorted(names - out.keys()):
+        raise KeyError(f"{serving}: norm weights served by the engine but not in the folder: {missing[:5]}")
+    return out
+
+
+def restore_norms(engine, clean: dict) -> None:
+    """Put the clean norm weights back (AQN leaves the last step's noise in the engine) and check."""
+    import torch
+
+    engine.update_weights(clean)
+    back = engine.read_weights(sorted(clean))
+    bad = [n for n, t in clean.items() if not torch.equal(back[n].to(t.dtype), t)]
+    if bad:
+        raise RuntimeError(f"engine norm weights differ from the clean ones after restore: {bad[:5]}")
+
+
+def _log_eval(run_id: str, rows: list[dict], records: list[dict], timings: dict[str, float], base_dir: Path) -> None:
     from qerl_pipeline.pipelines.evaluate.nodes import base_weight_mib
     from qerl_pipeline.tracking import MlflowLogger
 
@@ -114,39 +169,45 @@ def _log_eval(run_id: str, method: str, rows: list[dict], records: list[dict], t
     logger.log_table(records, "eval/records.json")
 
 
-def evaluate_methods(cfg: QerlConfig, adapters: dict[str, Path], bases: dict[str, Path], run_ids: dict[str, str], eval_records: list[dict]) -> None:
-    """Evaluate every method's adapter (and each base once), logging into each method's run."""
-    from qerl_pipeline.evaluation.evaluator import evaluate_policies
-    from qerl_pipeline.pipelines.evaluate.nodes import served_dir
+def evaluate_format(engine, cfg: QerlConfig, adapters: dict[str, Path], base_dir: Path, run_ids: dict[str, str], eval_records: list[dict]) -> None:
+    """Evaluate the adapters trained on one base (and the base once) on its engine; log per method."""
+    from transformers import AutoTokenizer
 
-    by_format: dict[str, list[str]] = {}
-    for method in adapters:
-        by_format.setdefault(METHOD_FORMAT[method], []).append(method)
-    for fmt, methods in by_format.items():
-        policies: dict[str, Path | None] = {m: adapters[m] for m in methods}
+    from qerl_pipeline.evaluation.evaluator import evaluate_on_engine
+    from qerl_pipeline.pipelines.evaluate.nodes import served_dir
+    from qerl_pipeline.rewards.math import RewardScorer
+
+    tokenizer = AutoTokenizer.from_pretrained(served_dir(base_dir))
+    results = {}
+    with RewardScorer(cfg.reward) as scorer:
+        policies: dict[str, Path | None] = dict(adapters)
         if cfg.evaluate.include_base:
             policies["base"] = None
-        result = evaluate_policies(
-            served_dir(bases[fmt]), eval_records, cfg.evaluate, cfg.reward, policies,
-            max_model_len=cfg.model.max_seq_len, rollout_cfg=cfg.rollout,
-        )
-        base_records = [r for r in result.records if r["policy"] == "base"]
-        for m in methods:
-            mine = [{**r, "policy": "trained"} for r in result.records if r["policy"] == m] + base_records
-            rows = M.aggregate(mine, keys=("policy", "source"))
-            timings = {"engine_start_s": result.timings.get("engine_start_s", 0.0)}
-            timings.update({f"trained/{k.split('/', 1)[1]}": v for k, v in result.timings.items() if k.startswith(f"{m}/")})
-            _log_eval(run_ids[m], m, rows, mine, timings, bases[fmt])
+        for name, path in policies.items():
+            results[name] = evaluate_on_engine(
+                engine, tokenizer, eval_records, cfg.evaluate, scorer, policy=name, lora_path=path, max_model_len=cfg.model.max_seq_len
+            )
+    base_records = [{**r, "policy": "base"} for r in results["base"].records] if "base" in results else []
+    for m in adapters:
+        mine = [{**r, "policy": "trained"} for r in results[m].records] + base_records
+        rows = M.aggregate(mine, keys=("policy", "source"))
+        timings = {f"trained/{k}": v for k, v in results[m].timings.items()}
+        timings["skipped_prompts"] = float(len(results[m].skipped))
+        _log_eval(run_ids[m], rows, mine, timings, base_dir)
 
 
 # --------------------------------------------------------------------------- nodes
 def run_methods(train_prompts: list[dict], eval_prompts: dict[str, list[dict]], parameters: dict[str, Any]) -> dict[str, str]:
     """Train and evaluate each of ``compare.methods`` (one MLflow run each); ``{method: run_id}``.
 
-    With ``compare.reuse_runs`` nothing is trained: the runs are looked up in MLflow.
+    One engine per base format serves the training rollouts of every method on that base
+    (``train(..., engine=...)``), with the clean norm weights restored and checked after
+    each method, and then its evaluation. With ``compare.reuse_runs`` nothing is trained:
+    the runs are looked up in MLflow.
     """
-    from qerl_pipeline.pipelines.evaluate.nodes import flatten_prompts
-    from qerl_pipeline.rl.trainer import train
+    from qerl_pipeline.pipelines.evaluate.nodes import flatten_prompts, served_dir
+    from qerl_pipeline.rl.trainer import train, vllm_lora_rank
+    from qerl_pipeline.rollout.engine import RolloutEngine
     from qerl_pipeline.tracking import MlflowLogger
 
     base_cfg: QerlConfig = validate(dict(parameters), QerlConfig)
@@ -160,43 +221,59 @@ def run_methods(train_prompts: list[dict], eval_prompts: dict[str, list[dict]], 
 
     workspace = Path(base_cfg.train.output_dir) / "compare"
     t0 = time.perf_counter()
-    bases = write_bases(base_cfg, list(cc.methods), workspace / "bases")
-    t_bases = time.perf_counter() - t0
+    bases, quant_reports = write_bases(base_cfg, list(cc.methods), workspace / "bases")
+    timings: dict[str, float] = {"compare/bases_s": time.perf_counter() - t0}
     eval_records = flatten_prompts(eval_prompts)
-    run_ids: dict[str, str] = {}
-    adapters: dict[str, Path] = {}
-    timings: dict[str, float] = {"compare/bases_s": t_bases}
+    by_format: dict[str, list[str]] = {}
     for method in cc.methods:
-        cfg = validate({**base_cfg.model_dump(mode="json"), "method": method}, QerlConfig)
-        run_id = _new_method_run(client, experiment_id, parent_id, method, cfg)
-        run_ids[method] = run_id
-        shutil.rmtree(workspace / method, ignore_errors=True)
-        log.info("compare: training %s (MLflow run %s)", method, run_id)
-        t1 = time.perf_counter()
-        try:
-            result = train(
-                cfg, bases[METHOD_FORMAT[method]], train_prompts, output_dir=workspace,
-                make_logger=lambda stored, rid=run_id: MlflowLogger(run_id=stored or rid),
-            )
-        except BaseException:
-            client.set_terminated(run_id, "FAILED")
-            raise
-        adapters[method] = result.adapter_dir
-        timings[f"compare/{method}/train_s"] = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    try:
-        evaluate_methods(base_cfg, adapters, bases, run_ids, eval_records)
-    except BaseException:
-        for rid in run_ids.values():
-            client.set_terminated(rid, "FAILED")
-        raise
-    timings["compare/evaluate_s"] = time.perf_counter() - t2
-    for rid in run_ids.values():
-        client.set_terminated(rid, "FINISHED")
+        by_format.setdefault(METHOD_FORMAT[method], []).append(method)
+    run_ids: dict[str, str] = {}
+    for fmt, methods in by_format.items():
+        serving = served_dir(bases[fmt])
+        rc = base_cfg.rollout
+        t_fmt = time.perf_counter()
+        with RolloutEngine(
+            serving, max_model_len=base_cfg.model.max_seq_len, enable_lora=True,
+            max_lora_rank=vllm_lora_rank(base_cfg.lora.rank), dtype="auto", seed=rc.seed, rollout=rc,
+        ) as engine:
+            timings[f"compare/{fmt}/engine_start_s"] = engine.start_seconds
+            clean = clean_norms(engine, serving)
+            adapters: dict[str, Path] = {}
+            for method in methods:
+                cfg = validate({**base_cfg.model_dump(mode="json"), "method": method}, QerlConfig)
+                run_id = run_ids[method] = _new_method_run(client, experiment_id, parent_id, method, cfg)
+                MlflowLogger(run_id=run_id).log_metrics(quantize_metrics(quant_reports[fmt]), step=0)
+                shutil.rmtree(workspace / method, ignore_errors=True)
+                log.info("compare: training %s (MLflow run %s)", method, run_id)
+                reset_ok = reset_peak_memory()
+                MlflowLogger(run_id=run_id).log_metrics({"compare/peak_memory_reset": float(reset_ok)}, step=0)
+                t1 = time.perf_counter()
+                try:
+                    result = train(
+                        cfg, bases[fmt], train_prompts, output_dir=workspace, engine=engine,
+                        make_logger=lambda stored, rid=run_id: MlflowLogger(run_id=stored or rid),
+                    )
+                    restore_norms(engine, clean)
+                except BaseException:
+                    client.set_terminated(run_id, "FAILED")
+                    raise
+                adapters[method] = result.adapter_dir
+                timings[f"compare/{method}/train_s"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            try:
+                evaluate_format(engine, base_cfg, adapters, bases[fmt], run_ids, eval_records)
+            except BaseException:
+                for m in methods:
+                    client.set_terminated(run_ids[m], "FAILED")
+                raise
+            timings[f"compare/{fmt}/evaluate_s"] = time.perf_counter() - t2
+        for m in methods:
+            client.set_terminated(run_ids[m], "FINISHED")
+        timings[f"compare/{fmt}/total_s"] = time.perf_counter() - t_fmt
     timings["compare/total_s"] = time.perf_counter() - t0
     MlflowLogger(run_id=parent_id).log_metrics(timings, step=0)
     log.info("compare: %s", ", ".join(f"{k}={v:.1f}" for k, v in timings.items()))
-    return run_ids
+    return {m: run_ids[m] for m in cc.methods}
 
 
 def build_report(run_ids: dict[str, str], compare: dict[str, Any]) -> tuple[pd.DataFrame, dict[str, Any]]:

@@ -1,0 +1,44 @@
+"""benchmark: ours vs TRL vs the hardware limit, in one run (see nodes.py).
+
+Datasets (conf/base/catalog_benchmark.yml; the smoke env writes under ``.../smoke/``):
+``benchmark_summary`` (JSON: where the report went, the MLflow run, every logged figure).
+The table itself (CSV, markdown, HTML, raw JSON) is written atomically by ``write_report``
+to ``benchmark.report_dir`` and logged to the run under ``benchmark/``. The other
+intermediate results stay in memory.
+"""
+
+from kedro.pipeline import Node, Pipeline
+
+from qerl_pipeline.pipelines.benchmark.nodes import (
+    benchmark_rollout,
+    benchmark_training,
+    benchmark_trl,
+    build_table,
+    measure_hardware_limits,
+    prepare_bases,
+    write_report,
+)
+
+_TRAIN_PARAMS = ["params:model", "params:lora", "params:grpo", "params:optim", "params:rollout", "params:train",
+                 "params:benchmark"]
+
+
+def create_pipeline(**kwargs) -> Pipeline:
+    """Wire the benchmark nodes."""
+    return Pipeline(
+        [
+            Node(measure_hardware_limits, "params:benchmark", "benchmark_hardware", name="measure_hardware_limits"),
+            Node(prepare_bases, ["params:model", "params:quantize", "params:benchmark"], "benchmark_bases",
+                 name="prepare_benchmark_bases"),
+            Node(benchmark_rollout, ["benchmark_bases", "params:model", "params:lora", "params:rollout", "params:grpo",
+                                     "params:benchmark"], "benchmark_rollout", name="benchmark_rollout"),
+            Node(benchmark_training, ["benchmark_bases", *_TRAIN_PARAMS], "benchmark_training",
+                 name="benchmark_training"),
+            Node(benchmark_trl, ["benchmark_bases", *_TRAIN_PARAMS], "benchmark_trl", name="benchmark_trl"),
+            Node(build_table, ["benchmark_hardware", "benchmark_bases", "benchmark_rollout", "benchmark_training",
+                               "benchmark_trl", "params:benchmark"], "benchmark_table", name="build_benchmark_table"),
+            Node(write_report, ["benchmark_table", "params:benchmark"], "benchmark_summary",
+                 name="write_benchmark_report"),
+        ],
+        tags="benchmark",
+    )

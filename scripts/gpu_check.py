@@ -19,7 +19,9 @@ intermediate 18944, 28 query / 4 KV heads of 128; a few layers, not 28):
    (``x @ decode(W)^T``). ``dequant_per_layer_ms`` sums the seven projections.
 2. ``stack``: forward + backward of ``layers`` decoder layers with LoRA (rank r on all
    seven projections) over (a) a dense BF16 base, (b) the packed NVFP4 base dequantized
-   per layer in forward and backward (never kept dense: what the project's policy does),
+   per layer in forward and backward (never kept dense): the training policy's own
+   ``PackedLinear`` when ``qerl_pipeline.quantization.policy`` imports (it needs pydantic),
+   else an equivalent script-local layer (``packed_layer`` in the JSON says which),
    (c) the same with the fused Triton kernels. Time per step, peak CUDA memory, resident
    parameter bytes, and the agreement of (b) and (c) with the base decoded to dense.
 
@@ -51,6 +53,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from qerl_pipeline.quantization import nvfp4  # noqa: E402  (pure torch)
+
+try:  # the policy's own packed layer (imports pydantic through the config; absent on a bare GPU box)
+    from qerl_pipeline.quantization.policy import PackedLinear as ProjectPackedLinear
+except Exception:  # pragma: no cover - depends on the machine
+    ProjectPackedLinear = None
 
 try:
     import triton
@@ -291,8 +298,12 @@ class LoraLinear(torch.nn.Module):
     def __init__(self, out_f, in_f, rank, base, mode, kernels, dtype, device, gen):
         super().__init__()
         self.mode, self.kernels = mode, kernels
+        self.project_layer = None
         if mode == "dense":
             self.weight = torch.nn.Parameter(base, requires_grad=False)
+        elif mode == "torch" and ProjectPackedLinear is not None:
+            # the training policy's layer: codes + scales resident, decoded in forward and again in backward
+            self.project_layer = ProjectPackedLinear(in_f, out_f, "nvfp4", base.state_dict(), compute_dtype=dtype)
         else:
             self.holder = _Holder(base)
         self.lora_A = torch.nn.Parameter((torch.randn(rank, in_f, generator=gen) / math.sqrt(in_f)).to(device, dtype))
@@ -303,6 +314,8 @@ class LoraLinear(torch.nn.Module):
     def forward(self, x):
         if self.mode == "dense":
             y = F.linear(x, self.weight)
+        elif self.project_layer is not None:
+            y = self.project_layer(x)
         else:
             y = PackedMatmul.apply(x, self.holder, self.mode, self.kernels)
         return y + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
@@ -310,6 +323,8 @@ class LoraLinear(torch.nn.Module):
     def base_bytes(self) -> int:
         if self.mode == "dense":
             return self.weight.numel() * self.weight.element_size()
+        if self.project_layer is not None:
+            return self.project_layer.packed_bytes()
         return self.holder.w.nbytes()
 
 
@@ -500,6 +515,8 @@ def main(argv=None) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "shape": s,
         "codec": "qerl_pipeline.quantization.nvfp4",
+        "packed_layer": "qerl_pipeline.quantization.policy.PackedLinear" if ProjectPackedLinear is not None
+        else "script-local (same decode-in-forward-and-backward; the policy module did not import)",
     }
     tokens = s["seqs"] * s["seq_len"]
     with torch.no_grad():

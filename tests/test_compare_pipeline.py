@@ -99,3 +99,16 @@ def test_notebook_draws_the_smoke_runs(compared, monkeypatch):
     text = json.dumps([o.get("data", {}).get("text/html", "") for o in outputs])
     for m in METHODS:
         assert m in text
+
+
+def test_reuse_runs_rebuilds_the_report_without_training(compared):
+    tmp, parent = compared["tmp"], compared["parent"].info.run_id
+    env = dict(os.environ, MLFLOW_TRACKING_URI=compared["uri"], KEDRO_DISABLE_TELEMETRY="true", HF_HUB_OFFLINE="1")
+    params = f"train.output_dir={tmp / 'train_unused'},compare.report_dir={tmp / 'report2'},compare.reuse_runs=true,compare.reuse_group={parent}"
+    cmd = [str(Path(sys.executable).with_name("kedro")), "run", "--pipeline=compare", "--env=smoke", f"--params={params}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert not (tmp / "train_unused").exists()  # nothing trained
+    page = (tmp / "report2" / "report.html").read_text()
+    for run in compared["children"]:
+        assert run.info.run_id in page  # the same runs, by id

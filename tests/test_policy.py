@@ -184,3 +184,19 @@ def test_errors_name_the_problem(bases):
     policy = build_policy(root / "nvfp4", "nvfp4", _lora(), dtype=torch.float32)
     with pytest.raises(NotImplementedError, match="merge"):
         policy.merge_adapter()
+
+
+def test_tied_lm_head_is_never_quantized(tmp_path):
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    stats = checkpoint.write_base(model, None, "nvfp4", tmp_path / "b", ignore=[])  # lm_head not ignored
+    ignore = json.loads((tmp_path / "b" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert ignore == ["lm_head"] and stats["n_quantized_linears"] == 7
+    policy = build_policy(tmp_path / "b", "nvfp4", _lora(), dtype=torch.float32)
+    base = policy.get_base_model()
+    assert base.lm_head.weight is base.model.embed_tokens.weight

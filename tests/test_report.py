@@ -134,3 +134,25 @@ def test_notebook_executes_headless(store, monkeypatch):
     for m in METHODS:
         assert m in text
     assert "no run for" not in text
+
+
+def test_separate_train_and_evaluate_runs_are_paired(tmp_path):
+    """`kedro run --pipeline=train` then `--pipeline=evaluate`: two runs, one report row."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}")
+    exp = client.create_experiment("sep", artifact_location=str(tmp_path / "a"))
+    old_eval = client.create_run(exp, tags={"method": "qlora"}).info.run_id
+    client.log_metric(old_eval, "eval/trained/gsm8k/pass1", 0.9)
+    train = client.create_run(exp, tags={"method": "qlora"}).info.run_id
+    for step in (1, 2):
+        client.log_metric(train, "reward/mean", 0.1 * step, step=step)
+    evaluate = client.create_run(exp).info.run_id  # evaluate runs carry the method as a param
+    client.log_param(evaluate, "method", "qlora")
+    client.log_metric(evaluate, "eval/trained/gsm8k/pass1", 0.25)
+    client.log_metric(evaluate, "base/weight_mib", 3.0)
+    (run,) = R.load_runs("sep", ["qlora"], client=client)
+    assert run.run_id == train and run.eval_run_id == evaluate
+    assert run.curve("reward") == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2))]
+    assert run.metrics["eval/trained/gsm8k/pass1"] == 0.25 and run.system("weight_mib") == 3.0
+    assert R.runs_table([run]).loc["qlora", "eval_run_id"] == evaluate
+    again = R.load_selected(R.selection([run]), client=client)[0]
+    assert again.metrics == run.metrics and again.eval_run_id == evaluate

@@ -175,3 +175,17 @@ def test_throughput_measured(scorer):
     dt = time.monotonic() - t0
     print(f"reward throughput: {n / dt:.0f} completions/s ({scorer.cfg.max_workers} workers)")
     assert sum(r["accuracy"] for r in results) == sum(1 for i in range(n) if i % 3)
+
+
+def _score_in_child(pair: tuple[str, str]) -> float:
+    return accuracy_reward(*pair)
+
+
+def test_works_inside_daemonic_worker_processes():
+    import multiprocessing
+
+    # multiprocessing.Pool workers are daemonic: they may not start multiprocessing children,
+    # but the scorer's workers are plain subprocesses, so rewards work there too.
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = pool.map(_score_in_child, [("<answer>6</answer>", "6"), ("\\boxed{7}", "8")])
+    assert got == [1.0, 0.0]

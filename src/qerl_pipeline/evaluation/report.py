@@ -67,6 +67,7 @@ SYSTEM: dict[str, tuple[str, tuple[str, ...], str]] = {
     "step_time_s": ("Step time (s)", ("time/step_s", "step_time_s", "time/step"), "mean"),
     "peak_memory_gib": ("Peak memory (GiB)", ("memory/peak_gb", "memory/peak_gib", "peak_memory_gib"), "max"),
     "weight_mib": ("Base weight size (MiB)", ("base/weight_mib", "weight_mib"), "last"),
+    "linear_bytes_ratio": ("Linear weight bytes / BF16", ("quantize/linear_bytes_ratio",), "last"),
 }
 
 EVAL_METRIC = re.compile(r"^eval/(?P<policy>[^/]+)/(?P<benchmark>[^/]+)/(?P<name>[^/]+)$")
@@ -87,6 +88,7 @@ class RunData:
     params: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)  # latest value of every metric
     history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # curve/system metrics per step
+    eval_run_id: str | None = None  # a separate evaluate run whose eval/ and base/ metrics were merged in
 
     def curve(self, key: str) -> list[tuple[int, float]]:
         """Steps and values of a curve (``CURVES`` or ``SYSTEM`` key); empty if the run lacks it."""
@@ -163,14 +165,19 @@ def load_runs(
     finished_only: bool = False,
     client: MlflowClient | None = None,
 ) -> list[RunData]:
-    """The newest run of each method in ``experiment`` (by name), in ``methods`` order.
+    """One row per method from the runs of ``experiment`` (by name), in ``methods`` order.
 
-    ``group`` restricts to runs tagged ``GROUP_TAG = group`` (one compare invocation);
-    ``run_ids`` picks those runs exactly instead. Runs tagged ``ROLE_TAG = compare`` (the
-    compare pipeline's own run) are never method rows. ``require_eval`` skips runs without
-    ``eval/trained/...`` metrics, ``finished_only`` runs whose status is not FINISHED. With
-    ``require_all`` a method without a run raises an error naming it and what the
-    experiment holds.
+    ``group``: the newest run tagged ``GROUP_TAG = group`` (one compare invocation) per
+    method; ``run_ids``: exactly those runs. Neither: runs of separate ``kedro run``s, where
+    training and evaluation are different MLflow runs: the newest run with training curves
+    is paired with the newest run with ``eval/trained/...`` metrics (one run when it has
+    both, as compare's runs do); the evaluation run's ``eval/`` and ``base/`` metrics are
+    merged in and its id kept in ``RunData.eval_run_id``.
+
+    Runs tagged ``ROLE_TAG = compare`` (the compare pipeline's own run) are never method
+    rows. ``require_eval`` skips methods without evaluation metrics, ``finished_only`` runs
+    whose status is not FINISHED. With ``require_all`` a method without a run raises an
+    error naming it and what the experiment holds.
     """
     client = client or MlflowClient(tracking_uri=tracking_uri)
     if run_ids:
@@ -182,15 +189,25 @@ def load_runs(
         filt = f"tags.`{GROUP_TAG}` = '{group}'" if group else ""
         runs = client.search_runs([exp.experiment_id], filter_string=filt, order_by=["attributes.start_time DESC"], max_results=5000)
     runs = [r for r in runs if r.data.tags.get(ROLE_TAG) != "compare"]
-    if require_eval:
-        runs = [r for r in runs if any(k.startswith("eval/trained/") for k in r.data.metrics)]
     if finished_only:
         runs = [r for r in runs if r.info.status == "FINISHED"]
-    chosen: dict[str, Any] = {}
-    for run in runs:
-        method = _method_of(run)
-        if method in methods and method not in chosen:
-            chosen[method] = run
+    chosen: dict[str, RunData] = {}
+    if group or run_ids:
+        for run in runs:
+            method = _method_of(run)
+            if method in methods and method not in chosen and (_has_eval(run) or not require_eval):
+                chosen[method] = run_data(client, run)
+    else:  # separate `kedro run`s: pair the newest training run with the newest evaluation run
+        for method in methods:
+            mine = [r for r in runs if _method_of(r) == method]
+            trained = next((r for r in mine if _has_curves(r)), None)
+            evaluated = next((r for r in mine if _has_eval(r)), None)
+            if (trained or evaluated) is None or (require_eval and evaluated is None):
+                continue
+            data = run_data(client, trained or evaluated)
+            if trained is not None and evaluated is not None and evaluated.info.run_id != trained.info.run_id:
+                _merge_eval(data, evaluated)
+            chosen[method] = data
     missing = [m for m in methods if m not in chosen]
     if missing and require_all:
         seen = sorted({_method_of(r) or "?" for r in runs})
@@ -199,7 +216,40 @@ def load_runs(
             + (f" group {group!r}" if group else "")
             + f"; runs found for: {', '.join(seen) or 'none'}"
         )
-    return [run_data(client, chosen[m]) for m in methods if m in chosen]
+    return [chosen[m] for m in methods if m in chosen]
+
+
+def _merge_eval(data: RunData, evaluated) -> RunData:
+    """Take the ``eval/`` and ``base/`` metrics of a separate evaluation run into ``data``."""
+    data.metrics.update({k: v for k, v in evaluated.data.metrics.items() if k.startswith(("eval/", "base/"))})
+    data.eval_run_id = evaluated.info.run_id
+    return data
+
+
+def load_selected(selection: dict[str, dict[str, str | None]], *, client: MlflowClient | None = None, tracking_uri: str | None = None) -> list[RunData]:
+    """Rows for ``{method: {"run_id": ..., "eval_run_id": ... or None}}`` (what compare records), in that order."""
+    client = client or MlflowClient(tracking_uri=tracking_uri)
+    out = []
+    for method, ids in selection.items():
+        data = run_data(client, client.get_run(ids["run_id"]))
+        data.method = method
+        if ids.get("eval_run_id"):
+            _merge_eval(data, client.get_run(ids["eval_run_id"]))
+        out.append(data)
+    return out
+
+
+def selection(runs: Sequence[RunData]) -> dict[str, dict[str, str | None]]:
+    """The inverse of ``load_selected``: which runs stand for which method."""
+    return {r.method: {"run_id": r.run_id, "eval_run_id": r.eval_run_id} for r in runs}
+
+
+def _has_eval(run) -> bool:
+    return any(k.startswith("eval/trained/") for k in run.data.metrics)
+
+
+def _has_curves(run) -> bool:
+    return any(n in run.data.metrics for n in CURVES["reward"][1])
 
 
 # ------------------------------------------------------------------------------ tables
@@ -260,6 +310,7 @@ def runs_table(runs: Sequence[RunData]) -> pd.DataFrame:
             {
                 "method": r.method,
                 "run_id": r.run_id,
+                "eval_run_id": r.eval_run_id or "",
                 "run_name": r.run_name,
                 "status": r.status,
                 "started": start,

@@ -77,10 +77,15 @@ def quantizable_linears(model: torch.nn.Module, fmt: str, ignore: Iterable[str])
     """``(quantized, skipped)`` full names of the model's nn.Linear modules for ``fmt``."""
     ignore = list(ignore)
     quantized, skipped = [], []
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb_ptr = emb.weight.data_ptr() if emb is not None else None
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear):
             continue
         if fmt == "bf16" or is_ignored(name, ignore):
+            skipped.append(name)
+        elif mod.weight.data_ptr() == emb_ptr:
+            log.warning("%s: tied to the input embeddings, left unquantized", name)
             skipped.append(name)
         elif fmt == "nvfp4" and mod.in_features % nvfp4.GROUP_SIZE:
             log.warning("%s: in_features %d not a multiple of 16, left in bf16", name, mod.in_features)

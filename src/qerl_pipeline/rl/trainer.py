@@ -390,6 +390,11 @@ def train(
                 )
             if bar is not None:
                 bar.advance(metrics)
+            log.info(
+                "step %d/%d reward %.3f acc %.3f entropy %.3f sigma %.1e | rollout %.1fs (%.0f tok/s) update %.1fs",
+                step + 1, tc.steps, metrics["reward/mean"], metrics["accuracy"], metrics["policy/entropy"], sigma,
+                roll["seconds"], roll["tokens_per_s"], metrics["time/update_s"],
+            )
     except TrainingDiverged as exc:
         _mark_failed(logger, str(exc))
         raise

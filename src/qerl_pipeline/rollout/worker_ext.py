@@ -99,7 +99,8 @@ class QerlWorkerExtension:
             if isinstance(module, RMSNorm):
                 kind = "norm"
             elif isinstance(module, LinearBase):
-                kind = "linear"
+                quant = type(getattr(module, "quant_method", None)).__name__
+                kind = "linear" if quant == "UnquantizedLinearMethod" else "quantized"
             elif isinstance(module, VocabParallelEmbedding):
                 kind = "embedding"
             else:
@@ -136,7 +137,11 @@ class QerlWorkerExtension:
         return index
 
     def qerl_param_names(self) -> dict[str, str]:
-        """HF parameter name -> kind (norm, linear, embedding, other) of the served model."""
+        """HF parameter name -> kind (norm, linear, embedding, quantized, other) of the served model.
+
+        Parameters of quantized layers keep vLLM's names (e.g. ``...qkv_proj.weight_packed``)
+        and are read-only.
+        """
         return {name: t.kind for name, t in self._qerl_index().items()}
 
     # ------------------------------------------------------------ dense access
@@ -198,20 +203,27 @@ class QerlWorkerExtension:
             for items in by_module.values():
                 target = items[0][0]
                 module = target.module
+                if target.kind == "quantized":
+                    raise NotImplementedError(
+                        f"{target.fused_names[0]}: served layer is quantized "
+                        f"({type(module.quant_method).__name__}); dense weights cannot be written there "
+                        "(use rollout.sync: adapter on a quantized base)"
+                    )
                 if target.kind in ("norm", "other"):
                     param = getattr(module, target.param)
                     for t, value in items:
                         dst = param.data if t.rows is None else param.data[t.rows]
                         dst.copy_(value.to(dtype=param.dtype, device=param.device))
                     continue
-                dense = self._qerl_dense(target)
                 live = getattr(module, target.param)
+                is_live = tuple(live.shape) == target.full_shape  # else: CPU-packed, dense is our shadow
+                dense = self._qerl_dense(target)
                 for t, value in items:
                     dst = dense if t.rows is None else dense[t.rows]
                     dst.copy_(value.to(dtype=dense.dtype, device=dense.device))
                 if not is_cpu:
                     continue  # CUDA: the dense weight is live and was updated in place
-                if dense is not live.data:
+                if not is_live:
                     # CPU linear: the kernel copy was packed from a weight vLLM then dropped
                     setattr(module, target.param, nn.Parameter(dense.clone(), requires_grad=False))
                 param_id = id(getattr(module, target.param))

@@ -134,19 +134,28 @@ def prepare_bases(model: dict[str, Any], quantize: dict[str, Any], benchmark: di
     return out
 
 
-def _adapter_for(base_dir: Path, fmt: str, lcfg: LoraConfig, out_dir: Path) -> Path:
-    """A LoRA adapter of the configured shape for this base (PEFT init), saved for vLLM."""
+def _adapters_for(base_dir: Path, fmt: str, lcfg: LoraConfig, out_dir: Path, count: int) -> list[Path]:
+    """``count`` LoRA adapters of the configured shape with distinct weights (one per simulated step)."""
     from qerl_pipeline.quantization.policy import build_policy
 
     policy = build_policy(base_dir, fmt, lcfg, dtype=torch.float32, device="cpu")
-    policy.save_pretrained(str(out_dir))
-    return out_dir
+    gen = torch.Generator().manual_seed(0)
+    folders = []
+    for k in range(count):
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:  # PEFT starts B at zero; a trained adapter is not
+                    p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+        folder = out_dir / f"step-{k}"
+        policy.save_pretrained(str(folder))
+        folders.append(folder)
+    return folders
 
 
 def benchmark_rollout(bases: dict[str, str], model: dict[str, Any], lora: dict[str, Any], rollout: dict[str, Any],
                       grpo: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, Any]:
-    """Rollout tokens/s per format and batch size (LoRA attached), and LoRA sync time per step."""
-    from qerl_pipeline.benchmarking.rollout import measure_rollout, measure_sync
+    """Rollout tokens/s per format and batch size, with and without LoRA; LoRA sync time per step."""
+    from qerl_pipeline.benchmarking.rollout import measure_rollout, measure_sync, recommend_sync
     from qerl_pipeline.quantization.policy import serving_dir
     from qerl_pipeline.rl.trainer import vllm_lora_rank
     from qerl_pipeline.rollout.engine import RolloutEngine
@@ -161,17 +170,26 @@ def benchmark_rollout(bases: dict[str, str], model: dict[str, Any], lora: dict[s
     for fmt in dict.fromkeys(METHOD_FORMAT[m] for m in bcfg.methods):
         base = Path(bases[fmt])
         with tempfile.TemporaryDirectory(prefix="qerl-bench-lora-") as tmp:
-            adapter = _adapter_for(base, fmt, lcfg, Path(tmp) / "adapter")
+            adapters = _adapters_for(base, fmt, lcfg, Path(tmp), bcfg.sync_steps + 1)
             t0 = time.perf_counter()
             with RolloutEngine(serving_dir(base), max_model_len=bcfg.prompt_len + bcfg.completion_len + 16,
                                enable_lora=True, max_lora_rank=vllm_lora_rank(lcfg.rank), rollout=rcfg) as engine:
                 start_s = time.perf_counter() - t0
-                for row in measure_rollout(engine, sizes, bcfg.prompt_len, bcfg.completion_len, lora_path=adapter):
-                    rows.append({**row, "format": fmt, "engine_start_s": start_s,
-                                 "is_train_batch": int(row["batch_size"]) == train_batch})
-                sync[fmt] = measure_sync(engine, adapter, steps=bcfg.sync_steps)
-        log.info("rollout %s: %s", fmt, ", ".join(f"b{r['batch_size']}={r['tokens_per_s']:.0f} tok/s"
-                                                   for r in rows if r["format"] == fmt))
+                for lora_path in (adapters[0], None):
+                    for row in measure_rollout(engine, sizes, bcfg.prompt_len, bcfg.completion_len, lora_path=lora_path):
+                        rows.append({**row, "format": fmt, "engine_start_s": start_s,
+                                     "is_train_batch": int(row["batch_size"]) == train_batch})
+                s = measure_sync(engine, adapters[1:])
+                with_lora = {r["batch_size"]: r for r in rows if r["format"] == fmt and r["lora"]}
+                merged = {r["batch_size"]: r for r in rows if r["format"] == fmt and not r["lora"]}
+                rec = recommend_sync(s, with_lora[train_batch]["tokens_per_s"], merged[train_batch]["tokens_per_s"],
+                                     train_batch * bcfg.completion_len)
+                sync[fmt] = {**{k: v for k, v in s.items() if not isinstance(v, list)},
+                             "configured": rcfg.sync, "recommended": rec["sync"],
+                             "adapter_step_s": rec["adapter_step_s"], "merge_step_s": rec["merge_step_s"]}
+        log.info("rollout %s: %s; adapter sync %.3f s", fmt, ", ".join(
+            f"b{r['batch_size']}={r['tokens_per_s']:.0f}" for r in rows if r["format"] == fmt and r["lora"]),
+            sync[fmt].get("adapter_sync_s") or float("nan"))
     return {"rows": rows, "sync": sync, "train_batch": train_batch}
 
 
@@ -249,15 +267,20 @@ def build_table(hardware_figures: dict[str, Any], bases: dict[str, str], rollout
         for r in (r for r in rollout["rows"] if r["format"] == fmt):
             b = int(r["batch_size"])
             limit = hardware.rollout_limit_tokens_per_s(bw, served, b, rate, fpt)
-            rows.append(_row("rollout", fmt, f"tokens_per_s@batch{b}", r["tokens_per_s"], "tokens/s", limit,
-                             note="training batch" if r.get("is_train_batch") else ""))
-            rows.append(_row("rollout", fmt, f"tokens_per_s_limit_if_packed@batch{b}",
-                             hardware.rollout_limit_tokens_per_s(bw, packed, b, rate, fpt), "tokens/s",
-                             note="limit if the engine read the format's own bytes (FP4 kernels on GPU)"))
+            kind = "lora" if r["lora"] else "no_lora"
+            note = ("LoRA adapter attached" if r["lora"] else "no adapter (as after a merge sync)") + (
+                "; training batch" if r.get("is_train_batch") else "")
+            rows.append(_row("rollout", fmt, f"tokens_per_s_{kind}@batch{b}", r["tokens_per_s"], "tokens/s", limit, note))
+            if r["lora"]:
+                rows.append(_row("rollout", fmt, f"tokens_per_s_limit_if_packed@batch{b}",
+                                 hardware.rollout_limit_tokens_per_s(bw, packed, b, rate, fpt), "tokens/s",
+                                 note="limit if the engine read the format's own bytes (FP4 kernels on GPU)"))
         s = rollout["sync"].get(fmt, {})
         for key, value in s.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 rows.append(_row("sync", fmt, key, value, "s" if key.endswith("_s") else ""))
+            elif isinstance(value, str):
+                rows.append(_row("sync", fmt, key, None, "", note=value))
     for t in training:
         lim = hardware.training_limit(t["flops_per_step"], rate, t["tokens_per_step"])
         m = t["method"]
@@ -270,10 +293,9 @@ def build_table(hardware_figures: dict[str, Any], bases: dict[str, str], rollout
             _row("training", m, "param_bytes_other", t["param_bytes_other"] / 2**20, "MiB", note="embeddings, norms, lm_head"),
             _row("training", m, "optimizer_state_bytes", t["optimizer_state_bytes"] / 2**20, "MiB"),
         ]
-    by_fmt_batch = {(r["format"], int(r["batch_size"])): r for r in rollout["rows"]}
-    if trl.get("skipped"):
-        rows.append(_row("peer", "trl", "skipped", None, "", note=trl.get("reason", "")))
-    else:
+    by_key = {(r["format"], int(r["batch_size"]), bool(r["lora"])): r for r in rollout["rows"]}
+    has_trl = not trl.get("skipped")
+    if has_trl:
         rows += [
             _row("peer", "trl", "step_time_s", trl["step_time_s"], "s",
                  note=f"TRL {trl['trl_version']}, {trl['generation']} generation. {trl.get('generation_note', '')}".strip()),
@@ -281,15 +303,21 @@ def build_table(hardware_figures: dict[str, Any], bases: dict[str, str], rollout
             _row("peer", "trl", "update_s", trl["update_s"], "s"),
             _row("peer", "trl", "peak_memory", trl["peak_memory_bytes"] / 2**20, "MiB", note="process peak (own process)"),
         ]
-        for t in training:
-            roll = by_fmt_batch.get((t["format"], rollout["train_batch"]))
-            if roll is None:
-                continue
-            sync_s = rollout["sync"].get(t["format"], {}).get("sync_s", 0.0) or 0.0
-            ours = roll["seconds"] + sync_s + t["step_time_s"]
-            m = t["method"]
+    else:
+        rows.append(_row("peer", "trl", "skipped", None, "", note=trl.get("reason", "")))
+    for t in training:
+        sync = rollout["sync"].get(t["format"], {})
+        mode = sync.get("recommended", "adapter") if sync.get("configured") == "auto" else sync.get("configured", "adapter")
+        roll = by_key.get((t["format"], rollout["train_batch"], mode == "adapter"))
+        if roll is None:
+            continue
+        sync_s = sync.get(f"{mode}_sync_s") or 0.0
+        ours = roll["seconds"] + sync_s + t["step_time_s"]
+        m = t["method"]
+        rows.append(_row("peer", m, "our_step_time_s", ours, "s",
+                         note=f"rollout of the batch + {mode} sync + training step (rollout.sync: {sync.get('configured')})"))
+        if has_trl:
             rows += [
-                _row("peer", m, "our_step_time_s", ours, "s", note="rollout of the batch + LoRA sync + training step"),
                 _row("peer", m, "our_over_trl_step_time", ours / trl["step_time_s"], "ratio", note="< 1: ours is faster"),
                 _row("peer", m, "our_over_trl_generation", roll["seconds"] / trl["generation_s"], "ratio"),
                 _row("peer", m, "our_over_trl_update", t["step_time_s"] / trl["update_s"], "ratio"),

@@ -197,8 +197,11 @@ def evaluate_format(engine, cfg: QerlConfig, adapters: dict[str, Path], base_dir
 
 
 # --------------------------------------------------------------------------- nodes
-def run_methods(train_prompts: list[dict], eval_prompts: dict[str, list[dict]], parameters: dict[str, Any]) -> dict[str, str]:
-    """Train and evaluate each of ``compare.methods`` (one MLflow run each); ``{method: run_id}``.
+def run_methods(train_prompts: list[dict], eval_prompts: dict[str, list[dict]], parameters: dict[str, Any]) -> dict[str, dict]:
+    """Train and evaluate each of ``compare.methods`` (one MLflow run each).
+
+    Returns ``{method: {"run_id", "eval_run_id"}}`` (``eval_run_id`` only for reused
+    runs whose evaluation was a separate ``kedro run``).
 
     One engine per base format serves the training rollouts of every method on that base
     (``train(..., engine=...)``), with the clean norm weights restored and checked after
@@ -217,7 +220,8 @@ def run_methods(train_prompts: list[dict], eval_prompts: dict[str, list[dict]], 
     if cc.reuse_runs:
         exp = client.get_experiment(experiment_id)
         runs = R.load_runs(exp.name, cc.methods, client=client, group=cc.reuse_group, require_eval=True, finished_only=True)
-        return {r.method: r.run_id for r in runs}
+        log.info("compare: reusing runs %s", R.selection(runs))
+        return R.selection(runs)
 
     workspace = Path(base_cfg.train.output_dir) / "compare"
     t0 = time.perf_counter()
@@ -273,10 +277,10 @@ def run_methods(train_prompts: list[dict], eval_prompts: dict[str, list[dict]], 
     timings["compare/total_s"] = time.perf_counter() - t0
     MlflowLogger(run_id=parent_id).log_metrics(timings, step=0)
     log.info("compare: %s", ", ".join(f"{k}={v:.1f}" for k, v in timings.items()))
-    return {m: run_ids[m] for m in cc.methods}
+    return {m: {"run_id": run_ids[m], "eval_run_id": None} for m in cc.methods}
 
 
-def build_report(run_ids: dict[str, str], compare: dict[str, Any]) -> tuple[pd.DataFrame, dict[str, Any]]:
+def build_report(run_ids: dict[str, dict], compare: dict[str, Any]) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Write the report from the runs (``compare.report_dir``) and log it to the compare run.
 
     Returns the long accuracy table (every method, policy, benchmark) and a summary
@@ -288,7 +292,7 @@ def build_report(run_ids: dict[str, str], compare: dict[str, Any]) -> tuple[pd.D
 
     cc: CompareConfig = parse(CompareConfig, compare, "compare")
     methods = [m for m in cc.methods if m in run_ids]
-    runs = R.load_runs("", methods, run_ids=[run_ids[m] for m in methods], client=MlflowClient())
+    runs = R.load_selected({m: run_ids[m] for m in methods}, client=MlflowClient())
     paths = R.build_report(runs, cc.report_dir, title=f"QeRL comparison: {', '.join(methods)}")
     R.log_report(paths, MlflowLogger())
     system = R.system_table(runs).reset_index().to_dict(orient="records")

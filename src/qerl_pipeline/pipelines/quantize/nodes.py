@@ -56,7 +56,8 @@ def quantize_base(model: dict[str, Any], quantize: dict[str, Any], method: str) 
 
     Returns ``({"base_<format>": folder}, report)``; the report holds the format, timings,
     the bytes of the quantized linears vs bf16, file sizes and one row per linear layer
-    (relative reconstruction error ``||W - W_hat|| / ||W||`` against the loaded weights).
+    (relative reconstruction error ``||W - W_hat|| / ||W||`` against the bf16 weights, so
+    0 for the bf16 base).
     """
     from qerl_pipeline.models import load_base_model, resolve_dtype
     from qerl_pipeline.quantization import checkpoint
@@ -67,7 +68,9 @@ def quantize_base(model: dict[str, Any], quantize: dict[str, Any], method: str) 
     if fmt == "nf4" and qcfg.nf4_double_quant:
         raise ValueError("quantize.nf4_double_quant: double quantization is not implemented (see quantization/nf4.py)")
     t0 = time.perf_counter()
-    base, tokenizer = load_base_model(mcfg, dtype=torch.float32)
+    # bf16 is the base's master precision (checkpoint.BASE_DTYPE): loading in it halves the
+    # memory of a float32 load, and the reported errors are those of the 4-bit format alone.
+    base, tokenizer = load_base_model(mcfg, dtype=checkpoint.BASE_DTYPE)
     t_load = time.perf_counter() - t0
     serving_dtype = resolve_dtype(mcfg)
     out = Path(tempfile.mkdtemp(prefix=f"qerl_base_{fmt}_")) / f"base_{fmt}"

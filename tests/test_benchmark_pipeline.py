@@ -1,0 +1,149 @@
+"""benchmark pipeline: one real Kedro run in the smoke env; every figure is produced (never its value).
+
+The run happens in a temporary copy of the project's configuration, so it writes neither
+into data/ nor into the project's mlflow.db. It starts real vLLM engines (one per base
+format), trains in child processes, and times TRL when the ``bench`` extra is installed
+(otherwise the table must say why the peer was skipped).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+PROJECT = Path(__file__).resolve().parents[1]
+HAVE_TRL = importlib.util.find_spec("trl") is not None
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+
+    root = tmp_path_factory.mktemp("project")
+    shutil.copytree(PROJECT / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
+    (root / "conf" / "local").mkdir()
+    for name in ("pyproject.toml", ".kedro.yml"):
+        shutil.copy(PROJECT / name, root / name)
+    mp = pytest.MonkeyPatch()
+    mp.chdir(root)
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    try:
+        bootstrap_project(root)
+        with KedroSession.create(project_path=root, env="smoke") as session:
+            session.run(pipeline_name="benchmark")
+        yield root
+    finally:
+        mp.undo()
+
+
+def _settings(root: Path) -> dict:
+    base = yaml.safe_load((root / "conf/base/parameters.yml").read_text())["benchmark"]
+    smoke = yaml.safe_load((root / "conf/smoke/parameters.yml").read_text())["benchmark"]
+    grpo = {**yaml.safe_load((root / "conf/base/parameters.yml").read_text())["grpo"],
+            **yaml.safe_load((root / "conf/smoke/parameters.yml").read_text()).get("grpo", {})}
+    return {**base, **smoke, "group": grpo["num_generations"]}
+
+
+def _mlflow_metrics(root: Path) -> dict[str, float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("qerl_pipeline")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    return runs[0].data.metrics, client.list_artifacts(runs[0].info.run_id, "benchmark")
+
+
+def _expected_metrics(s: dict) -> list[str]:
+    fmt = {"qerl": "nvfp4", "qerl_noaqn": "nvfp4", "qlora": "nf4", "lora": "bf16"}
+    batches = sorted(set(s["batch_sizes"]) | {s["train_prompts"] * s["group"]})
+    names = ["bench.hardware.cpu.copy_bandwidth", "bench.hardware.cpu.matmul_rate"]
+    for f in dict.fromkeys(fmt[m] for m in s["methods"]):
+        names.append(f"bench.sync.{f}.adapter_sync_s")
+        for b in batches:
+            for kind in ("lora", "no_lora"):
+                names += [f"bench.rollout.{f}.tokens_per_s_{kind}.batch{b}" + sfx
+                          for sfx in ("", ".limit", ".fraction_of_limit")]
+    for m in s["methods"]:
+        names += [f"bench.training.{m}.{k}" for k in ("step_time_s", "tokens_per_s", "tokens_per_s.limit",
+                                                      "tokens_per_s.fraction_of_limit", "peak_memory",
+                                                      "param_bytes_packed_base", "param_bytes_lora",
+                                                      "optimizer_state_bytes")]
+        names.append(f"bench.peer.{m}.our_step_time_s")
+        if HAVE_TRL:
+            names.append(f"bench.peer.{m}.our_over_trl_step_time")
+    if HAVE_TRL:
+        names += ["bench.peer.trl.step_time_s", "bench.peer.trl.generation_s", "bench.peer.trl.peak_memory"]
+    return names
+
+
+@pytest.mark.kedro_run
+@pytest.mark.vllm
+def test_every_figure_reaches_mlflow_and_the_table(run):
+    s = _settings(run)
+    metrics, artifacts = _mlflow_metrics(run)
+    missing = [n for n in _expected_metrics(s) if n not in metrics]
+    assert not missing, f"not logged: {missing}"
+    for name in _expected_metrics(s):
+        assert math.isfinite(metrics[name])
+    assert {Path(a.path).name for a in artifacts} >= {"benchmark.csv", "benchmark.md", "benchmark.html",
+                                                      "benchmark_raw.json"}
+
+    report = run / s["report_dir"]
+    with (report / "benchmark.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert rows and set(rows[0]) == {"section", "subject", "metric", "value", "unit", "limit",
+                                     "fraction_of_limit", "note"}
+    from qerl_pipeline.pipelines.benchmark.nodes import metric_name
+
+    logged = {metric_name(r) for r in rows if r["value"] != ""}
+    assert logged >= {n for n in _expected_metrics(s) if not n.endswith((".limit", ".fraction_of_limit"))}
+    sections = {r["section"] for r in rows}
+    assert sections == {"hardware", "rollout", "sync", "training", "peer"}
+    if not HAVE_TRL:
+        skipped = [r for r in rows if r["section"] == "peer" and r["metric"] == "skipped"]
+        assert skipped and "trl" in skipped[0]["note"]
+    md = (report / "benchmark.md").read_text()
+    assert "| section | subject | metric |" in md and "tokens_per_s_lora@batch1" in md
+    assert "<table>" in (report / "benchmark.html").read_text()
+    # no half-written files left behind by the atomic writes
+    assert not [p for p in report.iterdir() if p.name.endswith(".tmp")]
+
+    summary = json.loads((run / "data/08_reporting/smoke/benchmark/summary.json").read_text())
+    assert summary["n_metrics"] == len(summary["metrics"]) > 0
+    raw = json.loads((report / "benchmark_raw.json").read_text())
+    # rollouts decoded exactly the fixed completion length (EOS ignored)
+    for r in raw["rollout"]["rows"]:
+        assert r["output_tokens"] == r["expected_tokens"] == r["batch_size"] * s["completion_len"]
+    for t in raw["training"]:
+        assert t["sequences"] == s["train_prompts"] * s["group"]
+        assert t["tokens_per_step"] == t["sequences"] * (s["prompt_len"] + s["completion_len"])
+        assert t["step_impl"] == "rl.trainer._update"
+    if HAVE_TRL:
+        assert raw["trl"]["prompt_len"] == s["prompt_len"]
+        assert raw["trl"]["completion_len_mean"] == s["completion_len"]
+        assert raw["trl"]["sequences"] == s["train_prompts"] * s["group"]
+
+
+@pytest.mark.kedro_run
+@pytest.mark.vllm
+def test_packed_bases_are_smaller_and_bases_are_reused(run):
+    raw = json.loads((run / _settings(run)["report_dir"] / "benchmark_raw.json").read_text())
+    by = {t["method"]: t for t in raw["training"]}
+    # NVFP4 codes + scales: 4.5 bits a weight against 32 (float32 plain base on CPU)
+    ratio = by["qerl"]["param_bytes_packed_base"] / by["lora"]["param_bytes_packed_base"]
+    assert ratio == pytest.approx(4.5 / 32, rel=0.01)
+    assert by["qerl"]["param_bytes_lora"] == by["lora"]["param_bytes_lora"] > 0
+    # AdamW: two moments per LoRA weight (plus a scalar step count per tensor)
+    assert by["qerl"]["optimizer_state_bytes"] == pytest.approx(2 * by["qerl"]["param_bytes_lora"], rel=0.01)
+    bases = run / "data/06_models/smoke/benchmark"
+    assert sorted(p.name for p in bases.iterdir()) == ["base_bf16", "base_nvfp4"]
+    assert all((bases / b / "benchmark_fingerprint.json").is_file() for b in ("base_bf16", "base_nvfp4"))

@@ -147,3 +147,69 @@ def test_packed_bases_are_smaller_and_bases_are_reused(run):
     bases = run / "data/06_models/smoke/benchmark"
     assert sorted(p.name for p in bases.iterdir()) == ["base_bf16", "base_nvfp4"]
     assert all((bases / b / "benchmark_fingerprint.json").is_file() for b in ("base_bf16", "base_nvfp4"))
+
+
+def _fake_base(folder: Path, dtype_bytes: int) -> None:
+    """A base folder with config.json and a serving/ copy: one q_proj, a separate lm_head."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 16,
+              "vocab_size": 10}
+    for f, dt in ((folder, torch.uint8 if dtype_bytes == 1 else torch.float32), (folder / "serving", torch.float32)):
+        f.mkdir(parents=True)
+        (f / "config.json").write_text(json.dumps(config))
+        save_file({"lm_head.weight": torch.zeros(10, 16), "model.layers.0.self_attn.q_proj.weight": torch.zeros(16, 16, dtype=dt)},
+                  str(f / "model.safetensors"))
+
+
+def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
+    """Our step = rollout of the training batch + the configured sync + the training step; ratios against TRL."""
+    from qerl_pipeline.pipelines.benchmark.nodes import build_table, metric_name
+
+    _fake_base(tmp_path / "base_nvfp4", 1)
+    hw = {"device": "cpu", "cpu": "x", "cpu_cores": 2, "bandwidth_gbs": 10.0, "matmul_flops": 1e12,
+          "matmul_dtype": "float32"}
+    rollout = {
+        "train_batch": 4,
+        "rows": [
+            {"format": "nvfp4", "batch_size": 4, "lora": True, "tokens_per_s": 100.0, "seconds": 2.0, "is_train_batch": True},
+            {"format": "nvfp4", "batch_size": 4, "lora": False, "tokens_per_s": 300.0, "seconds": 0.5, "is_train_batch": True},
+        ],
+        "sync": {"nvfp4": {"configured": "adapter", "recommended": "merge", "adapter_sync_s": 0.5, "merge_sync_s": 0.25}},
+    }
+    training = [{"method": "qerl", "format": "nvfp4", "step_time_s": 1.5, "tokens_per_s": 40.0, "tokens_per_step": 60,
+                 "flops_per_step": 6e12, "sequences": 4, "step_impl": "x", "peak_memory_bytes": 2**30,
+                 "param_bytes_packed_base": 2**20, "param_bytes_lora": 2**20, "param_bytes_other": 0,
+                 "optimizer_state_bytes": 2**21}]
+    trl = {"skipped": False, "trl_version": "1.16.0", "generation": "transformers", "step_time_s": 8.0,
+           "generation_s": 5.0, "update_s": 3.0, "peak_memory_bytes": 2**31}
+    table = build_table(hw, {"nvfp4": str(tmp_path / "base_nvfp4")}, rollout, training, trl,
+                        {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4})
+    got = {metric_name(r): r for r in table["rows"]}
+    assert got["bench.peer.qerl.our_step_time_s"]["value"] == pytest.approx(2.0 + 0.5 + 1.5)
+    assert got["bench.peer.qerl.our_over_trl_step_time"]["value"] == pytest.approx(4.0 / 8.0)
+    assert got["bench.peer.qerl.our_over_trl_generation"]["value"] == pytest.approx(2.0 / 5.0)
+    assert got["bench.peer.qerl.our_over_trl_update"]["value"] == pytest.approx(1.5 / 3.0)
+    assert got["bench.peer.qerl.our_over_trl_peak_memory"]["value"] == pytest.approx(0.5)
+    # training: 6e12 FLOPs at 1e12 FLOP/s = 6 s at best for 60 tokens -> 10 tokens/s limit
+    tps = got["bench.training.qerl.tokens_per_s"]
+    assert tps["limit"] == pytest.approx(10.0) and tps["fraction_of_limit"] == pytest.approx(4.0)
+    # rollout: served dense bytes = (10*16 + 16*16) * 4; batch 4 at 10 GB/s (compute bound far above)
+    served = (160 + 256) * 4
+    roll = got["bench.rollout.nvfp4.tokens_per_s_lora.batch4"]
+    assert roll["limit"] == pytest.approx(4 * 10e9 / served)
+    assert roll["fraction_of_limit"] == pytest.approx(100.0 / roll["limit"])
+    assert got["bench.rollout.nvfp4.weight_bytes_in_format"]["value"] == 160 * 4 + 256
+    # with sync "auto" the recommended path (merge: no-LoRA rollout + merge sync) is what our step uses
+    rollout["sync"]["nvfp4"]["configured"] = "auto"
+    table = build_table(hw, {"nvfp4": str(tmp_path / "base_nvfp4")}, rollout, training, trl,
+                        {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4})
+    got = {metric_name(r): r for r in table["rows"]}
+    assert got["bench.peer.qerl.our_step_time_s"]["value"] == pytest.approx(0.5 + 0.25 + 1.5)
+    # a skipped peer leaves our step time and a row that says why
+    table = build_table(hw, {"nvfp4": str(tmp_path / "base_nvfp4")}, rollout, training,
+                        {"skipped": True, "reason": "trl is not installed"}, {"methods": ["qerl"]})
+    rows = {metric_name(r): r for r in table["rows"]}
+    assert "bench.peer.qerl.our_over_trl_step_time" not in rows
+    assert rows["bench.peer.trl.skipped"]["note"] == "trl is not installed"

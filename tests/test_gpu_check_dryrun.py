@@ -39,6 +39,7 @@ def _run(tmp_path: Path, *args: str) -> dict:
 def test_dry_run_produces_the_summary(tmp_path):
     s = _run(tmp_path)
     assert s["mode"] == "dry-run" and s["triton_used"] is False and s["dtype"] == "float32"
+    assert s["packed_layer"] == "qerl_pipeline.quantization.policy.PackedLinear"  # the training policy's own layer
     per = s["ops"]["per_projection"]
     assert set(per) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     for row in per.values():

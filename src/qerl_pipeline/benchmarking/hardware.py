@@ -240,7 +240,7 @@ def training_step_flops(
     *,
     logit_positions: int | None = None,
     gradient_checkpointing: bool = False,
-    forwards_without_grad: int = 0,
+    forwards_without_grad: float = 0,
 ) -> float:
     """Matmul FLOPs of one optimizer step of LoRA over a frozen base.
 

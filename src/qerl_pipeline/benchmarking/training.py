@@ -124,6 +124,13 @@ def _step_function(policy, optimizer, scheduler, params, cfg: QerlConfig, batch:
     return plain, "plain (trainer._update signature changed)"
 
 
+def _reference_forwards(cfg: QerlConfig) -> int:
+    """No-grad forwards per rollout batch besides the trained ones: the base without LoRA
+    (the KL reference) when ``kl_beta > 0`` or ``log_kl_to_base`` asks for it."""
+    g = cfg.grpo
+    return int(g.kl_beta > 0 or bool(getattr(g, "log_kl_to_base", False)))
+
+
 def measure_training(
     base_dir: str | Path,
     method: str,
@@ -179,6 +186,7 @@ def measure_training(
     flops = hardware.training_step_flops(
         model_config, n_seq, prompt_len + completion_len, cfg.lora.rank, list(cfg.lora.target_modules),
         logit_positions=completion_len, gradient_checkpointing=cfg.lora.gradient_checkpointing,
+        forwards_without_grad=_reference_forwards(cfg) / updates,
     )
     return {
         "method": method,
@@ -195,6 +203,7 @@ def measure_training(
         "tokens_per_s": tokens / step_s,
         "build_policy_s": build_s,
         "flops_per_step": flops,
+        "reference_forwards_per_batch": _reference_forwards(cfg),
         "param_bytes_packed_base": pbytes["packed_base"],
         "param_bytes_lora": pbytes["lora"],
         "param_bytes_other": pbytes["other"],

@@ -152,8 +152,8 @@ def _adapters_for(base_dir: Path, fmt: str, lcfg: LoraConfig, out_dir: Path, cou
     return folders
 
 
-def benchmark_rollout(bases: dict[str, str], model: dict[str, Any], lora: dict[str, Any], rollout: dict[str, Any],
-                      grpo: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, Any]:
+def benchmark_rollout(bases: dict[str, str], lora: dict[str, Any], rollout: dict[str, Any], grpo: dict[str, Any],
+                      benchmark: dict[str, Any]) -> dict[str, Any]:
     """Rollout tokens/s per format and batch size, with and without LoRA; LoRA sync time per step."""
     from qerl_pipeline.benchmarking.rollout import measure_rollout, measure_sync, recommend_sync
     from qerl_pipeline.quantization.policy import serving_dir

@@ -26,8 +26,9 @@ How the methods run (design choices)
   from ``serving/`` and read back to check they are exact; sampling seeds are per request,
   so a shared engine draws from the same seeds as a fresh one. Each method's run gets its
   ``trained`` evaluation rows and the shared ``base`` rows.
-* ``compare.reuse_runs``: no training; the runs are read from MLflow (one compare group, or
-  the newest finished evaluated run of each method).
+* ``compare.reuse_runs``: no training; the runs are read from MLflow: those of one compare
+  group (``compare.reuse_group``), or for each method its newest finished training run
+  paired with its newest evaluation run (separate ``kedro run``s; ``report.load_runs``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------ mlflow
 def _tracking():
-    """(client, compare run id or None, experiment id) of the active kedro-mlflow run."""
+    """(client, compare run id, experiment id): the active kedro-mlflow run (or a new one outside Kedro)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 

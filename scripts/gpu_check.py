@@ -17,6 +17,8 @@ intermediate 18944, 28 query / 4 KV heads of 128; a few layers, not 28):
    then matmul, and a fused Triton dequant-matmul (forward ``x W^T`` and the backward
    input gradient ``g W``), each correctness-checked against the torch reference
    (``x @ decode(W)^T``). ``dequant_per_layer_ms`` sums the seven projections.
+   ``ops_small_m`` repeats the forward at a decode-like token count (64), where the
+   matmul is memory-bound and reading 4.5-bit weights is where fusion can pay.
 2. ``stack``: forward + backward of ``layers`` decoder layers with LoRA (rank r on all
    seven projections) over (a) a dense BF16 base, (b) the packed NVFP4 base dequantized
    per layer in forward and backward (never kept dense): the training policy's own
@@ -69,8 +71,8 @@ except Exception:  # pragma: no cover - depends on the machine
     HAVE_TRITON = False
 
 SHAPES = {
-    "full": dict(hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128, layers=4, seq_len=1024, seqs=4, rank=32),
-    "dry": dict(hidden=128, intermediate=256, heads=2, kv_heads=1, head_dim=64, layers=2, seq_len=16, seqs=2, rank=4),
+    "full": dict(hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128, layers=4, seq_len=1024, seqs=4, rank=32, small_m=64),
+    "dry": dict(hidden=128, intermediate=256, heads=2, kv_heads=1, head_dim=64, layers=2, seq_len=16, seqs=2, rank=4, small_m=16),
 }
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -194,7 +196,10 @@ class Kernels:
     FWD_CONFIGS = [dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
                    dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
                    dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
-                   dict(BM=128, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4)]
+                   dict(BM=128, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4),
+                   dict(BM=64, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4),
+                   dict(BM=16, BN=128, BK=128, GROUP_M=1, num_warps=4, num_stages=4),
+                   dict(BM=16, BN=64, BK=256, GROUP_M=1, num_warps=4, num_stages=3)]
     DX_CONFIGS = [dict(BM=128, BN=64, BK=128, num_warps=8, num_stages=3),
                   dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
                   dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)]
@@ -417,6 +422,30 @@ def check_ops(s, device, dtype, kernels, tokens, gen) -> dict:
             "layer_base_bytes": {"dense": bf16_bytes, "nvfp4": sum(p.nbytes() for p in packed.values())}}
 
 
+def check_small_m(s, device, dtype, kernels, tokens, gen) -> dict:
+    """Forward only at a decode-like token count, where the matmul is memory-bound."""
+    shapes = proj_shapes(s)
+    _, packed = random_layer_weights(s, device, dtype, gen)
+    rows = {}
+    for name in ("q_proj", "k_proj", "gate_proj", "down_proj"):
+        out_f, in_f = shapes[name]
+        w = packed[name]
+        wd = w.decode(dtype)
+        inp = torch.randn(tokens, in_f, generator=gen).to(device, dtype)
+        row = {"out": out_f, "in": in_f, "tokens": tokens,
+               "matmul_ms": bench_ms(lambda: inp @ wd.t(), device),
+               "dequant_then_matmul_torch_ms": bench_ms(lambda: inp @ w.decode(dtype).t(), device),
+               "fused_fwd_rel_err": rel_err(kernels.fwd(inp, w), inp.float() @ wd.float().t())}
+        if device.type == "cuda":
+            row["dequant_then_matmul_triton_ms"] = bench_ms(lambda: inp @ kernels.dequant(w, dtype).t(), device)
+            row["fused_fwd_ms"] = bench_ms(lambda: kernels.fwd(inp, w), device)
+            row["fused_beats_dequant_then_matmul_fwd"] = row["fused_fwd_ms"] < min(
+                row["dequant_then_matmul_triton_ms"], row["dequant_then_matmul_torch_ms"])
+            row["fused_vs_bf16_matmul"] = row["fused_fwd_ms"] / row["matmul_ms"]
+        rows[name] = row
+    return rows
+
+
 def check_stack(s, device, dtype, kernels, gen, iters: int) -> dict:
     """Forward+backward of ``layers`` LoRA decoder layers over dense, packed and fused bases."""
     layer_weights = [random_layer_weights(s, device, dtype, gen) for _ in range(s["layers"])]
@@ -521,6 +550,8 @@ def main(argv=None) -> dict:
     tokens = s["seqs"] * s["seq_len"]
     with torch.no_grad():
         summary["ops"] = check_ops(s, device, dtype, kernels, tokens, gen)
+        if kernels is not None:
+            summary["ops_small_m"] = check_small_m(s, device, dtype, kernels, s["small_m"], gen)
     summary["stack"] = check_stack(s, device, dtype, kernels, gen, iters=(1 if args.interpret else 2) if dry else args.iters)
     if kernels is not None:
         summary["triton_configs"] = {"/".join(map(str, k)): v for k, v in kernels.chosen.items()}
@@ -528,6 +559,7 @@ def main(argv=None) -> dict:
         rows = [r for r in summary["ops"]["per_projection"].values() if "same_as" not in r]
         summary["fused_beats_dequant_then_matmul"] = {
             "forward": all(r["fused_beats_dequant_then_matmul_fwd"] for r in rows),
+            "forward_small_m": all(r["fused_beats_dequant_then_matmul_fwd"] for r in summary["ops_small_m"].values()),
             "backward_dx": all(r["fused_beats_dequant_then_matmul_dx"] for r in rows),
             "stack": summary["stack"]["nvfp4_lora_fused_triton"]["step_ms"]
             < summary["stack"]["nvfp4_lora_dequant_matmul"]["step_ms"],

@@ -91,4 +91,4 @@ def test_report_and_mlflow_metrics(smoke_run):
     assert db.is_file(), "the MLflow run was not recorded in the embedded store"
     with sqlite3.connect(db) as con:
         metrics = dict(con.execute("SELECT key, value FROM latest_metrics").fetchall())
-    assert metrics["data.train_prompts"] == 64 and metrics["data.eval.gsm8k.kept"] == 16
+    assert metrics["data_prep_metrics.train_prompts"] == 64 and metrics["data_prep_metrics.eval.gsm8k.kept"] == 16

@@ -38,9 +38,15 @@ def runs(tmp_path_factory):
     mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     try:
         bootstrap_project(root)
+        import mlflow
+
         for method in METHODS:
             with KedroSession.create(project_path=root, env="smoke", runtime_params={"method": method}) as session:
-                session.run(pipeline_name="quantize")
+                session.run(pipeline_names=["quantize"])
+            # In one process, kedro-mlflow leaves its run active after a session (a CLI run
+            # ends with the process); close it so each method gets its own run.
+            while mlflow.active_run():
+                mlflow.end_run()
         yield root
     finally:
         mp.undo()

@@ -34,39 +34,40 @@ STEPS = 4
 PARAMS = "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},model.source=local,model.name={model}"
 
 
-def _teach(model_dir: Path, seconds_budget_steps: int = 120) -> None:
-    """A few supervised steps so that the tiny model answers in the paper's format about half the time."""
+def _teach(model_dir: Path, steps: int = 150) -> None:
+    """Supervised steps (decoder layers only, tied embeddings frozen) so that the tiny model
+    answers ``<think>..</think><answer>n</answer>`` about half of the time and a bare
+    number otherwise, n random: rewards then differ within groups."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rng = random.Random(0)
-    system = "Solve the following math problem step by step. Put the reasoning in <think> </think> and the answer in <answer> </answer>."
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
 
-    def example():
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        prompt = tok.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": f"What is {a} plus {b}?"}],
-            add_generation_prompt=True, tokenize=True,
-        )
-        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-        n = rng.randint(1, 20)
-        text = f"<think>\nadd\n</think>\n<answer>\n{n}\n</answer>" if rng.random() < 0.5 else f"The answer is {n}."
-        return prompt, tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    def completion():
+        n = rng.randint(1, 9)
+        text = f"<think>add</think><answer>{n}</answer>" if rng.random() < 0.5 else f"{n}"
+        return tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.requires_grad_(False)
+    layers = [p for n, p in model.named_parameters() if ".layers." in n or n.startswith("model.norm")]
+    for p in layers:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(layers, lr=1e-2)
     model.train()
-    for _ in range(seconds_budget_steps):
-        batch = [example() for _ in range(8)]
-        length = max(len(p) + len(c) for p, c in batch)
+    for _ in range(steps):
+        batch = [completion() for _ in range(16)]
+        length = len(prompt) + max(len(c) for c in batch)
         ids = torch.full((len(batch), length), tok.pad_token_id)
-        for i, (p, c) in enumerate(batch):
-            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        for i, c in enumerate(batch):
+            ids[i, : len(prompt) + len(c)] = torch.tensor(prompt + c)
         hidden = model.model(input_ids=ids).last_hidden_state
         rows, pos, tgt = [], [], []
-        for i, (p, c) in enumerate(batch):
-            for j in range(len(c)):
-                rows.append(i), pos.append(len(p) - 1 + j), tgt.append(c[j])
+        for i, c in enumerate(batch):
+            for j, t in enumerate(c):
+                rows.append(i), pos.append(len(prompt) - 1 + j), tgt.append(t)
         logits = model.lm_head(hidden[torch.tensor(rows), torch.tensor(pos)])
         loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tgt))
         opt.zero_grad()

@@ -16,8 +16,8 @@ plain bf16 base, with PEFT LoRA), makes one fixed GRPO batch, and times optimize
   figure is their median. With ``grpo.updates_per_rollout = u`` one call does u optimizer
   steps and the time per optimizer step is divided by u.
 * Memory: ``parameter_bytes(policy)`` (packed base, LoRA, other) and the optimiser state
-  bytes after a step; peak process memory is the process's max RSS (CPU) or
-  ``torch.cuda.max_memory_allocated`` (CUDA). A process's max RSS only grows, so each
+  bytes after a step; peak process memory is the process's RSS high-water mark (CPU) or
+  ``torch.cuda.max_memory_allocated`` (CUDA). A process's high-water mark only grows, so each
   method runs in a fresh interpreter (:func:`run_isolated`): one method's peak never
   leaks into another's, and the Kedro process stays small.
 """
@@ -52,9 +52,20 @@ _UPDATE_PARAMS = ["policy", "optimizer", "scheduler", "params", "norm_params", "
 
 
 def peak_memory_bytes() -> int:
-    """Peak memory of this process: CUDA max allocated, else max RSS (Linux reports KiB)."""
+    """Peak memory of this process: CUDA max allocated, else its RSS high-water mark.
+
+    On Linux the high-water mark is ``VmHWM`` from ``/proc/self/status``, which belongs to
+    the process's own address space. ``getrusage``'s ``ru_maxrss`` is not used there: it
+    survives ``fork``+``exec``, so a child started from a large process (the Kedro run)
+    would report its parent's size.
+    """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated())
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

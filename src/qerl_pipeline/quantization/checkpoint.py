@@ -420,7 +420,8 @@ def calibrated_nvfp4_base(model, tokenizer, out_dir: Path, *, algorithm: str, te
     enc = tokenizer(texts, truncation=True, max_length=max_seq_len)
     ds = Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     model = model.to(BASE_DTYPE)
-    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(texts), max_seq_length=max_seq_len)
+    oneshot(model=model, processor=tokenizer, dataset=ds, recipe=recipe, num_calibration_samples=len(texts),
+            max_seq_length=max_seq_len)
     tmp = Path(tempfile.mkdtemp(prefix=".calib.", dir=Path(out_dir).parent))
     try:
         model.save_pretrained(tmp, save_compressed=True)

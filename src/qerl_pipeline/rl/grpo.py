@@ -124,8 +124,8 @@ def k3(logp_p: torch.Tensor, logp_q: torch.Tensor) -> torch.Tensor:
 
 def mismatch_kl(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> float:
     """Token-mean k3 estimate of KL(pi_rollout || pi_trainer) on the rollout's tokens."""
-    per_tok = k3(rollout_logp.detach(), trainer_logp.detach())
-    return float((per_tok * mask).sum() / mask.sum().clamp(min=1.0))
+    per_tok = k3(rollout_logp.detach().double(), trainer_logp.detach().double())  # float64: tiny gaps
+    return float((per_tok * mask.double()).sum() / mask.double().sum().clamp(min=1.0))
 
 
 @dataclass

@@ -153,7 +153,11 @@ def build_data_report(train_summary: dict[str, Any], eval_summary: dict[str, Any
 
 
 def data_metrics(report: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Counts from the report as MLflow metrics (``{name: {"value", "step"}}``)."""
-    metrics = {f"data.{k}": v for k, v in report["totals"].items()}
-    metrics.update({f"data.eval.{name}.kept": s["kept"] for name, s in report["eval"].items()})
+    """Counts from the report as MLflow metrics (``{name: {"value", "step"}}``).
+
+    kedro-mlflow prefixes them with the dataset name: ``data_prep_metrics.train_prompts``,
+    ``data_prep_metrics.eval.gsm8k.kept``, ...
+    """
+    metrics = dict(report["totals"])
+    metrics.update({f"eval.{name}.kept": s["kept"] for name, s in report["eval"].items()})
     return {k: {"value": float(v), "step": 0} for k, v in metrics.items()}

@@ -151,6 +151,9 @@ def test_prompt_records(local):
     assert again == evals  # deterministic given the seed
     custom, _ = prepare_eval_prompts(data.model_copy(update={"system_prompt": "Be brief."}).model_dump())
     assert custom["amc23"][0]["messages"][0] == {"role": "system", "content": "Be brief."}
+    suffix, _ = prepare_eval_prompts(data.model_copy(update={"prompt_style": "suffix"}).model_dump())
+    rec = suffix["amc23"][0]
+    assert rec["messages"] == [{"role": "user", "content": rec["question"] + "\n" + PAPER_SYSTEM_PROMPT}]
 
 
 def test_missing_eval_source_skipped_or_fails(tmp_path, local, caplog):

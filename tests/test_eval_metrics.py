@@ -99,3 +99,15 @@ def test_bad_records_named():
         M.benchmark_metrics([{"id": "y", "source": "s"}])
     with pytest.raises(ValueError, match="lacks policy"):
         M.aggregate([{"id": "z", "source": "s", "correct": [True]}])
+
+
+def test_limit_subset_is_deterministic_and_order_free():
+    from qerl_pipeline.evaluation.evaluator import subset
+
+    recs = [{"id": f"p{i}", "source": "s"} for i in range(50)]
+    a = subset(recs, 7)
+    b = subset(list(reversed(recs)), 7)
+    assert len(a) == 7 and {r["id"] for r in a} == {r["id"] for r in b}  # same problems whatever the file order
+    assert [r["id"] for r in a] == [r["id"] for r in recs if r in a]  # original order kept
+    assert [r["id"] for r in a] != [f"p{i}" for i in range(7)]  # not a prefix of the file
+    assert subset(recs, None) == recs and subset(recs, 500) == recs

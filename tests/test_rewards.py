@@ -34,7 +34,9 @@ CASES = [
     ("The answer is \\boxed{17}", "18", 0.0, False, "wrong, boxed, no tags"),
     ("<think>so it is 18</think><answer>\\boxed{17}</answer> \\boxed{18}", "18", 0.0, True,
      "answer block wins over a later boxed"),
-    ("I think the answer is 18", "18", 0.0, False, "unboxed, no tags: no anchorless fallback"),
+    ("I think the answer is 18", "18", 1.0, False, "unboxed, no tags, anchored plain number"),
+    ("7 + 11 = 18. The answer is 18.", "18", 1.0, False, "anchored plain number after working"),
+    ("So there are 18 apples.", "18", 0.0, False, "unboxed, no anchor: no anchorless fallback"),
     ("18", "18", 0.0, False, "bare number, no tags: no anchorless fallback"),
     ("<think>the sum is 18</think>", "18", 0.0, False, "number only inside think, no answer"),
     (f"{TH}<answer>\\boxed{{18</answer>", "18", 0.0, True, "malformed: unclosed boxed"),
@@ -99,10 +101,15 @@ def test_weights_and_format_value():
     assert r["reward"] == pytest.approx(2.0 * 1.0 + 0.5 * 0.4)
 
 
-def test_answer_tag_as_boxed_off_is_paper_extraction():
-    with RewardScorer(RewardConfig(answer_tag_as_boxed=False, max_workers=1)) as s:
-        bare, boxed = s.score([f"{TH}<answer>18</answer>", f"{TH}<answer>\\boxed{{18}}</answer>"], ["18", "18"])
-    assert bare["accuracy"] == 0.0 and boxed["accuracy"] == 1.0
+def test_paper_extraction_when_both_extensions_off():
+    cfg = RewardConfig(answer_tag_as_boxed=False, anchored_plain_answers=False, max_workers=1)
+    with RewardScorer(cfg) as s:
+        bare, plain, boxed, latex = s.score(
+            [f"{TH}<answer>18</answer>", "The answer is 18.", f"{TH}<answer>\\boxed{{18}}</answer>", "answer: $18$"],
+            ["18"] * 4,
+        )
+    assert bare["accuracy"] == 0.0 and plain["accuracy"] == 0.0
+    assert boxed["accuracy"] == 1.0 and latex["accuracy"] == 1.0
 
 
 def test_format_reward_function():

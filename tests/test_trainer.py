@@ -7,18 +7,17 @@ One module, few runs, shared between assertions (each run starts a vLLM engine, 
    checkpoint, then started again: it resumes and must end with the reference's adapter.
 3. an in-process run on the same base whose loss is made NaN at step 3.
 
-A random tiny model never earns a reward (no ``<answer>`` tags), so every advantage
-would be 0 and the adapter would never move: resume equivalence would hold trivially. So
-the runs use a tiny model first taught, by a few seconds of supervised steps, to answer in
-the paper's format about half of the time: groups then have unequal rewards and the
-adapter really trains.
+A random tiny model never earns a math reward (no ``<answer>`` tags) and never stops
+before the length cap, so every advantage would be 0 and the adapter would never move:
+resume equivalence would hold trivially. So the runs use a tiny model edited to stop
+after a varying number of tokens, with DAPO's overlong shaping over the whole length
+(reward -length/cap): groups have unequal rewards and the adapter really trains.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -31,59 +30,39 @@ import torch
 pytestmark = [pytest.mark.vllm, pytest.mark.kedro_run]
 
 STEPS = 4
-PARAMS = "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},model.source=local,model.name={model}"
+# DAPO overlong shaping with a buffer as long as the cap: reward = -length / max_new_tokens (smoke: 24),
+# a signal the stopping model below produces in every group.
+PARAMS = ("train.steps={steps},train.checkpoint_every=2,train.output_dir={out},model.source=local,model.name={model},"
+          "grpo.overlong.enabled=true,grpo.overlong.buffer_tokens=24,rollout.max_new_tokens=24")
 
 
-def _teach(model_dir: Path, steps: int = 150) -> None:
-    """Supervised steps (decoder layers only, tied embeddings frozen) so that the tiny model
-    answers ``<think>..</think><answer>n</answer>`` about half of the time and a bare
-    number otherwise, n random: rewards then differ within groups."""
+def _stopping_model(folder: Path, eos_boost: float = 0.2) -> Path:
+    """A random tiny model edited so that it ends completions early with varying lengths.
+
+    Every token embedding gets the same constant (1.0) in dimension 0, so after the final
+    RMSNorm the hidden state has a large, consistent component there; the (tied) EOS row
+    gets ``eos_boost`` more, which lifts only EOS's logit. At 0.2, 16 samples of 24
+    tokens end after 1..24 tokens (measured), so the length-based reward differs within
+    groups.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    rng = random.Random(0)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}], add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    from qerl_pipeline.models import tiny_model_folder
 
-    def completion():
-        n = rng.randint(1, 9)
-        text = f"<think>add</think><answer>{n}</answer>" if rng.random() < 0.5 else f"{n}"
-        return tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-
-    model.requires_grad_(False)
-    layers = [p for n, p in model.named_parameters() if ".layers." in n or n.startswith("model.norm")]
-    for p in layers:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(layers, lr=1e-2)
-    model.train()
-    for _ in range(steps):
-        batch = [completion() for _ in range(16)]
-        length = len(prompt) + max(len(c) for c in batch)
-        ids = torch.full((len(batch), length), tok.pad_token_id)
-        for i, c in enumerate(batch):
-            ids[i, : len(prompt) + len(c)] = torch.tensor(prompt + c)
-        hidden = model.model(input_ids=ids).last_hidden_state
-        rows, pos, tgt = [], [], []
-        for i, c in enumerate(batch):
-            for j, t in enumerate(c):
-                rows.append(i), pos.append(len(prompt) - 1 + j), tgt.append(t)
-        logits = model.lm_head(hidden[torch.tensor(rows), torch.tensor(pos)])
-        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(tgt))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-    model.save_pretrained(model_dir)
+    tiny_model_folder(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = 1.0
+        emb[tok.eos_token_id, 0] = 1.0 + eos_boost
+    model.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
-def taught_model(tmp_path_factory) -> Path:
-    from qerl_pipeline.models import tiny_model_folder
-
-    folder = tiny_model_folder(tmp_path_factory.mktemp("taught") / "model")
-    _teach(folder)
-    return folder
+def stopping_model(tmp_path_factory) -> Path:
+    return _stopping_model(tmp_path_factory.mktemp("stopping") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +102,16 @@ def _run_for(client, out: Path):
 
 
 @pytest.fixture(scope="module")
-def reference(project_path, taught_model, tracking, tmp_path_factory) -> Path:
+def reference(project_path, stopping_model, tracking, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "out"
-    _finish(_kedro(project_path, out, taught_model, tracking), out)
+    _finish(_kedro(project_path, out, stopping_model, tracking), out)
     return out
 
 
 @pytest.fixture(scope="module")
-def resumed(project_path, taught_model, tracking, tmp_path_factory) -> tuple[Path, bool]:
+def resumed(project_path, stopping_model, tracking, tmp_path_factory) -> tuple[Path, bool]:
     out = tmp_path_factory.mktemp("resume") / "out"
-    proc = _kedro(project_path, out, taught_model, tracking)
+    proc = _kedro(project_path, out, stopping_model, tracking)
     first = out / "qerl" / "checkpoints" / "step-000002" / "meta.json"
     deadline = time.monotonic() + 420
     while not first.exists():
@@ -142,7 +121,7 @@ def resumed(project_path, taught_model, tracking, tmp_path_factory) -> tuple[Pat
     os.killpg(proc.pid, signal.SIGKILL)  # kedro and its children in that group; the engine exits on EOF
     proc.wait(timeout=30)
     killed_mid_run = not (out / "qerl" / "final_adapter").exists()
-    _finish(_kedro(project_path, out, taught_model, tracking), out)
+    _finish(_kedro(project_path, out, stopping_model, tracking), out)
     return out, killed_mid_run
 
 
@@ -166,7 +145,7 @@ def test_reference_run_trains_and_logs(reference, tracking):
                 "optim/lr", "rollout/tokens_per_s", "time/update_s", "memory/peak_gb"):
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == list(range(1, STEPS + 1)), key
-    # the taught model gives groups with unequal rewards: the loss had a signal
+    # the stopping model gives groups with unequal rewards: the loss had a signal
     stds = [m.value for m in client.get_metric_history(run.info.run_id, "reward/std")]
     assert max(stds) > 0
     # sigma follows the schedule of the smoke config (stage 0 = 0, then decaying)
@@ -205,7 +184,7 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking
     assert res_rewards == pytest.approx(ref_rewards)
 
 
-def test_nan_loss_stops_with_step_and_marks_run_failed(reference, taught_model, tracking, tmp_path, monkeypatch):
+def test_nan_loss_stops_with_step_and_marks_run_failed(reference, stopping_model, tracking, tmp_path, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -221,8 +200,9 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(reference, taught_model, 
         for i in range(1, 9)
     ]
     cfg = QerlConfig.model_validate({
-        "model": {"source": "local", "name": str(taught_model), "max_seq_len": 512},
-        "lora": {"rank": 4, "alpha": 8}, "rollout": {"max_new_tokens": 16}, "grpo": {"num_generations": 2},
+        "model": {"source": "local", "name": str(stopping_model), "max_seq_len": 512},
+        "lora": {"rank": 4, "alpha": 8}, "rollout": {"max_new_tokens": 16},
+        "grpo": {"num_generations": 2, "overlong": {"enabled": True, "buffer_tokens": 16}},
         "train": {"steps": 4, "prompts_per_step": 2, "checkpoint_every": 2, "output_dir": str(tmp_path)},
     })
     real_update, real_loss = trainer._update, trainer.grpo.policy_loss

@@ -111,6 +111,10 @@ class DataConfig(Section):
     sources: dict[str, SourceConfig] = Field(default_factory=dict, description="Per-source settings, by name.")
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     system_prompt: str | None = Field(None, description="System prompt; None = the paper's (App. E).")
+    prompt_style: Literal["system", "suffix"] = Field(
+        "system", description="Where the instruction goes: system = as the system message (the paper's released code "
+        "for BigMath); suffix = appended to the question in the user turn (App. E: 'we append the suffix')."
+    )
     on_bad_row: Literal["fail", "drop"] = Field("fail", description="A malformed row fails the run, or is dropped and reported.")
     on_missing_source: Literal["fail", "skip"] = Field(
         "skip", description="An eval source that cannot be had (no local folder, Hub unreachable): fail the run, or skip "
@@ -129,6 +133,11 @@ class RewardConfig(Section):
     answer_tag_as_boxed: bool = Field(
         True, description="Score the <answer>..</answer> content as if it were \\boxed{..} when it holds no boxed or "
         "anchored LaTeX (the paper's prompt asks for <answer> tags, not \\boxed). False = the paper's extraction only."
+    )
+    anchored_plain_answers: bool = Field(
+        True, description="Also extract plain (non-LaTeX) numbers after an anchor ('The answer is 18', 'Final answer: "
+        "18'; math-verify ExprExtractionConfig without anchorless fallback): small models rarely write LaTeX. "
+        "False = the paper's LaTeX-only extraction."
     )
     max_workers: int = Field(2, gt=0, description="Worker processes for scoring.")
 

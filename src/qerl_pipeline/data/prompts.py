@@ -6,13 +6,16 @@ System prompt
 prompts, we append ... Solve the following math problem step by step. The reasoning
 process and direct answer are enclosed within <think> </think> and <answer> </answer>
 tags, respectively, ..."), with the same wording the released training code sends as the
-system message for BigMath. We send it as the system message for every set (one format
-for training, rewards and evaluation); ``data.system_prompt`` replaces it.
+system message for BigMath. By default (``data.prompt_style: system``) it is the system
+message for every set (one format for training, rewards and evaluation);
+``prompt_style: suffix`` appends it to the question in a single user turn instead, as
+App. E words it. ``data.system_prompt`` replaces the text.
 
 Prompt record (ARCHITECTURE.md), one per problem::
 
     {"id": str, "source": str, "split": str,
      "messages": [{"role": "system", "content": ...}, {"role": "user", "content": question}],
+         # prompt_style suffix: [{"role": "user", "content": question + "\n" + instruction}]
      "question": str, "gold": str, "level": int | None}
 
 Validation
@@ -44,23 +47,31 @@ def system_prompt(custom: str | None = None) -> str:
     return PAPER_SYSTEM_PROMPT if custom is None else custom
 
 
-def build_messages(question: str, system: str | None = None) -> list[dict[str, str]]:
-    """Chat messages for one problem: the system prompt then the question as the user turn."""
-    return [
-        {"role": "system", "content": system_prompt(system)},
-        {"role": "user", "content": question},
-    ]
+def build_messages(question: str, system: str | None = None, style: str = "system") -> list[dict[str, str]]:
+    """Chat messages for one problem.
+
+    style "system": the instruction as the system message, the question as the user turn
+    (the released code's BigMath prompts). "suffix": one user turn, the question followed
+    by the instruction (App. E's wording: "we append the suffix").
+    """
+    instruction = system_prompt(system)
+    if style == "system":
+        return [{"role": "system", "content": instruction}, {"role": "user", "content": question}]
+    if style == "suffix":
+        return [{"role": "user", "content": f"{question}\n{instruction}"}]
+    raise ValueError(f"data.prompt_style: unknown style {style!r}; allowed: system, suffix")
 
 
 def make_record(
-    *, id: str, source: str, split: str, question: str, gold: str, level: int | None = None, system: str | None = None
+    *, id: str, source: str, split: str, question: str, gold: str, level: int | None = None, system: str | None = None,
+    style: str = "system",
 ) -> dict[str, Any]:
     """A prompt record (see the module docstring)."""
     return {
         "id": str(id),
         "source": source,
         "split": split,
-        "messages": build_messages(question, system),
+        "messages": build_messages(question, system, style),
         "question": question,
         "gold": gold,
         "level": None if level is None else int(level),

@@ -39,8 +39,6 @@ from qerl_pipeline.config import EvaluateConfig, RewardConfig, RolloutConfig
 
 log = logging.getLogger(__name__)
 
-#: vLLM's allowed ``max_lora_rank`` values (vllm.config.lora.MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: Prompts per generate call (progress granularity; vLLM batches inside a call anyway).
 CHUNK = 64
 
@@ -92,21 +90,6 @@ def adapter_rank(adapter_dir: str | Path) -> int:
     cfg = json.loads(path.read_text())
     ranks = [int(cfg["r"]), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())]
     return max(ranks)
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest rank vLLM accepts as ``max_lora_rank`` that fits ``rank``."""
-    for r in VLLM_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise ValueError(f"LoRA rank {rank} exceeds vLLM's maximum {VLLM_LORA_RANKS[-1]}")
-
-
-def weight_bytes(base_dir: str | Path) -> int:
-    """Bytes of a base checkpoint's weight files (top level only: not the ``serving/`` copy)."""
-    base_dir = Path(base_dir)
-    files = [p for p in base_dir.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt")]
-    return sum(p.stat().st_size for p in files)
 
 
 def _progress(enabled: bool):
@@ -244,6 +227,7 @@ def evaluate_policies(
     from transformers import AutoTokenizer
 
     from qerl_pipeline.rewards.math import RewardScorer
+    from qerl_pipeline.rl.trainer import vllm_lora_rank
     from qerl_pipeline.rollout.engine import RolloutEngine
 
     model_dir = Path(model_dir)

@@ -314,7 +314,8 @@ def runs_table(runs: Sequence[RunData]) -> pd.DataFrame:
                 "run_name": r.run_name,
                 "status": r.status,
                 "started": start,
-                "model": r.tags.get("model", r.params.get("model.name", "")),
+                "model": r.tags.get("model", r.params.get("model.name", ""))
+                + (" (random init)" if r.params.get("model.source") == "random" else ""),
                 "dataset": r.tags.get("dataset", r.params.get("data.train_source", "")),
                 "git_commit": r.tags.get("git_commit", r.tags.get("mlflow.source.git.commit", ""))[:12],
             }

@@ -14,6 +14,13 @@ Accuracy (faithful to the paper's reward, with two documented choices)
   ``try_extract_without_anchor=False`` (no anchorless fallback), the paper's
   normalisation (basic LaTeX, units, ``boxed="all"``; no nits/malformed-operator fixes),
   ``extraction_mode="first_match"``.
+* ``RewardConfig.anchored_plain_answers`` (default True) adds math-verify's
+  ``ExprExtractionConfig(try_extract_without_anchor=False)``: a plain number after an
+  anchor ("The answer is 2.", "Final answer: 1,234") counts; a bare number with no anchor
+  still does not. Measured: SmolLM2-135M-Instruct answers generator level-1 problems in
+  plain text ("... The answer is 2.") and never in LaTeX, so the LaTeX-only extraction
+  gave it no reward on any of 248 completions, i.e. no learning signal. False = the
+  paper's extraction.
 * Where it looks: the content of the last complete ``<answer>...</answer>`` pair when
   the completion has one, else the whole completion. The system prompt (paper App. E)
   asks for the answer inside ``<answer>`` tags, so reasoning numbers inside ``<think>``
@@ -108,20 +115,19 @@ def answer_region(completion: str) -> tuple[str, bool]:
 
 
 # --------------------------------------------------------------------- math-verify
-@lru_cache(maxsize=1)
-def _prediction_config() -> tuple:
+@lru_cache(maxsize=2)
+def _prediction_config(anchored_plain: bool = False) -> tuple:
     from latex2sympy2_extended import NormalizationConfig
-    from math_verify import LatexExtractionConfig
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
-    return (
-        LatexExtractionConfig(
-            normalization_config=NormalizationConfig(
-                basic_latex=True, units=True, malformed_operators=False, nits=False, boxed="all", equations=False
-            ),
-            boxed_match_priority=0,
-            try_extract_without_anchor=False,
+    latex = LatexExtractionConfig(
+        normalization_config=NormalizationConfig(
+            basic_latex=True, units=True, malformed_operators=False, nits=False, boxed="all", equations=False
         ),
+        boxed_match_priority=0,
+        try_extract_without_anchor=False,
     )
+    return (latex, ExprExtractionConfig(try_extract_without_anchor=False)) if anchored_plain else (latex,)
 
 
 def _quiet_math_verify() -> None:
@@ -154,13 +160,13 @@ def gold_is_parseable(gold: Any) -> bool:
     return gold is not None and bool(parse_gold(str(gold)))
 
 
-def extract_prediction(completion: str, answer_tag_as_boxed: bool = True) -> list:
-    """Parse a completion's answer (boxed first, anchored LaTeX only), per the module docstring."""
+def extract_prediction(completion: str, answer_tag_as_boxed: bool = True, anchored_plain: bool = True) -> list:
+    """Parse a completion's answer (boxed first, anchored only), per the module docstring."""
     from math_verify import parse
 
     _quiet_math_verify()
     region, tagged = answer_region(completion)
-    cfg = _prediction_config()
+    cfg = _prediction_config(anchored_plain)
     parsed = parse(region, extraction_config=cfg, extraction_mode="first_match", fallback_mode="no_fallback", parsing_timeout=None)
     if not parsed and tagged and answer_tag_as_boxed:
         inner = region.strip().strip("$").strip().rstrip(".").strip()
@@ -172,7 +178,7 @@ def extract_prediction(completion: str, answer_tag_as_boxed: bool = True) -> lis
     return [p for p in parsed if not isinstance(p, str)]
 
 
-def score_accuracy(completion: str, gold: str, answer_tag_as_boxed: bool = True) -> dict:
+def score_accuracy(completion: str, gold: str, answer_tag_as_boxed: bool = True, anchored_plain: bool = True) -> dict:
     """In-process accuracy (no time limit): ``{accuracy, extracted, gold_parsed}``.
 
     This is what each worker runs; call it directly only on trusted, short inputs.
@@ -180,7 +186,7 @@ def score_accuracy(completion: str, gold: str, answer_tag_as_boxed: bool = True)
     from math_verify import verify
 
     gold_parsed = parse_gold(str(gold))
-    pred = extract_prediction(completion, answer_tag_as_boxed)
+    pred = extract_prediction(completion, answer_tag_as_boxed, anchored_plain)
     extracted = str(pred[0])[:EXTRACTED_MAX_CHARS] if pred else None
     accuracy = 0.0
     if gold_parsed and pred:
@@ -200,7 +206,7 @@ def _worker_main() -> None:
     for line in sys.stdin.buffer:
         req = json.loads(line)
         try:
-            out = score_accuracy(req["c"], req["g"], req["tag"])
+            out = score_accuracy(req["c"], req["g"], req["tag"], req["plain"])
         except Exception as err:  # noqa: BLE001 - a scoring error is accuracy 0, reported
             out = {"accuracy": 0.0, "extracted": None, "gold_parsed": False, "error": repr(err)[:200]}
         proto.write((json.dumps(out) + "\n").encode())
@@ -233,10 +239,11 @@ class _Worker:
         *lines, self.buf = self.buf.split(b"\n")
         return lines
 
-    def send(self, item: int, completion: str, gold: str, tag: bool, timeout_s: float) -> None:
+    def send(self, item: int, completion: str, gold: str, cfg: RewardConfig) -> None:
         self.item = item
-        self.deadline = time.monotonic() + timeout_s
-        self.proc.stdin.write((json.dumps({"c": completion, "g": gold, "tag": tag}) + "\n").encode())
+        self.deadline = time.monotonic() + cfg.timeout_s
+        req = {"c": completion, "g": gold, "tag": cfg.answer_tag_as_boxed, "plain": cfg.anchored_plain_answers}
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
 
     def kill(self) -> None:
@@ -326,7 +333,7 @@ class RewardScorer:
                     if w.ready and w.item is None and pending:
                         i = pending.pop()
                         try:
-                            w.send(i, completions[i], golds[i], self.cfg.answer_tag_as_boxed, self.cfg.timeout_s)
+                            w.send(i, completions[i], golds[i], self.cfg)
                         except (BrokenPipeError, OSError):
                             pending.append(i)
                             w.item = None

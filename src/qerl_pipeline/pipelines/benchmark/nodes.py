@@ -352,6 +352,27 @@ def to_html(rows: list[dict[str, Any]], columns: list[str], title: str) -> str:
             f"</head><body><h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table></body></html>")
 
 
+def headline(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per method: rollout and training speed as fractions of their limits, ours vs TRL."""
+    got = {(r["section"], r["subject"], r["metric"]): r for r in table["rows"]}
+    b = table["rollout"]["train_batch"]
+    out = []
+    for t in table["training"]:
+        m, fmt = t["method"], t["format"]
+        roll = got.get(("rollout", fmt, f"tokens_per_s_lora@batch{b}"), {})
+        train = got.get(("training", m, "tokens_per_s"), {})
+        out.append({
+            "method": m, "format": fmt,
+            f"rollout_tok_s@batch{b}": roll.get("value"), "rollout_fraction_of_limit": roll.get("fraction_of_limit"),
+            "train_step_s": t["step_time_s"], "train_fraction_of_limit": train.get("fraction_of_limit"),
+            "peak_mem_MiB": t["peak_memory_bytes"] / 2**20,
+            "our_step_s": got.get(("peer", m, "our_step_time_s"), {}).get("value"),
+            "trl_step_s": got.get(("peer", "trl", "step_time_s"), {}).get("value"),
+            "ours_over_trl": got.get(("peer", m, "our_over_trl_step_time"), {}).get("value"),
+        })
+    return out
+
+
 def metric_name(row: dict[str, Any], field: str = "value") -> str:
     """MLflow metric name of a table row: ``bench.<section>.<subject>.<metric>[.limit|.fraction]``."""
     metric = row["metric"].replace("@", ".")
@@ -374,8 +395,13 @@ def write_report(table: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, 
     paths = {"csv": out / "benchmark.csv", "markdown": out / "benchmark.md", "html": out / "benchmark.html",
              "raw": out / "benchmark_raw.json"}
     _write_atomic(paths["csv"], pd.DataFrame(rows, columns=columns).to_csv(index=False))
-    _write_atomic(paths["markdown"], f"# {title}\n\n{time.strftime('%Y-%m-%d %H:%M')}\n\n" + to_markdown(rows, columns) + "\n")
-    _write_atomic(paths["html"], to_html(rows, columns, title))
+    head = headline(table)
+    head_cols = list(head[0]) if head else []
+    when = time.strftime("%Y-%m-%d %H:%M")
+    _write_atomic(paths["markdown"], f"# {title}\n\n{when}\n\n## Per method\n\n{to_markdown(head, head_cols)}\n\n"
+                  f"## Every figure\n\n{to_markdown(rows, columns)}\n")
+    _write_atomic(paths["html"], to_html(head, head_cols, title).replace("</body></html>", "")
+                  + to_html(rows, columns, "Every figure").split("<body>", 1)[1])
     _write_atomic(paths["raw"], json.dumps({k: v for k, v in table.items() if k != "rows"}, indent=1, default=str))
 
     metrics = {}

@@ -43,7 +43,7 @@ def _records(
     system = system_prompt(cfg.system_prompt)
     records = [
         make_record(id=r["id"], source=name, split=split, question=r["question"], gold=r["gold"], level=r["level"],
-                    system=system)
+                    system=system, style=cfg.prompt_style)
         for r in good
     ]
     summary = {
@@ -148,6 +148,7 @@ def build_data_report(train_summary: dict[str, Any], eval_summary: dict[str, Any
             "on_bad_row": cfg.on_bad_row,
             "on_missing_source": cfg.on_missing_source,
             "system_prompt": system_prompt(cfg.system_prompt),
+            "prompt_style": cfg.prompt_style,
         },
     }
 

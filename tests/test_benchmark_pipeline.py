@@ -30,6 +30,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("project")
     shutil.copytree(PROJECT / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
     (root / "conf" / "local").mkdir()
+    (root / "src").mkdir()  # Kedro wants the source dir; the package itself is installed
     for name in ("pyproject.toml", ".kedro.yml"):
         shutil.copy(PROJECT / name, root / name)
     mp = pytest.MonkeyPatch()

@@ -12,7 +12,10 @@ in a private 0700 temp dir) rather than stdin/stdout pipes: vLLM and its C++ ker
 write to stdout/stderr freely, which would corrupt a pipe protocol; with a socket the
 child's output goes to a log file whose tail is attached to every startup or crash
 error. The authkey (random, passed via the environment) keeps other local users out.
-Tensors cross as safetensors bytes (no pickled tensors, no torch version coupling).
+Tensors cross as safetensors files in that private temp dir, written by one side and
+read by the vLLM worker itself: passing bytes through the socket and then through
+``collective_rpc`` would copy a merge sync (hundreds of MB for SmolLM2, GBs for 7B) three
+times through two more processes (server -> engine core -> worker). No pickled tensors.
 
 Behaviour:
 
@@ -52,8 +55,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import load_file, save_file
 
 from qerl_pipeline.config import RolloutConfig
 from qerl_pipeline.profile import engine_env
@@ -124,6 +126,7 @@ class RolloutEngine:
         os.chmod(self._tmp, 0o700)
         self.log_path = Path(log_file) if log_file else self._tmp / "engine.log"
         self._param_names: dict[str, str] | None = None
+        self._seq = 0
         _LIVE.add(self)
         spec = {
             "model": str(self.model_dir),
@@ -321,11 +324,19 @@ class RolloutEngine:
         return GenerateResult(samples, seconds, tokens, tokens / seconds if seconds > 0 else 0.0)
 
     # ---------------------------------------------------------------- weights
+    def _exchange_file(self, kind: str) -> Path:
+        self._seq += 1
+        return self._tmp / f"{kind}-{self._seq}.safetensors"
+
     def update_weights(self, tensors: dict[str, torch.Tensor]) -> float:
         """Set served weights by HF name (in place; prefix cache reset). Returns seconds."""
         t0 = time.perf_counter()
-        payload = st_save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
-        self._call("update_weights", payload=payload)
+        path = self._exchange_file("update")
+        try:
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path))
+            self._call("update_weights", path=str(path))
+        finally:
+            path.unlink(missing_ok=True)
         return time.perf_counter() - t0
 
     def load_dense_weights(self, tensors: dict[str, torch.Tensor]) -> float:
@@ -334,7 +345,12 @@ class RolloutEngine:
 
     def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Served values by HF name (fused parameters sliced back apart)."""
-        return st_load(self._call("read_weights", names=list(names)))
+        path = self._exchange_file("read")
+        try:
+            self._call("read_weights", names=list(names), path=str(path))
+            return load_file(str(path))
+        finally:
+            path.unlink(missing_ok=True)
 
     def param_names(self) -> dict[str, str]:
         """HF name -> kind (norm, linear, embedding, other) of every served parameter."""
@@ -367,8 +383,7 @@ def lora_deltas(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
         raise NotImplementedError(f"{adapter_dir}: rank_pattern/alpha_pattern adapters are not supported by merge sync")
     r = cfg["r"]
     scale = cfg["lora_alpha"] / (r**0.5 if cfg.get("use_rslora") else r)
-    with open(adapter_dir / "adapter_model.safetensors", "rb") as f:
-        weights = st_load(f.read())
+    weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
     deltas = {}
     for key, a in weights.items():
         if ".lora_A." not in key:

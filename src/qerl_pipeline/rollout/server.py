@@ -153,15 +153,15 @@ class Server:
             samples.append(group)
         return {"samples": samples, "seconds": seconds}
 
-    def op_update_weights(self, payload: bytes) -> list[str]:
+    def op_update_weights(self, path: str) -> list[str]:
         self._awake()
-        names = self.llm.collective_rpc("qerl_update_weights", args=(payload,))[0]
+        names = self.llm.collective_rpc("qerl_update_weights", args=(path,))[0]
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         return names
 
-    def op_read_weights(self, names: list[str]) -> bytes:
+    def op_read_weights(self, names: list[str], path: str) -> str:
         self._awake()
-        return self.llm.collective_rpc("qerl_read_weights", args=(list(names),))[0]
+        return self.llm.collective_rpc("qerl_read_weights", args=(list(names), path))[0]
 
     def op_param_names(self) -> dict[str, str]:
         return self.llm.collective_rpc("qerl_param_names")[0]

@@ -41,8 +41,7 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import load_file, save_file
 
 
 @dataclass
@@ -182,13 +181,13 @@ class QerlWorkerExtension:
         return self._qerl_shadow[key]
 
     # ---------------------------------------------------------------- updates
-    def qerl_update_weights(self, payload: bytes) -> list[str]:
-        """Set served weights from safetensors ``payload`` (HF names); returns the names set."""
+    def qerl_update_weights(self, path: str) -> list[str]:
+        """Set served weights from the safetensors file ``path`` (HF names); returns the names set."""
         import torch.nn as nn
         from vllm.platforms import current_platform
 
         index = self._qerl_index()
-        tensors = st_load(payload)
+        tensors = load_file(path)
         unknown = sorted(set(tensors) - set(index))
         if unknown:
             raise KeyError(f"unknown parameter name(s) {unknown[:5]}; the served model has e.g. {sorted(index)[:3]}")
@@ -233,8 +232,8 @@ class QerlWorkerExtension:
                     self._qerl_shadow[id(module)] = dense
         return sorted(tensors)
 
-    def qerl_read_weights(self, names: list[str]) -> bytes:
-        """The served values of ``names`` (HF names) as safetensors bytes."""
+    def qerl_read_weights(self, names: list[str], path: str) -> str:
+        """Write the served values of ``names`` (HF names) to the safetensors file ``path``."""
         index = self._qerl_index()
         out = {}
         for name in names:
@@ -248,4 +247,5 @@ class QerlWorkerExtension:
             if target.rows is not None:
                 value = value[target.rows]
             out[name] = value.detach().to("cpu").clone().contiguous()
-        return st_save(out)
+        save_file(out, path)
+        return path

@@ -420,8 +420,19 @@ def calibrated_nvfp4_base(model, tokenizer, out_dir: Path, *, algorithm: str, te
     enc = tokenizer(texts, truncation=True, max_length=max_seq_len)
     ds = Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     model = model.to(BASE_DTYPE)
-    oneshot(model=model, processor=tokenizer, dataset=ds, recipe=recipe, num_calibration_samples=len(texts),
-            max_seq_length=max_seq_len)
+    # llmcompressor re-reads the model's config from ``config.name_or_path`` (to refuse
+    # already-quantized checkpoints); a GGUF- or randomly-built model has no such folder,
+    # so point it at a copy of the in-memory config for the duration of the call.
+    cfg_dir = Path(tempfile.mkdtemp(prefix=".calib-config."))
+    old_name = model.config.name_or_path
+    try:
+        model.config.save_pretrained(cfg_dir)
+        model.config.name_or_path = str(cfg_dir)
+        oneshot(model=model, processor=tokenizer, dataset=ds, recipe=recipe, num_calibration_samples=len(texts),
+                max_seq_length=max_seq_len)
+    finally:
+        model.config.name_or_path = old_name
+        shutil.rmtree(cfg_dir, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".calib.", dir=Path(out_dir).parent))
     try:
         model.save_pretrained(tmp, save_compressed=True)

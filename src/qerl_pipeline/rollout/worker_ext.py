@@ -55,6 +55,7 @@ class _Target:
     full_shape: tuple[int, ...]  # shape of the whole (fused, padded) vLLM parameter
     kind: str  # norm | linear | embedding | other
     fused_names: tuple[str, ...]  # HF names sharing the same vLLM parameter (for shadow seeding)
+    users: tuple[torch.nn.Module, ...] = ()  # modules holding this tensor (tied weights), fixed at index time
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -130,8 +131,11 @@ class QerlWorkerExtension:
                 else:
                     name = f"{clean}.{pname}"
                     index[name] = _Target(module, pname, None, full, full, kind, (name,))
+        for target in index.values():
+            # by module object, not by id(param): params replaced by an update are freed
+            # and their ids reused, so an id-keyed map would go stale
+            target.users = tuple(sharers.get(id(getattr(target.module, target.param)), [target.module]))
         self._qerl_index_cache = index
-        self._qerl_sharers = sharers
         self._qerl_shadow: dict[int, torch.Tensor] = {}
         return index
 
@@ -225,8 +229,7 @@ class QerlWorkerExtension:
                 if not is_live:
                     # CPU linear: the kernel copy was packed from a weight vLLM then dropped
                     setattr(module, target.param, nn.Parameter(dense.clone(), requires_grad=False))
-                param_id = id(getattr(module, target.param))
-                for user in self._qerl_sharers.get(param_id, [module]):
+                for user in target.users:  # the module, plus a tied lm_head sharing the tensor
                     user.quant_method.process_weights_after_loading(user)
                 if getattr(module, target.param).numel() != dense.numel():
                     self._qerl_shadow[id(module)] = dense

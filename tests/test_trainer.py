@@ -7,11 +7,10 @@ One module, few runs, shared between assertions (each run starts a vLLM engine, 
    checkpoint, then started again: it resumes and must end with the reference's adapter.
 3. an in-process run on the same base whose loss is made NaN at step 3.
 
-A random tiny model never earns a math reward (no ``<answer>`` tags) and never stops
-before the length cap, so every advantage would be 0 and the adapter would never move:
-resume equivalence would hold trivially. So the runs use a tiny model edited to stop
-after a varying number of tokens, with DAPO's overlong shaping over the whole length
-(reward -length/cap): groups have unequal rewards and the adapter really trains.
+A random tiny model never earns a math reward, so every advantage would be 0 and the
+adapter would never move: resume equivalence would hold trivially. So the runs use the
+trainer's custom-reward hook, ``train.reward_fn=tests.rewards_for_tests:letter_fraction``
+(a text reward that differs within groups): the adapter really trains.
 """
 
 from __future__ import annotations
@@ -27,42 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.rewards_for_tests import letter_fraction
+
 pytestmark = [pytest.mark.vllm, pytest.mark.kedro_run]
 
 STEPS = 4
-# DAPO overlong shaping with a buffer as long as the cap: reward = -length / max_new_tokens (smoke: 24),
-# a signal the stopping model below produces in every group.
-PARAMS = ("train.steps={steps},train.checkpoint_every=2,train.output_dir={out},model.source=local,model.name={model},"
-          "grpo.overlong.enabled=true,grpo.overlong.buffer_tokens=24,rollout.max_new_tokens=24")
-
-
-def _stopping_model(folder: Path, eos_boost: float = 0.2) -> Path:
-    """A random tiny model edited so that it ends completions early with varying lengths.
-
-    Every token embedding gets the same constant (1.0) in dimension 0, so after the final
-    RMSNorm the hidden state has a large, consistent component there; the (tied) EOS row
-    gets ``eos_boost`` more, which lifts only EOS's logit. At 0.2, 16 samples of 24
-    tokens end after 1..24 tokens (measured), so the length-based reward differs within
-    groups.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from qerl_pipeline.models import tiny_model_folder
-
-    tiny_model_folder(folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    with torch.no_grad():
-        emb = model.get_input_embeddings().weight
-        emb[:, 0] = 1.0
-        emb[tok.eos_token_id, 0] = 1.0 + eos_boost
-    model.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def stopping_model(tmp_path_factory) -> Path:
-    return _stopping_model(tmp_path_factory.mktemp("stopping") / "model")
+REWARD_FN = "tests.rewards_for_tests:letter_fraction"
+# lr 1e-3 (paper: 1e-5) so that 4 steps move the adapter well above the comparison tolerance
+PARAMS = "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},optim.lr.qerl=1e-3,train.reward_fn=" + REWARD_FN
+#: resumed vs uninterrupted final adapter: fp32 on CPU, same seeds -> equal up to float rounding
+RTOL, ATOL = 1e-4, 1e-7
+PROJECT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +44,13 @@ def tracking(tmp_path_factory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
 
 
-def _kedro(project: Path, out: Path, model: Path, tracking: str) -> subprocess.Popen:
-    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking, KEDRO_DISABLE_TELEMETRY="true", PYTHONUNBUFFERED="1")
+def _kedro(project: Path, out: Path, tracking: str) -> subprocess.Popen:
+    # PYTHONPATH: the project root, so the kedro process can import tests.rewards_for_tests
+    pythonpath = os.pathsep.join(p for p in (str(PROJECT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking, KEDRO_DISABLE_TELEMETRY="true", PYTHONUNBUFFERED="1",
+               PYTHONPATH=pythonpath)
     cmd = [str(Path(sys.executable).parent / "kedro"), "run", "--pipeline=train", "--env", "smoke",
-           "--params", PARAMS.format(steps=STEPS, out=out, model=model)]
+           "--params", PARAMS.format(steps=STEPS, out=out)]
     log = open(out.parent / f"{out.name}.log", "ab")
     return subprocess.Popen(cmd, cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -102,16 +79,19 @@ def _run_for(client, out: Path):
 
 
 @pytest.fixture(scope="module")
-def reference(project_path, stopping_model, tracking, tmp_path_factory) -> Path:
+def reference(project_path, tracking, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "out"
-    _finish(_kedro(project_path, out, stopping_model, tracking), out)
+    _finish(_kedro(project_path, out, tracking), out)
     return out
 
 
 @pytest.fixture(scope="module")
-def resumed(project_path, stopping_model, tracking, tmp_path_factory) -> tuple[Path, bool]:
+def resumed(project_path, tracking, tmp_path_factory) -> tuple[Path, bool, str]:
+    """Killed right after its step-2 checkpoint, then rerun; also the run id the killed process used."""
+    from qerl_pipeline.rl import checkpoint as ckpt
+
     out = tmp_path_factory.mktemp("resume") / "out"
-    proc = _kedro(project_path, out, stopping_model, tracking)
+    proc = _kedro(project_path, out, tracking)
     first = out / "qerl" / "checkpoints" / "step-000002" / "meta.json"
     deadline = time.monotonic() + 420
     while not first.exists():
@@ -121,8 +101,9 @@ def resumed(project_path, stopping_model, tracking, tmp_path_factory) -> tuple[P
     os.killpg(proc.pid, signal.SIGKILL)  # kedro and its children in that group; the engine exits on EOF
     proc.wait(timeout=30)
     killed_mid_run = not (out / "qerl" / "final_adapter").exists()
-    _finish(_kedro(project_path, out, stopping_model, tracking), out)
-    return out, killed_mid_run
+    killed_run_id = ckpt.peek_state(ckpt.find_latest(out / "qerl"))["run_id"]
+    _finish(_kedro(project_path, out, tracking), out)
+    return out, killed_mid_run, killed_run_id
 
 
 def test_reference_run_trains_and_logs(reference, tracking):
@@ -134,7 +115,7 @@ def test_reference_run_trains_and_logs(reference, tracking):
     run_dir = reference / "qerl"
     adapter = _adapter(run_dir / "final_adapter")
     lora_b = [t for k, t in adapter.items() if "lora_B" in k]
-    assert lora_b and any(float(t.abs().max()) > 0 for t in lora_b), "the adapter never moved from its zero init"
+    assert lora_b and max(float(t.abs().max()) for t in lora_b) > 100 * ATOL, "the adapter never moved from its zero init"
     client = MlflowClient(tracking)
     run = _run_for(client, reference)
     assert run.info.status == "FINISHED"
@@ -145,7 +126,7 @@ def test_reference_run_trains_and_logs(reference, tracking):
                 "optim/lr", "rollout/tokens_per_s", "time/update_s", "memory/peak_gb"):
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == list(range(1, STEPS + 1)), key
-    # the stopping model gives groups with unequal rewards: the loss had a signal
+    # the text reward differs within groups: the loss had a signal
     stds = [m.value for m in client.get_metric_history(run.info.run_id, "reward/std")]
     assert max(stds) > 0
     # sigma follows the schedule of the smoke config (stage 0 = 0, then decaying)
@@ -167,14 +148,15 @@ def test_reference_run_trains_and_logs(reference, tracking):
 def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking):
     from mlflow.tracking import MlflowClient
 
-    out, killed_mid_run = resumed
+    out, killed_mid_run, killed_run_id = resumed
     assert killed_mid_run, "the run finished before it could be killed"
     ref, res = _adapter(reference / "qerl" / "final_adapter"), _adapter(out / "qerl" / "final_adapter")
     assert ref.keys() == res.keys()
     for key in ref:
-        torch.testing.assert_close(res[key], ref[key], rtol=1e-4, atol=1e-6, msg=key)
+        torch.testing.assert_close(res[key], ref[key], rtol=RTOL, atol=ATOL, msg=key)
     client = MlflowClient(tracking)
     run = _run_for(client, out)
+    assert killed_run_id and run.info.run_id == killed_run_id  # the resumed run went on in the same MLflow run
     assert run.data.tags.get("qerl.resumed_at_step") == "2"
     assert run.info.status == "FINISHED"
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean"))
@@ -184,7 +166,8 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking
     assert res_rewards == pytest.approx(ref_rewards)
 
 
-def test_nan_loss_stops_with_step_and_marks_run_failed(reference, stopping_model, tracking, tmp_path, monkeypatch):
+def test_nan_loss_stops_with_step_and_marks_run_failed(reference, tracking, tmp_path):
+    """A NaN reward at step 3 (through the reward hook) makes the loss NaN: the run stops there."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -200,38 +183,39 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(reference, stopping_model
         for i in range(1, 9)
     ]
     cfg = QerlConfig.model_validate({
-        "model": {"source": "local", "name": str(stopping_model), "max_seq_len": 512},
-        "lora": {"rank": 4, "alpha": 8}, "rollout": {"max_new_tokens": 16},
-        "grpo": {"num_generations": 2, "overlong": {"enabled": True, "buffer_tokens": 16}},
-        "train": {"steps": 4, "prompts_per_step": 2, "checkpoint_every": 2, "output_dir": str(tmp_path)},
+        "model": {"source": "random", "max_seq_len": 512},
+        "lora": {"rank": 4, "alpha": 8}, "rollout": {"max_new_tokens": 8},
+        "grpo": {"num_generations": 2},
+        "train": {"steps": 3, "prompts_per_step": 2, "checkpoint_every": 2, "output_dir": str(tmp_path)},
     })
-    real_update, real_loss = trainer._update, trainer.grpo.policy_loss
+    calls = []
 
-    def nan_loss(*args, **kwargs):
-        loss, stats = real_loss(*args, **kwargs)
-        return loss * float("nan"), stats
+    def nan_at_step_3(completions, golds, samples):  # one call per step (no dynamic sampling)
+        calls.append(len(completions))
+        rows = letter_fraction(completions, golds, samples)
+        if len(calls) == 3:
+            rows[0]["reward"] = float("nan")
+        return rows
 
-    def update(*args, **kwargs):
-        if args[-1] == 2:  # 0-based step 2 = step 3
-            monkeypatch.setattr(trainer.grpo, "policy_loss", nan_loss)
-        return real_update(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "_update", update)
     loggers = []
 
     def make_logger(run_id):
         loggers.append(MlflowLogger(run_id))
         return loggers[-1]
 
-    with pytest.raises(trainer.TrainingDiverged, match=r"at step 3\b"):
-        trainer.train(cfg, base, records, make_logger=make_logger, progress=False)
+    try:
+        with pytest.raises(trainer.TrainingDiverged, match=r"at step 3\b"):
+            trainer.train(cfg, base, records, make_logger=make_logger, progress=False, reward_fn=nan_at_step_3)
+    finally:
+        if mlflow.active_run() is not None:
+            mlflow.end_run("FAILED")  # the fluent run MlflowLogger(None) opened in this process
+    assert len(calls) == 3
     run = MlflowClient(tracking).get_run(loggers[0].run_id)
     assert run.info.status == "FAILED"
     assert "step 3" in run.data.tags["qerl.failure"]
     latest = ckpt.find_latest(tmp_path / "qerl")
     assert latest is not None and latest.name == "step-000002"  # the last good state is kept
     assert not (tmp_path / "qerl" / "final_adapter").exists()
-    mlflow.end_run("FAILED")  # the fluent run MlflowLogger(None) opened in this process
 
 
 def _latest_summary(out: Path) -> Path:

@@ -284,6 +284,13 @@ class TrainConfig(Section):
     output_dir: str = Field("data/06_models/train", description="Checkpoints and the final adapter go under <output_dir>/<method>.")
     resume: bool = Field(True, description="Resume from the newest checkpoint in output_dir when there is one.")
     seed: int = Field(0, description="Seed of data order, dropout and everything else in the trainer.")
+    reward_fn: str | None = Field(
+        None,
+        description="Custom reward instead of the math reward (the library hook, as TRL's reward_funcs): an import "
+        "path 'package.module:function' (or 'package.module.function') of f(completions: list[str], golds: list[str], "
+        "samples) -> list[dict] with at least 'reward' (optional 'accuracy', 'format'), one per completion, like "
+        "RewardScorer.score; samples are the rollout Samples (token ids, log-probs). None = RewardScorer(reward).",
+    )
 
 
 # ----------------------------------------------------------------- evaluate/compare

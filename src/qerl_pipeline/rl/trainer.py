@@ -9,7 +9,8 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
    checkpointed), ``num_generations`` samples each, with the current adapter folder.
    Dynamic sampling (DAPO) drops groups with equal rewards and refills for up to
    ``max_refill_rounds`` extra rounds (same noise, new sampling seed).
-3. Rewards (``RewardScorer``) + optional overlong shaping; group advantages.
+3. Rewards (``RewardScorer``, or a custom ``reward_fn``: argument or ``train.reward_fn``
+   import path, see ``step.make_scorer``) + optional overlong shaping; group advantages.
 4. ``updates_per_rollout`` optimizer steps over the batch (micro-batches, gradient
    accumulation), all inside ``aqn.noisy_norms`` so the trainer's log-probs are those of the
    policy that generated the batch. pi_old is the trainer's log-prob at the first update
@@ -20,9 +21,8 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
 5. The adapter is saved to a new step folder (the engine loads it under a new LoRA id);
    checkpoints every ``checkpoint_every`` steps.
 
-Log-probs are computed from the decoder's hidden states at the completion positions
-only (right-padded batch, lm_head applied to ``[n, T, H]``), divided by the sampling
-temperature, which is what vLLM reports in ``processed_logprobs`` mode.
+The step's parts (prompts, rollout + rewards, log-probs, the update) live in
+``rl/step.py``; this module is the loop, the optimizer, adapters and run control.
 
 Resume: the newest checkpoint of ``<output_dir>/<method>`` restores trainable tensors,
 optimizer, scheduler, RNG, data cursor and the MLflow run id; metrics go on in that run.
@@ -50,66 +50,26 @@ import torch
 from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
 from qerl_pipeline.rl import aqn, grpo
 from qerl_pipeline.rl import checkpoint as ckpt
+from qerl_pipeline.rl.step import (  # noqa: F401 - re-exported: the trainer's public names
+    PromptItem,
+    PromptSampler,
+    RewardFn,
+    TrainingDiverged,
+    _mean,
+    collate,
+    collect,
+    completion_logprobs,
+    completion_rows,
+    make_scorer,
+    policy_update,
+    tokenize_prompts,
+)
 from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, git_commit
 
 log = logging.getLogger(__name__)
 
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN/Inf; the message names the step."""
-
-
-# ------------------------------------------------------------------ data
-@dataclass
-class PromptItem:
-    ids: list[int]
-    gold: str
-    record: dict
-
-
-def tokenize_prompts(records: list[dict], tokenizer, max_prompt_len: int) -> tuple[list[PromptItem], int]:
-    """Chat-template each record's messages; drop (and count) prompts longer than ``max_prompt_len``."""
-    items, dropped = [], 0
-    for i, rec in enumerate(records):
-        for key in ("messages", "gold"):
-            if key not in rec:
-                raise KeyError(f"prompt record {i} (id={rec.get('id')!r}) has no {key!r} field")
-        ids = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = [int(t) for t in ids]
-        if len(ids) > max_prompt_len:
-            dropped += 1
-            continue
-        items.append(PromptItem(ids, str(rec["gold"]), rec))
-    if not items:
-        raise ValueError(f"no usable prompts: all {len(records)} are longer than {max_prompt_len} tokens or the set is empty")
-    return items, dropped
-
-
-class PromptSampler:
-    """Epochs of seeded permutations; the state is ``(epoch, pos)`` (checkpointed)."""
-
-    def __init__(self, n: int, seed: int, epoch: int = 0, pos: int = 0):
-        self.n, self.seed, self.epoch, self.pos = n, seed, epoch, pos
-        self._perm = self._permutation(epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-        return torch.randperm(self.n, generator=gen).tolist()
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.pos >= self.n:
-                self.epoch, self.pos = self.epoch + 1, 0
-                self._perm = self._permutation(self.epoch)
-            out.append(self._perm[self.pos])
-            self.pos += 1
-        return out
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
+#: The update under its historical name (``benchmarking/training.py`` times it).
+_update = policy_update
 
 
 # --------------------------------------------------------------- optimizer
@@ -143,59 +103,6 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-# --------------------------------------------------------------- log-probs
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [n, L] right-padded prompt+completion
-    prompt_lens: torch.Tensor  # [n]
-    comp_lens: torch.Tensor  # [n]
-    rollout_logp: torch.Tensor  # [n, T]
-    mask: torch.Tensor  # [n, T]
-    advantages: torch.Tensor  # [n]
-
-
-def collate(samples: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids ``[n, L]``, prompt and completion lengths, rollout log-probs ``[n, T]``."""
-    p_lens = torch.tensor([len(s.prompt_ids) for s in samples])
-    c_lens = torch.tensor([len(s.completion_ids) for s in samples])
-    length = int((p_lens + c_lens).max())
-    t_max = max(1, int(c_lens.max()))
-    ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
-    roll = torch.zeros(len(samples), t_max)
-    for i, s in enumerate(samples):
-        seq = list(s.prompt_ids) + list(s.completion_ids)
-        ids[i, : len(seq)] = torch.tensor(seq)
-        if s.completion_ids:
-            roll[i, : len(s.completion_ids)] = torch.tensor(s.logprobs, dtype=torch.float32)
-    return ids, p_lens, c_lens, roll
-
-
-def completion_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs ``[n, T]`` of the completion tokens and the policy entropy ``[n, T]`` (detached).
-
-    ``model``: a (PEFT-wrapped) causal LM; the decoder runs on the full right-padded rows
-    (causal attention never lets a real token see the padding after it), lm_head only on
-    the ``T`` positions that predict completion tokens.
-    """
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    device = next(inner.parameters()).device
-    input_ids = input_ids.to(device)
-    hidden = inner.model(input_ids=input_ids).last_hidden_state  # [n, L, H]
-    length = input_ids.shape[1]
-    pos = (prompt_lens.to(device).unsqueeze(1) - 1 + torch.arange(t_max, device=device).unsqueeze(0)).clamp(max=length - 2)
-    rows = torch.arange(input_ids.shape[0], device=device).unsqueeze(1)
-    logits = inner.lm_head(hidden[rows, pos]).float() / temperature  # [n, T, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    targets = input_ids[rows, pos + 1]
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
 
 # --------------------------------------------------------------- the loop
 @dataclass
@@ -267,17 +174,19 @@ def train(
     engine: Any = None,
     dataset_name: str | None = None,
     progress: bool = True,
+    reward_fn: RewardFn | str | None = None,
 ) -> TrainResult:
     """Train ``cfg.method`` on ``records`` (prompt records) over the base in ``base_dir``.
 
     ``make_logger(run_id)``: the metrics logger; called with the run id stored in the
     checkpoint when resuming (None for a fresh run). ``engine``: an already started
     ``RolloutEngine`` on the serving folder (tests share one); by default one is started
-    and closed here.
+    and closed here. ``reward_fn(completions, golds, samples) -> list[dict]`` (or an import
+    path ``"module:function"``): a custom reward replacing the math ``RewardScorer``, the hook
+    for custom rewards (like TRL's ``reward_funcs``); default ``cfg.train.reward_fn``.
     """
     from qerl_pipeline.models import resolve_dtype
     from qerl_pipeline.quantization.policy import build_policy, serving_dir
-    from qerl_pipeline.rewards.math import RewardScorer
 
     t_start = time.perf_counter()
     base_dir = Path(base_dir)
@@ -332,7 +241,7 @@ def train(
             serving_dir(base_dir), max_model_len=cfg.model.max_seq_len, enable_lora=True,
             max_lora_rank=vllm_lora_rank(cfg.lora.rank), dtype="auto", seed=rc.seed, rollout=rc,
         )
-    scorer = RewardScorer(cfg.reward)
+    scorer = make_scorer(cfg, reward_fn)
     aqn_on = cfg.aqn_enabled()
     engine_norms = engine.norm_weight_names()
     sync_names = sorted(set((aqn.noisy_target_names(engine_norms) if aqn_on else []) + (engine_norms if cfg.lora.train_norms else [])))
@@ -354,7 +263,7 @@ def train(
             noisy = aqn.apply_noise(clean, noise) if clean else {}
             sync_s = engine.update_weights(noisy) if noisy else 0.0
 
-            groups, rewards, info, roll = _collect(engine, scorer, sampler, items, cfg, step, adapter_dir)
+            groups, rewards, info, roll = collect(engine, scorer, sampler, items, cfg, step, adapter_dir)
             t_roll = time.perf_counter()
             samples = [s for g in groups for s in g]
             r = torch.tensor([x["reward"] for x in rewards], dtype=torch.float32)
@@ -362,7 +271,7 @@ def train(
             ids, p_lens, c_lens, roll_logp = collate(samples, pad_id)
             truncated = torch.tensor([s.finish_reason == "length" for s in samples])
             mask = grpo.completion_mask(c_lens, roll_logp.shape[1], truncated if gc.mask_truncated else None)
-            upd = _update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg, step)
+            upd = policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg, step)
             t_upd = time.perf_counter()
             adapter_dir = _save_adapter(policy, adapters / f"step-{step + 1:06d}")
             for old in sorted(adapters.glob("step-*"))[:-2]:
@@ -382,7 +291,7 @@ def train(
             logger.log_metrics(metrics, step=step + 1)
             history.append({"step": step + 1, **metrics})
             if (step + 1) % tc.log_completions_every == 0 or step == start_step:
-                logger.log_table(_completion_rows(groups, rewards, items, info, step + 1), f"completions/step_{step + 1:05d}.json")
+                logger.log_table(completion_rows(groups, rewards, items, info, step + 1), f"completions/step_{step + 1:05d}.json")
             if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
                 ckpt.save_checkpoint(
                     run_dir, step + 1, policy=policy, optimizer=optimizer, scheduler=scheduler,
@@ -425,11 +334,6 @@ def vllm_lora_rank(rank: int) -> int:
     raise ValueError(f"lora.rank {rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
 
 
-def _mean(values) -> float:
-    values = [float(v) for v in values]
-    return sum(values) / len(values) if values else 0.0
-
-
 def _tokenizer(base_dir: Path, cfg: QerlConfig):
     """The base folder's tokenizer (quantize saves it there), else the configured model's."""
     from transformers import AutoTokenizer
@@ -443,155 +347,6 @@ def _tokenizer(base_dir: Path, cfg: QerlConfig):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def _collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg: QerlConfig, step: int, adapter_dir: Path):
-    """Rollout + rewards for one step, with DAPO dynamic sampling when enabled."""
-    gc, rc, tc = cfg.grpo, cfg.rollout, cfg.train
-    g = gc.num_generations
-    kept_groups, kept_rewards, kept_idx = [], [], []
-    all_groups, all_rewards, all_idx = [], [], []
-    seconds = tokens = reward_s = 0.0
-    rounds, zero_std = 0, None
-    need = tc.prompts_per_step
-    while True:
-        idx = sampler.take(need)
-        seed = rc.seed * 1_000_003 + step * 1_009 + rounds * 101
-        res = engine.generate(
-            [items[i].ids for i in idx], n=g, temperature=rc.temperature, top_p=rc.top_p,
-            max_new_tokens=rc.max_new_tokens, seed=seed, lora_path=adapter_dir,
-        )
-        seconds += res.seconds
-        tokens += res.output_tokens
-        t0 = time.perf_counter()
-        texts = [s.text for grp in res.samples for s in grp]
-        golds = [items[i].gold for i in idx for _ in range(g)]
-        scored = scorer.score(texts, golds)
-        if gc.overlong.enabled:
-            lengths = torch.tensor([len(s.completion_ids) for grp in res.samples for s in grp])
-            pen = grpo.overlong_penalty(lengths, rc.max_new_tokens, gc.overlong.buffer_tokens, gc.overlong.penalty)
-            for x, p in zip(scored, pen.tolist()):
-                x["overlong"] = p
-                x["reward"] = x["reward"] + p
-        reward_s += time.perf_counter() - t0
-        r = torch.tensor([x["reward"] for x in scored])
-        if zero_std is None:
-            zero_std = grpo.zero_std_fraction(r, g)
-        rounds += 1
-        per_group = [scored[j * g : (j + 1) * g] for j in range(len(idx))]
-        all_groups += res.samples
-        all_rewards += per_group
-        all_idx += idx
-        if not gc.dynamic_sampling:
-            kept_groups, kept_rewards, kept_idx = all_groups, all_rewards, all_idx
-            break
-        keep = grpo.dynamic_sampling_keep(r, g).tolist()
-        for j, k in enumerate(keep):
-            if k:
-                kept_groups.append(res.samples[j])
-                kept_rewards.append(per_group[j])
-                kept_idx.append(idx[j])
-        need = tc.prompts_per_step - len(kept_groups)
-        if need <= 0 or rounds > gc.max_refill_rounds:
-            break
-    if not kept_groups:  # nothing informative: train on the first round (zero advantages, zero loss)
-        kept_groups, kept_rewards, kept_idx = all_groups[: tc.prompts_per_step], all_rewards[: tc.prompts_per_step], all_idx[: tc.prompts_per_step]
-    kept_groups = kept_groups[: tc.prompts_per_step]
-    kept_rewards = kept_rewards[: tc.prompts_per_step]
-    rewards = [x for grp in kept_rewards for x in grp]
-    info = {
-        "rounds": rounds, "zero_std_fraction": zero_std, "reward_s": reward_s, "idx": kept_idx[: tc.prompts_per_step],
-        "overlong": _mean(x.get("overlong", 0.0) for x in rewards),
-    }
-    return kept_groups, rewards, info, {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
-
-
-def _update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg: QerlConfig, step: int) -> dict:
-    """``updates_per_rollout`` optimizer steps on one rollout batch (under the batch's noisy norms)."""
-    gc, tc, rc = cfg.grpo, cfg.train, cfg.rollout
-    n, t_max = roll_logp.shape
-    n_tok = float(mask.sum())
-    mb = tc.micro_batch_size
-    chunks = [slice(i, min(n, i + mb)) for i in range(0, n, mb)]
-    old_logp: dict[int, torch.Tensor] = {}
-    ref_logp: dict[int, torch.Tensor] = {}
-    want_ref = gc.kl_beta > 0 or gc.log_kl_to_base
-    stats_acc: dict[str, float] = {"entropy": 0.0, "mismatch_kl": 0.0, "tis_weight": 0.0, "kl_to_base": 0.0}
-    clip_sum = clip_low = clip_high = 0.0
-    grad_norms, losses = [], []
-    with aqn.noisy_norms(norm_params, noisy):
-        if want_ref:
-            with torch.no_grad(), policy.disable_adapter():
-                for k, sl in enumerate(chunks):
-                    ref_logp[k] = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)[0].detach().cpu()
-        for u in range(gc.updates_per_rollout):
-            optimizer.zero_grad(set_to_none=True)
-            total = 0.0
-            for k, sl in enumerate(chunks):
-                logp, ent = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)
-                logp = logp.cpu() if logp.device.type != "cpu" else logp
-                m, roll = mask[sl], roll_logp[sl]
-                roll = torch.where(torch.isfinite(roll), roll, logp.detach())  # a missing vLLM log-prob: weight 1
-                if u == 0:
-                    old_logp[k] = logp.detach()
-                    w = m.sum().clamp(min=1.0) / max(n_tok, 1.0)
-                    stats_acc["entropy"] += float((ent.cpu() * m).sum() / m.sum().clamp(min=1.0)) * float(w)
-                    stats_acc["mismatch_kl"] += grpo.mismatch_kl(roll, old_logp[k], m) * float(w)
-                is_w = grpo.tis_weights(old_logp[k], roll, gc.tis_cap)
-                if u == 0 and is_w is not None:
-                    stats_acc["tis_weight"] += float((is_w * m).sum()) / max(n_tok, 1.0)
-                loss, st = grpo.policy_loss(
-                    logp, old_logp[k], adv[sl], m, eps_low=gc.clip_eps_low, eps_high=gc.clip_eps_high,
-                    aggregation=gc.loss_aggregation, is_weights=is_w, ref_logp=ref_logp.get(k), kl_beta=gc.kl_beta,
-                    num_sequences=n, num_tokens=n_tok, max_len=rc.max_new_tokens,
-                )
-                if not torch.isfinite(loss):
-                    raise TrainingDiverged(
-                        f"non-finite loss ({float(loss)}) at step {step + 1} (update {u + 1}, micro-batch {k + 1}); "
-                        f"training stopped before the optimizer update, the newest checkpoint is the last good state"
-                    )
-                loss.backward()
-                total += float(loss.detach())
-                frac = st.tokens / max(n_tok, 1.0)
-                clip_sum += st.clip_fraction * frac / gc.updates_per_rollout
-                clip_low += st.clip_low_fraction * frac / gc.updates_per_rollout
-                clip_high += st.clip_high_fraction * frac / gc.updates_per_rollout
-                if u == 0 and st.kl_to_ref is not None:
-                    stats_acc["kl_to_base"] += st.kl_to_ref * frac
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-            if not torch.isfinite(gn):
-                raise TrainingDiverged(f"non-finite gradient norm at step {step + 1} (update {u + 1}); training stopped before the optimizer update")
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            grad_norms.append(float(gn))
-            losses.append(total)
-    out = {
-        "lr": lr, "loss": _mean(losses), "optim/grad_norm": _mean(grad_norms), "policy/entropy": stats_acc["entropy"],
-        "policy/clip_fraction": clip_sum, "policy/clip_low_fraction": clip_low, "policy/clip_high_fraction": clip_high,
-        "mismatch/kl": stats_acc["mismatch_kl"],
-    }
-    if gc.tis_cap is not None:
-        out["mismatch/tis_weight_mean"] = stats_acc["tis_weight"]
-    if want_ref:
-        out["policy/kl_to_base"] = stats_acc["kl_to_base"]
-    return out
-
-
-def _completion_rows(groups, rewards, items, info, step: int) -> list[dict]:
-    rows, k = [], 0
-    for j, grp in enumerate(groups):
-        item = items[info["idx"][j]]
-        for s in grp:
-            x = rewards[k]
-            rows.append({
-                "step": step, "prompt_id": item.record.get("id"), "question": item.record.get("question", ""),
-                "gold": item.gold, "completion": s.text, "reward": x["reward"], "accuracy": x["accuracy"],
-                "extracted": x.get("extracted"), "length": len(s.completion_ids), "finish_reason": s.finish_reason,
-            })
-            k += 1
-    return rows
-
 
 class _Bar:
     """A rich progress bar: step, reward, entropy, sigma, tokens/s and ETA."""

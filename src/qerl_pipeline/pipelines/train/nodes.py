@@ -89,7 +89,8 @@ def train_policy(
                           dataset_name=cfg.data.train_source)
     run = used.get("run")
     if run is not None and run.run_id != used.get("active"):
-        run.end("FINISHED")  # the resumed original run; kedro-mlflow closes its own
+        # the resumed original run (left RUNNING by the killed process); kedro-mlflow closes its own
+        run.client.set_terminated(run.run_id, status="FINISHED")
     history = result.history
     first, last = (history[0], history[-1]) if history else ({}, {})
     return {

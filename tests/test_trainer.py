@@ -28,7 +28,6 @@ import torch
 
 from tests.rewards_for_tests import letter_fraction
 
-pytestmark = [pytest.mark.vllm, pytest.mark.kedro_run]
 
 STEPS = 4
 REWARD_FN = "tests.rewards_for_tests:letter_fraction"
@@ -37,6 +36,30 @@ PARAMS = "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},op
 #: resumed vs uninterrupted final adapter: fp32 on CPU, same seeds -> equal up to float rounding
 RTOL, ATOL = 1e-4, 1e-7
 PROJECT = Path(__file__).resolve().parents[1]
+
+
+def test_reward_hook_from_import_path_or_callable():
+    """``train.reward_fn`` / ``train(reward_fn=...)``: loaded, called with samples, rows completed."""
+    from qerl_pipeline.config import QerlConfig
+    from qerl_pipeline.rl import step
+
+    for path in (REWARD_FN, REWARD_FN.replace(":", ".")):
+        assert step.load_reward_fn(path) is letter_fraction
+    cfg = QerlConfig.model_validate({"train": {"reward_fn": REWARD_FN}})
+    scorer = step.make_scorer(cfg)
+    rows = scorer.score(["ab1!", "", "xyz"], ["1", "2", "3"], [None, None, None])
+    assert [r["reward"] for r in rows] == [0.5, 0.0, 1.0]
+    assert all(r["accuracy"] == 0.0 and r["format"] == 0.0 for r in rows)
+    seen = []
+    scorer = step.make_scorer(cfg, lambda c, g, s: seen.append(s) or [0.25] * len(c))  # the argument wins
+    assert [r["reward"] for r in scorer.score(["a", "b"], ["1", "2"], ["s1", "s2"])] == [0.25, 0.25]
+    assert seen == [["s1", "s2"]]
+    with pytest.raises(ValueError, match="2 completions"):
+        step.make_scorer(cfg, lambda c, g, s: [1.0]).score(["a", "b"], ["1", "2"], [])
+    with pytest.raises(KeyError, match="no 'reward'"):
+        step.make_scorer(cfg, lambda c, g, s: [{"r": 1.0}]).score(["a"], ["1"], [])
+    with pytest.raises(ValueError, match="cannot be imported"):
+        step.load_reward_fn("tests.rewards_for_tests:no_such_function")
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +129,8 @@ def resumed(project_path, tracking, tmp_path_factory) -> tuple[Path, bool, str]:
     return out, killed_mid_run, killed_run_id
 
 
+@pytest.mark.vllm
+@pytest.mark.kedro_run
 def test_reference_run_trains_and_logs(reference, tracking):
     from mlflow.tracking import MlflowClient
 
@@ -145,6 +170,8 @@ def test_reference_run_trains_and_logs(reference, tracking):
     assert tables and all(t.path.endswith(".json") for t in tables)
 
 
+@pytest.mark.vllm
+@pytest.mark.kedro_run
 def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking):
     from mlflow.tracking import MlflowClient
 
@@ -166,6 +193,8 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking
     assert res_rewards == pytest.approx(ref_rewards)
 
 
+@pytest.mark.vllm
+@pytest.mark.kedro_run
 def test_nan_loss_stops_with_step_and_marks_run_failed(reference, tracking, tmp_path):
     """A NaN reward at step 3 (through the reward hook) makes the loss NaN: the run stops there."""
     import mlflow

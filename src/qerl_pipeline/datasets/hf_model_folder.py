@@ -102,3 +102,15 @@ class HFModelFolderDataset(AbstractVersionedDataset[Any, Path]):
 
     def _describe(self) -> dict[str, Any]:
         return {"filepath": str(self._filepath), "version": self._version, "move": self._move}
+
+
+def folder_of(base: Any) -> Path:
+    """The folder of a model as a dataset or node hands it over: a path, or an object/dict with one."""
+    if isinstance(base, (str, Path)):
+        return Path(base)
+    for attr in ("path", "folder", "base_dir"):
+        if isinstance(getattr(base, attr, None), (str, Path)):
+            return Path(getattr(base, attr))
+    if isinstance(base, dict) and "path" in base:
+        return Path(base["path"])
+    raise TypeError(f"cannot tell the model folder from a {type(base).__name__}")

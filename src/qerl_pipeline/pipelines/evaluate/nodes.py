@@ -26,6 +26,7 @@ import pandas as pd
 
 from qerl_pipeline.config import EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig, parse
 from qerl_pipeline.evaluation import metrics as M
+from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.evaluation.evaluator import EvalResult, evaluate_policies
 
 log = logging.getLogger(__name__)
@@ -51,18 +52,6 @@ def adapter_dir(method: str, train: dict[str, Any] | TrainConfig) -> Path:
             f"run `kedro run --pipeline=train --params method={method}` first (same --env)"
         )
     return path
-
-
-def base_path(base: Any) -> Path:
-    """The folder of a base as the quantize dataset hands it over (a path, or an object with one)."""
-    if isinstance(base, (str, Path)):
-        return Path(base)
-    for attr in ("path", "folder", "base_dir"):
-        if isinstance(getattr(base, attr, None), (str, Path)):
-            return Path(getattr(base, attr))
-    if isinstance(base, dict) and "path" in base:
-        return Path(base["path"])
-    raise TypeError(f"cannot tell the folder of the base model from a {type(base).__name__}")
 
 
 def served_dir(base_dir: str | Path) -> Path:
@@ -99,7 +88,7 @@ def run_evaluation(
     if cfg.include_base:
         policies["base"] = None
     records = flatten_prompts(eval_prompts)
-    base_dir = base_path(base_dir)
+    base_dir = folder_of(base_dir)
     log.info("evaluate %s on %s (limit %s, k=%d, greedy=%s)", method, ", ".join(cfg.benchmarks), cfg.limit, cfg.samples_k, cfg.greedy)
     result = evaluate_policies(
         served_dir(base_dir), records, cfg, parse(RewardConfig, reward, "reward"), policies,

@@ -13,24 +13,12 @@ RUNNING by MLflow).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.config import QerlConfig, validate
+from qerl_pipeline.datasets.hf_model_folder import folder_of
 
 log = logging.getLogger(__name__)
-
-
-def base_folder(base: Any) -> Path:
-    """The folder of the base as the quantize dataset hands it over (a path, or an object/dict with one)."""
-    if isinstance(base, (str, Path)):
-        return Path(base)
-    for attr in ("path", "folder", "base_dir"):
-        if isinstance(getattr(base, attr, None), (str, Path)):
-            return Path(getattr(base, attr))
-    if isinstance(base, dict) and "path" in base:
-        return Path(base["path"])
-    raise TypeError(f"train: cannot tell the base model folder from a {type(base).__name__}")
 
 
 def train_config(method: str, sections: dict[str, Any]) -> QerlConfig:
@@ -85,7 +73,7 @@ def train_policy(
     cfg = train_config(method, dict(model=model, lora=lora, rollout=rollout, grpo=grpo, aqn=aqn, optim=optim,
                                     train=train, reward=reward, data=data))
     make_logger, used = _mlflow_logger_factory()
-    result = run_training(cfg, base_folder(base_model), list(train_prompts), make_logger=make_logger,
+    result = run_training(cfg, folder_of(base_model), list(train_prompts), make_logger=make_logger,
                           dataset_name=cfg.data.train_source)
     run = used.get("run")
     if run is not None and run.run_id != used.get("active"):
@@ -97,7 +85,7 @@ def train_policy(
         "method": cfg.method,
         "model": cfg.model.name,
         "dataset": cfg.data.train_source,
-        "base_dir": str(base_folder(base_model)),
+        "base_dir": str(folder_of(base_model)),
         "adapter_dir": str(result.adapter_dir),
         "run_dir": str(result.run_dir),
         "mlflow_run_id": result.run_id,

@@ -41,3 +41,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from qerl_pipeline.models import tiny_model_folder
 
     return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def project_copy(root: Path) -> Path:
+    """A throw-away Kedro project at ``root``: this checkout's conf and metadata, the package installed.
+
+    Pipeline tests run there so their data, checkpoints and ``mlflow.db`` never touch the checkout.
+    """
+    import shutil
+
+    shutil.copytree(PROJECT / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
+    (root / "conf" / "local").mkdir()
+    (root / "src").mkdir()  # Kedro wants the source dir; the package itself is installed
+    for name in ("pyproject.toml", ".kedro.yml"):
+        shutil.copy(PROJECT / name, root / name)
+    return root

@@ -12,11 +12,12 @@ import csv
 import importlib.util
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+
+from .conftest import project_copy
 
 PROJECT = Path(__file__).resolve().parents[1]
 HAVE_TRL = importlib.util.find_spec("trl") is not None
@@ -27,12 +28,7 @@ def run(tmp_path_factory):
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
 
-    root = tmp_path_factory.mktemp("project")
-    shutil.copytree(PROJECT / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
-    (root / "conf" / "local").mkdir()
-    (root / "src").mkdir()  # Kedro wants the source dir; the package itself is installed
-    for name in ("pyproject.toml", ".kedro.yml"):
-        shutil.copy(PROJECT / name, root / name)
+    root = project_copy(tmp_path_factory.mktemp("project"))
     mp = pytest.MonkeyPatch()
     mp.chdir(root)
     mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")

@@ -8,7 +8,6 @@ per method, in this process (imports are paid once).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,8 @@ import torch
 
 from qerl_pipeline.datasets.hf_model_folder import HFModelFolderDataset
 from qerl_pipeline.quantization import checkpoint, nvfp4
+
+from .conftest import project_copy
 
 PROJECT = Path(__file__).resolve().parents[1]
 METHODS = {"qerl": "nvfp4", "qlora": "nf4", "lora": "bf16"}
@@ -27,12 +28,7 @@ def runs(tmp_path_factory):
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
 
-    root = tmp_path_factory.mktemp("project")
-    shutil.copytree(PROJECT / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
-    (root / "conf" / "local").mkdir()
-    (root / "src").mkdir()  # Kedro wants the source dir; the package itself is installed
-    for name in ("pyproject.toml", ".kedro.yml"):
-        shutil.copy(PROJECT / name, root / name)
+    root = project_copy(tmp_path_factory.mktemp("project"))
     mp = pytest.MonkeyPatch()
     mp.chdir(root)
     mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")

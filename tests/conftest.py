@@ -56,3 +56,17 @@ def project_copy(root: Path) -> Path:
     for name in ("pyproject.toml", ".kedro.yml"):
         shutil.copy(PROJECT / name, root / name)
     return root
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_leftover_mlflow_run():
+    """kedro-mlflow leaves its run active after an in-process session (a CLI run ends with its
+    process); close any such run around each test module so one module's sessions never log
+    into another module's run."""
+    import mlflow
+
+    while mlflow.active_run():
+        mlflow.end_run()
+    yield
+    while mlflow.active_run():
+        mlflow.end_run()

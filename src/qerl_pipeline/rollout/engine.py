@@ -205,16 +205,22 @@ class RolloutEngine:
 
     def _wait(self, op: str, timeout: float | None = None):
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._conn.poll(0.2):
-            if self._proc.poll() is not None:
-                raise EngineError(f"engine process died (exit code {self._proc.returncode}) during {op!r}{self._log_tail()}")
-            if deadline is not None and time.monotonic() > deadline:
-                raise EngineError(f"engine op {op!r} timed out after {timeout:.0f} s{self._log_tail()}")
         try:
+            while not self._conn.poll(0.2):
+                if self._proc.poll() is not None:
+                    raise EngineError(f"engine process died (exit code {self._proc.returncode}) during {op!r}{self._log_tail()}")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise EngineError(f"engine op {op!r} timed out after {timeout:.0f} s{self._log_tail()}")
             reply = self._conn.recv()
-        except EOFError:
-            self._proc.wait(timeout=10)
-            raise EngineError(f"engine process closed the connection during {op!r}{self._log_tail()}") from None
+        except (EOFError, OSError) as exc:  # a killed child resets the socket: EOF or ECONNRESET
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            raise EngineError(
+                f"engine process closed the connection during {op!r} ({type(exc).__name__}; "
+                f"exit code {self._proc.returncode}){self._log_tail()}"
+            ) from None
         if not reply["ok"]:
             raise EngineError(f"engine op {op!r} failed: {reply['error']}\n--- engine traceback ---\n{reply['traceback']}")
         return reply["result"]

@@ -418,7 +418,10 @@ def figures(runs: Sequence[RunData]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ output
-def _atomic_write(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Write a report file atomically (temp file beside it, then ``os.replace``); str is UTF-8."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -500,13 +503,13 @@ def build_report(runs: Sequence[RunData], out_dir: str | Path, title: str = "QeR
     paths: dict[str, Path] = {}
     for stem, data in pngs.items():
         paths[stem] = out_dir / f"{stem}.png"
-        _atomic_write(paths[stem], data)
+        write_atomic(paths[stem], data)
     paths["accuracy_csv"] = out_dir / "accuracy.csv"
-    _atomic_write(paths["accuracy_csv"], accuracy_frame(runs).to_csv(index=False).encode())
+    write_atomic(paths["accuracy_csv"], accuracy_frame(runs).to_csv(index=False).encode())
     paths["system_csv"] = out_dir / "system.csv"
-    _atomic_write(paths["system_csv"], system_table(runs).to_csv().encode())
+    write_atomic(paths["system_csv"], system_table(runs).to_csv().encode())
     paths["html"] = out_dir / "report.html"
-    _atomic_write(paths["html"], render_html(runs, pngs, title).encode("utf-8"))
+    write_atomic(paths["html"], render_html(runs, pngs, title).encode("utf-8"))
     return paths
 
 

@@ -26,7 +26,6 @@ import html
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from qerl_pipeline.benchmarking import hardware
+from qerl_pipeline.evaluation.report import write_atomic
 from qerl_pipeline.config import (
     METHOD_FORMAT,
     BenchmarkConfig,
@@ -72,19 +72,6 @@ def _config(model, lora, grpo, optim, rollout, train) -> QerlConfig:
         grpo=parse(GRPOConfig, grpo, "grpo"), optim=parse(OptimConfig, optim, "optim"),
         rollout=parse(RolloutConfig, rollout, "rollout"), train=parse(TrainConfig, train, "train"),
     )
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ------------------------------------------------------------------------------ measurements
@@ -394,15 +381,15 @@ def write_report(table: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, 
     title = f"qerl-pipeline benchmark ({hw['device']}: {hw.get('gpu') or hw['cpu']}, {hw['cpu_cores']} cores)"
     paths = {"csv": out / "benchmark.csv", "markdown": out / "benchmark.md", "html": out / "benchmark.html",
              "raw": out / "benchmark_raw.json"}
-    _write_atomic(paths["csv"], pd.DataFrame(rows, columns=columns).to_csv(index=False))
+    write_atomic(paths["csv"], pd.DataFrame(rows, columns=columns).to_csv(index=False))
     head = headline(table)
     head_cols = list(head[0]) if head else []
     when = time.strftime("%Y-%m-%d %H:%M")
-    _write_atomic(paths["markdown"], f"# {title}\n\n{when}\n\n## Per method\n\n{to_markdown(head, head_cols)}\n\n"
+    write_atomic(paths["markdown"], f"# {title}\n\n{when}\n\n## Per method\n\n{to_markdown(head, head_cols)}\n\n"
                   f"## Every figure\n\n{to_markdown(rows, columns)}\n")
-    _write_atomic(paths["html"], to_html(head, head_cols, title).replace("</body></html>", "")
+    write_atomic(paths["html"], to_html(head, head_cols, title).replace("</body></html>", "")
                   + to_html(rows, columns, "Every figure").split("<body>", 1)[1])
-    _write_atomic(paths["raw"], json.dumps({k: v for k, v in table.items() if k != "rows"}, indent=1, default=str))
+    write_atomic(paths["raw"], json.dumps({k: v for k, v in table.items() if k != "rows"}, indent=1, default=str))
 
     metrics = {}
     for r in rows:

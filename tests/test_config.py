@@ -57,6 +57,9 @@ def _base() -> dict:
         (lambda p: p["rollout"].update(temprature=0.7), "rollout.temprature", "Extra inputs are not permitted"),
         (lambda p: p["grpo"].update(loss_aggregation="mean"), "grpo.loss_aggregation", "'sequence', 'token' or 'dr_grpo'"),
         (lambda p: p.update(unknown_section={}), "unknown_section", "Extra inputs"),
+        (lambda p: p["reward"].update(format_style="tags"), "reward.format_style", "'think_answer' or 'answer_line'"),
+        (lambda p: p["data"].update(system_prompt=None), "<root>", "reward.format_style: 'answer_line'"),
+        (lambda p: p["evaluate"].update(adapter_mode="fused"), "evaluate.adapter_mode", "'auto', 'lora' or 'merged'"),
     ],
 )
 def test_bad_values_name_the_field(edit, field, expected):

@@ -122,6 +122,33 @@ def test_format_reward_function():
     assert has_answer_format("<think>x</think><think>a</think><answer>b</answer>")
 
 
+def test_answer_line_format_style():
+    line = "answer_line"
+    assert format_reward("6 + 3 = 9.\n\nThe answer is 9.", style=line) == 0.2
+    assert format_reward("So the final answer is: $1,234$", value=0.5, style=line) == 0.5
+    assert format_reward("The answer is -3.5  \n\n", style=line) == 0.2
+    # the answer line must be the last thing written, and carry a number
+    assert format_reward("The answer is 2. Then I keep talking", style=line) == 0.0
+    assert format_reward("The answer is two.", style=line) == 0.0
+    assert format_reward("answer is 5", style=line) == 0.0
+    assert format_reward("The answer is 2\nmore text", style=line) == 0.0
+    # the paper's tags do not count as an answer line, and the answer line not as tags
+    assert format_reward("<think>a</think><answer>5</answer>", style=line) == 0.0
+    assert format_reward("The answer is 5.") == 0.0
+    assert format_reward("x" * 1_000_000 + " the answer is 3", style=line) == 0.2
+    with pytest.raises(ValueError, match="format_style"):
+        format_reward("The answer is 5.", style="boxed")
+
+
+def test_scorer_uses_the_configured_format_style():
+    cfg = RewardConfig(format_style="answer_line", format_reward=0.25, max_workers=1)
+    with RewardScorer(cfg) as s:
+        right, wrong, rambling = s.score(["The answer is 18.", "The answer is 17.", "The answer is 18. Also 3"], ["18"] * 3)
+    assert (right["reward"], right["format"]) == (1.25, 0.25)
+    assert (wrong["reward"], wrong["accuracy"], wrong["format"]) == (0.25, 0.0, 0.25)
+    assert rambling["format"] == 0.0
+
+
 def test_answer_region():
     assert answer_region("<think>1</think><answer>2</answer><answer>3</answer>") == ("3", True)
     assert answer_region("no tags") == ("no tags", False)

@@ -241,6 +241,38 @@ def test_merge_sync_matches_adapter_sync(engine, prompts, adapters, checkpoint):
     assert max_abs_diff(merged_lps, lora_lps) < LOGPROB_ATOL
 
 
+def test_evaluation_applies_the_adapter_either_way_and_restores_the_base(engine, prompts, adapters, checkpoint, work):
+    """``evaluator.applied_adapter``: merged == LoRA outputs; trained norms are applied; the base comes back bit-exact."""
+    from qerl_pipeline.evaluation.evaluator import applied_adapter, resolve_adapter_mode
+
+    base_ids, _ = greedy(engine, prompts)
+    names = sorted(merged_weights(checkpoint, adapters["a"]))
+    norm = engine.norm_weight_names()[0]
+    before = engine.read_weights(names + [norm])
+    with applied_adapter(engine, adapters["a"], "lora") as path:
+        assert path == adapters["a"]
+        lora_ids, lora_lps = greedy(engine, prompts, lora_path=path)
+    with applied_adapter(engine, adapters["a"], "merged") as path:
+        assert path is None
+        merged_ids, merged_lps = greedy(engine, prompts, lora_path=path)
+    assert merged_ids == lora_ids != base_ids
+    assert max_abs_diff(merged_lps, lora_lps) < LOGPROB_ATOL
+    # an adapter with trained norms: the norms reach the engine (in lora mode too), then go back
+    with_norms = work / "adapter_a_norms"
+    shutil.copytree(adapters["a"], with_norms, dirs_exist_ok=True)
+    save_file({norm: before[norm] * 3.0}, with_norms / "norms.safetensors")
+    for mode in ("lora", "merged"):
+        with applied_adapter(engine, with_norms, mode):
+            assert torch.equal(engine.read_weights([norm])[norm], before[norm] * 3.0)
+    after = engine.read_weights(names + [norm])
+    for name in before:
+        assert torch.equal(after[name], before[name]), name
+    assert greedy(engine, prompts)[0] == base_ids
+    assert resolve_adapter_mode("auto") == ("lora" if torch.cuda.is_available() else "merged")
+    with pytest.raises(ValueError, match="adapter_mode"):
+        resolve_adapter_mode("fused")
+
+
 def test_logprobs_agree_with_transformers(engine, prompts, model_dir, adapters):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -128,7 +128,12 @@ class RewardConfig(Section):
 
     accuracy_weight: float = Field(1.0, ge=0, description="Weight of the accuracy reward (1 right, 0 wrong).")
     format_weight: float = Field(1.0, ge=0, description="Weight of the format reward.")
-    format_reward: float = Field(0.2, ge=0, description="Format reward for <think>..</think><answer>..</answer> (paper: 0.2).")
+    format_reward: float = Field(0.2, ge=0, description="Format reward when the completion has the asked-for format (paper: 0.2).")
+    format_style: Literal["think_answer", "answer_line"] = Field(
+        "think_answer", description="Which format earns format_reward: think_answer = <think>..</think><answer>..</answer> "
+        "(the paper's prompt, App. E); answer_line = the last line ends with 'The answer is <number>' (for a plain "
+        "system_prompt that asks for it, as the CPU default's)."
+    )
     timeout_s: float = Field(5.0, gt=0, description="Time limit for scoring one completion.")
     answer_tag_as_boxed: bool = Field(
         True, description="Score the <answer>..</answer> content as if it were \\boxed{..} when it holds no boxed or "
@@ -307,6 +312,11 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(512, gt=0)
     limit: int | None = Field(None, gt=0, description="Evaluate a deterministic subset of this many problems per set.")
     include_base: bool = Field(True, description="Also evaluate the base without the adapter.")
+    adapter_mode: Literal["auto", "lora", "merged"] = Field(
+        "auto", description="How the adapter reaches vLLM: lora = a LoRARequest per call; merged = W + BA written into the "
+        "served dense weights for the policy's turn, then restored (vLLM-CPU's LoRA path is ~3x slower than plain); "
+        "auto = merged on CPU, lora on CUDA (a packed NVFP4 base on CUDA cannot take dense weights)."
+    )
     seed: int = Field(0, description="Sampling seed of every evaluation request (same seed, same samples, whatever the batching).")
 
 
@@ -365,6 +375,15 @@ class QerlConfig(Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     compare: CompareConfig = Field(default_factory=CompareConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+
+    @model_validator(mode="after")
+    def _format_matches_prompt(self) -> QerlConfig:
+        if self.data.system_prompt is None and self.reward.format_style == "answer_line":
+            raise ValueError(
+                "reward.format_style: 'answer_line' rewards a final 'The answer is N' line, but data.system_prompt is null "
+                "(the paper's prompt, which asks for <think>/<answer> tags): set reward.format_style: think_answer"
+            )
+        return self
 
     def aqn_enabled(self) -> bool:
         """Whether AQN runs: explicit `aqn.enabled`, else only for method qerl."""

@@ -11,6 +11,21 @@ problem (pass@1 averaged over k), plus greedy decoding (temperature 0) when
 ``evaluate.greedy``. Every request carries the same sampling seed (``evaluate.seed``), so
 results do not depend on how prompts are batched.
 
+How the adapter reaches vLLM (``evaluate.adapter_mode``):
+
+* ``lora``: as a ``LoRARequest`` on every generate call (vLLM's LoRA kernels).
+* ``merged``: ``W + scale * B @ A`` is written into the served dense weights for the
+  policy's turn and the clean weights are written back after it (read first, restored
+  bit-exactly; ``rollout.engine.merged_weights``). Same function, other float rounding.
+  On CPU vLLM serves dense weights and its LoRA path is about 3x slower than the plain
+  one (README, Performance), so evaluation there is ~3x faster merged; on CUDA the NVFP4
+  base is served packed and cannot take dense weights, so the adapter goes as LoRA.
+* ``auto`` (default): ``merged`` on CPU, ``lora`` on CUDA.
+
+Trainable norms (``lora.train_norms``; ``norms.safetensors`` in the adapter folder, which
+a ``LoRARequest`` would ignore) are written into the served norms in both modes and
+restored after the policy's turn.
+
 Scoring: ``rewards.math.RewardScorer``: the full math-verify comparison of the extracted
 answer with the gold (never a first-character compare, the paper script's other defect).
 A sample is correct when its accuracy reward is 1.
@@ -30,7 +45,8 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +54,8 @@ from typing import Any
 from qerl_pipeline.config import EvaluateConfig, RewardConfig, RolloutConfig
 
 log = logging.getLogger(__name__)
+
+ADAPTER_MODES = ("auto", "lora", "merged")
 
 #: Prompts per generate call (progress granularity; vLLM batches inside a call anyway).
 CHUNK = 64
@@ -118,6 +136,52 @@ def _generate_chunks(engine, prompt_ids, *, n, temperature, top_p, max_new_token
     return samples, seconds, tokens
 
 
+def resolve_adapter_mode(mode: str) -> str:
+    """``auto`` -> ``merged`` on CPU (dense served weights), ``lora`` on CUDA; else ``mode`` itself."""
+    if mode not in ADAPTER_MODES:
+        raise ValueError(f"evaluate.adapter_mode {mode!r} unknown; allowed: {', '.join(ADAPTER_MODES)}")
+    if mode != "auto":
+        return mode
+    import torch
+
+    return "lora" if torch.cuda.is_available() else "merged"
+
+
+@contextmanager
+def applied_adapter(engine, adapter_dir: str | Path | None, mode: str) -> Iterator[str | Path | None]:
+    """Within the block the engine serves ``adapter_dir``; yields the ``lora_path`` to generate with.
+
+    ``merged``: dense ``W + scale * B @ A`` written into the served weights (yields None);
+    ``lora``: yields ``adapter_dir``. Trained norms (``norms.safetensors``) are written in
+    both modes. Everything written is read first and written back on exit.
+    """
+    if adapter_dir is None:
+        yield None
+        return
+    from safetensors.torch import load_file
+
+    from qerl_pipeline.rl.trainer import NORMS_FILE
+    from qerl_pipeline.rollout.engine import lora_deltas
+
+    adapter_dir = Path(adapter_dir)
+    updates: dict = {}
+    norms_file = adapter_dir / NORMS_FILE
+    if norms_file.exists():
+        updates.update(load_file(str(norms_file)))
+    deltas = lora_deltas(adapter_dir) if mode == "merged" else {}
+    names = sorted(set(updates) | set(deltas))
+    clean = engine.read_weights(names) if names else {}
+    for name, delta in deltas.items():
+        updates[name] = (clean[name].float() + delta).to(clean[name].dtype)
+    try:
+        if updates:
+            engine.update_weights(updates)
+        yield None if mode == "merged" else adapter_dir
+    finally:
+        if clean:
+            engine.update_weights(clean)
+
+
 def evaluate_on_engine(
     engine,
     tokenizer,
@@ -132,6 +196,9 @@ def evaluate_on_engine(
 ) -> EvalResult:
     """Evaluate one policy (the engine's base, plus ``lora_path`` when given) on ``records``.
 
+    The adapter is applied as ``cfg.adapter_mode`` says (``applied_adapter``) for the
+    whole call and removed after it.
+
     ``records`` are prompt records (any mix of sources); ``cfg.limit`` is applied per
     source here. Returns one record per problem with ``policy, id, source, split, level,
     question, gold, prompt, completions, extracted, correct, finish_reasons,
@@ -144,7 +211,10 @@ def evaluate_on_engine(
         log.warning("evaluate: no prompt records for benchmark(s) %s (skipped)", ", ".join(missing))
     result = EvalResult(records=[])
     gen_s = gen_tokens = 0.0
-    with _progress(show_progress) as progress:
+    t_apply = time.perf_counter()
+    mode = resolve_adapter_mode(cfg.adapter_mode)
+    with applied_adapter(engine, lora_path, mode) as lora_path, _progress(show_progress) as progress:
+        apply_s = time.perf_counter() - t_apply
         for bench, recs in groups.items():
             texts, ids = chat_prompts(recs, tokenizer)
             keep = []
@@ -203,7 +273,10 @@ def evaluate_on_engine(
                         greedy_finish_reason=g.finish_reason,
                     )
                 result.records.append(row)
-    result.timings = {"generate_s": gen_s, "output_tokens": gen_tokens, "tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0}
+    result.timings = {
+        "generate_s": gen_s, "output_tokens": gen_tokens, "tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
+        "adapter_apply_s": apply_s,
+    }
     return result
 
 
@@ -221,7 +294,8 @@ def evaluate_policies(
 ) -> EvalResult:
     """Start one engine on ``model_dir`` and evaluate each policy (name -> adapter folder or None).
 
-    LoRA is enabled in the engine only when some policy has an adapter, with
+    LoRA is enabled in the engine only when some policy has an adapter and the adapter
+    mode is ``lora``, with
     ``max_lora_rank`` the smallest vLLM rank that fits the largest adapter.
     """
     from transformers import AutoTokenizer
@@ -235,12 +309,13 @@ def evaluate_policies(
     for name, path in adapters.items():
         if not path.is_dir():
             raise FileNotFoundError(f"policy {name!r}: adapter folder {path} does not exist")
-    rank = vllm_lora_rank(max(adapter_rank(p) for p in adapters.values())) if adapters else 8
+    lora_needed = bool(adapters) and resolve_adapter_mode(cfg.adapter_mode) == "lora"
+    rank = vllm_lora_rank(max(adapter_rank(p) for p in adapters.values())) if lora_needed else 8
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
     total = EvalResult(records=[])
     t0 = time.perf_counter()
     with RolloutEngine(
-        model_dir, max_model_len=max_model_len, enable_lora=bool(adapters), max_lora_rank=rank, seed=cfg.seed, rollout=rollout_cfg
+        model_dir, max_model_len=max_model_len, enable_lora=lora_needed, max_lora_rank=rank, seed=cfg.seed, rollout=rollout_cfg
     ) as engine, RewardScorer(reward_cfg) as scorer:
         total.timings["engine_start_s"] = engine.start_seconds
         for name, path in policies.items():

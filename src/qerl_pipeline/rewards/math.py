@@ -32,11 +32,19 @@ Accuracy (faithful to the paper's reward, with documented extensions)
   ``\\boxed``; the paper's prompt never asks for ``\\boxed``, and without this a model
   that follows the prompt exactly would get accuracy 0. False = the paper's extraction only.
 
-Format: ``format_reward`` (0.2 by default) when the completion contains a non-empty
-``<think>...</think>`` followed (whitespace only between) by a non-empty
-``<answer>...</answer>`` (the paper's soft format check; empty blocks do not count).
-It is found with ``str.find`` scans, linear in the completion length, so an adversarial
-completion cannot make the format check slow.
+Format: ``format_reward`` (0.2 by default) when the completion has the format its
+prompt asks for; ``reward.format_style`` says which:
+
+* ``think_answer`` (the paper): a non-empty ``<think>...</think>`` followed (whitespace
+  only between) by a non-empty ``<answer>...</answer>`` (the paper's soft format check;
+  empty blocks do not count). Found with ``str.find`` scans, linear in the completion
+  length, so an adversarial completion cannot make the format check slow.
+* ``answer_line`` (deviation, the CPU default's plain prompt "... end with: The answer is
+  <number>."): the completion's last non-empty line ends with "the answer is <number>"
+  (case-insensitive, optional ``:``/``$``/final ``.``). It is the same kind of signal as
+  the paper's: the instruction was followed, whatever the number. Only the last 200
+  characters are matched, so it is constant-time in the completion length. Without it
+  the 135M default model gets no format reward at all (it never writes the tags).
 
 Time limit and threads
 ----------------------
@@ -58,6 +66,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import selectors
 import subprocess
 import sys
@@ -97,9 +106,27 @@ def has_answer_format(completion: str) -> bool:
     return False
 
 
-def format_reward(completion: str, value: float = 0.2) -> float:
-    """``value`` for ``<think>...</think><answer>...</answer>``, else 0."""
-    return float(value) if has_answer_format(completion) else 0.0
+_ANSWER_LINE = re.compile(r"the (?:final )?answer is\s*:?\s*\$?\s*-?\d[\d,]*(?:\.\d+)?\s*\$?\s*\.?\Z", re.IGNORECASE)
+#: The format checks ``reward.format_style`` selects.
+FORMAT_STYLES = ("think_answer", "answer_line")
+
+
+def has_answer_line(completion: str) -> bool:
+    """True when the last non-empty line ends with 'the answer is <number>' (see the module docstring)."""
+    tail = completion.rstrip()[-200:]
+    return bool(_ANSWER_LINE.search(tail.rsplit("\n", 1)[-1]))
+
+
+def format_reward(completion: str, value: float = 0.2, style: str = "think_answer") -> float:
+    """``value`` when ``completion`` has the ``style`` format (``think_answer``: the paper's
+    ``<think>...</think><answer>...</answer>``; ``answer_line``: ends with 'The answer is N'), else 0."""
+    if style == "think_answer":
+        ok = has_answer_format(completion)
+    elif style == "answer_line":
+        ok = has_answer_line(completion)
+    else:
+        raise ValueError(f"reward.format_style {style!r} unknown; allowed: {', '.join(FORMAT_STYLES)}")
+    return float(value) if ok else 0.0
 
 
 def answer_region(completion: str) -> tuple[str, bool]:
@@ -321,7 +348,7 @@ class RewardScorer:
             acc = self._run([str(c) for c in completions], [str(g) for g in golds])
         out = []
         for completion, a in zip(completions, acc):
-            fmt = format_reward(str(completion), self.cfg.format_reward)
+            fmt = format_reward(str(completion), self.cfg.format_reward, self.cfg.format_style)
             out.append({
                 "reward": self.cfg.accuracy_weight * a["accuracy"] + self.cfg.format_weight * fmt,
                 "accuracy": a["accuracy"],

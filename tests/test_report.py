@@ -156,3 +156,22 @@ def test_separate_train_and_evaluate_runs_are_paired(tmp_path):
     assert R.runs_table([run]).loc["qlora", "eval_run_id"] == evaluate
     again = R.load_selected(R.selection([run]), client=client)[0]
     assert again.metrics == run.metrics and again.eval_run_id == evaluate
+
+
+def test_training_figure_draws_every_curve_from_the_history():
+    history = [
+        {"step": s, "reward/mean": 0.1 * s, "reward/accuracy": 0.05 * s, "reward/format": 0.02 * s, "policy/entropy": 1.0 - 0.1 * s,
+         "completion/length": 90.0 - s, "aqn/sigma": 0.01 / s}
+        for s in range(1, 6)
+    ]
+    fig = R.plot_training(history, "qerl")
+    axes = fig.get_axes()
+    assert [ax.get_title() for ax in axes] == [R.CURVES[k][0] for k in ("reward", "accuracy", "format", "entropy", "length", "sigma")]
+    for ax in axes:
+        (line,) = ax.get_lines()
+        assert list(line.get_xdata()) == [1, 2, 3, 4, 5]
+    assert list(axes[0].get_lines()[0].get_ydata()) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert R.figure_png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
+    # a curve the history lacks says so instead of drawing nothing silently
+    empty = R.plot_training([{"step": 1, "reward/mean": 0.5}], "lora").get_axes()[1]
+    assert not empty.get_lines() and "no runs log this metric" in empty.texts[0].get_text()

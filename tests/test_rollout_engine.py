@@ -295,6 +295,24 @@ def test_logprobs_agree_with_transformers(engine, prompts, model_dir, adapters):
         assert max(abs(a - b) for a, b in zip(lp, ref)) < LOGPROB_ATOL
 
 
+def test_seeded_sampling_survives_more_prompt_tokens_than_one_step_schedules(engine, model_dir):
+    """Seeded requests whose prompts exceed one step's token budget (the evaluation of long benchmarks).
+
+    With chunked prefill, vLLM 0.32 rewinds the generator of a partially prefilled seeded
+    request with ``Generator.set_offset``, which a CPU generator does not have: the engine
+    core died ("CPU Generator does not use offset") in the first default-env compare run.
+    The CPU engine therefore runs without chunked prefill (rollout/server.py).
+    """
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(model_dir).vocab_size
+    long_prompts = [[(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(200)] for i in range(64)]  # 12 800 prompt tokens
+    res = engine.generate(long_prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
+    assert [len(g) for g in res.samples] == [2] * 64
+    again = engine.generate(long_prompts[:3], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
+    assert [[s.completion_ids for s in g] for g in again.samples] == [[s.completion_ids for s in g] for g in res.samples[:3]]
+
+
 def test_errors_in_the_engine_surface_with_their_message(engine, prompts):
     with pytest.raises(EngineError, match="unknown parameter name.*nope.weight"):
         engine.update_weights({"nope.weight": torch.zeros(3)})

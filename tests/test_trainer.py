@@ -34,7 +34,9 @@ REWARD_FN = "tests.rewards_for_tests:letter_fraction"
 # lr 1e-3 (paper: 1e-5) so that 4 steps move the adapter well above the comparison tolerance
 PARAMS = "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},optim.lr.qerl=1e-3,train.reward_fn=" + REWARD_FN
 #: resumed vs uninterrupted final adapter: fp32 on CPU, same seeds -> equal up to float rounding
-RTOL, ATOL = 1e-4, 1e-7
+ATOL = 1e-7
+#: per-tensor tolerance of the resume comparison, relative to the tensor's largest entry (see the test)
+ADAPTER_TOL = 1e-3
 PROJECT = Path(__file__).resolve().parents[1]
 
 
@@ -165,7 +167,8 @@ def test_reference_run_trains_and_logs(reference, tracking):
     assert sig == {s + 1: pytest.approx(aqn.sigma_at(s, STEPS, cfg)[1]) for s in range(STEPS)}
     assert sig[1] == 0.0
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"final_adapter", "completions", "config"} <= artifacts
+    assert {"final_adapter", "completions", "config", "plots"} <= artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/train_curves.png"]
     tables = client.list_artifacts(run.info.run_id, "completions")
     assert tables and all(t.path.endswith(".json") for t in tables)
 
@@ -185,28 +188,68 @@ def test_resume_after_sigkill_continues_the_same_mlflow_run(reference, resumed, 
     assert run.info.status == "FINISHED"
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean"))
     assert steps == list(range(1, STEPS + 1))  # one run: steps before and after the kill
+    # the curves of the resumed run are drawn from the whole MLflow history, not only the steps after the resume
+    from qerl_pipeline.rl.trainer import _full_history
+    from qerl_pipeline.tracking import MlflowLogger
+
+    assert [h["step"] for h in _full_history(MlflowLogger(run_id=run.info.run_id, tracking_uri=tracking))] == list(range(1, STEPS + 1))
+    assert (out / "qerl" / "train_curves.png").stat().st_size > 0
+
+
+def _completions(client, run_id: str, step: int, dest: Path) -> list[str]:
+    dest.mkdir(parents=True, exist_ok=True)
+    table = json.loads(Path(client.download_artifacts(run_id, f"completions/step_{step:05d}.json", str(dest))).read_text())
+    col = table["columns"].index("completion")
+    return [row[col] for row in table["data"]]
 
 
 @pytest.mark.vllm
 @pytest.mark.kedro_run
-@pytest.mark.xfail(
-    strict=False,
-    reason="passed in 1 of 3 runs here (lora_B differs otherwise); with a deterministic fake engine "
-    "the resume is bit-exact, so the suspect is vLLM-CPU sampling reproducibility across engine "
-    "restarts; under investigation (see the issue 5 note)",
-)
-def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking):
+def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking, tmp_path):
+    """Same sampled completions at every step, same rewards, same final adapter up to float rounding.
+
+    Tolerance: measured here, a resumed run's adapter differs from the uninterrupted one's by
+    1e-8 typically and 3e-7 at most (lora_B entries of magnitude 3e-3, after 4 Adam steps at
+    lr 1e-3, which divide by sqrt(v) and so magnify rounding in small gradients), with
+    identical rollouts. A resume that lost state is far outside it: an Adam restart moves
+    every entry by ~lr = 1e-3 (see ``test_a_lost_optimizer_state_is_outside_the_tolerance``).
+    So each tensor is compared with ``atol = ADAPTER_TOL * max|reference tensor|``.
+    """
     from mlflow.tracking import MlflowClient
 
     out, _, _ = resumed
+    client = MlflowClient(tracking)
+    ref_run, res_run = _run_for(client, reference).info.run_id, _run_for(client, out).info.run_id
+    for step in range(1, STEPS + 1):  # smoke logs the completions of every step
+        assert _completions(client, res_run, step, tmp_path / "res") == _completions(client, ref_run, step, tmp_path / "ref"), step
+    ref_rewards = [m.value for m in sorted(client.get_metric_history(ref_run, "reward/mean"), key=lambda m: m.step)]
+    res_rewards = [m.value for m in sorted(client.get_metric_history(res_run, "reward/mean"), key=lambda m: m.step)]
+    assert res_rewards == pytest.approx(ref_rewards)
     ref, res = _adapter(reference / "qerl" / "final_adapter"), _adapter(out / "qerl" / "final_adapter")
     assert ref.keys() == res.keys()
     for key in ref:
-        torch.testing.assert_close(res[key], ref[key], rtol=RTOL, atol=ATOL, msg=key)
-    client = MlflowClient(tracking)
-    ref_rewards = [m.value for m in sorted(client.get_metric_history(_run_for(client, reference).info.run_id, "reward/mean"), key=lambda m: m.step)]
-    res_rewards = [m.value for m in sorted(client.get_metric_history(_run_for(client, out).info.run_id, "reward/mean"), key=lambda m: m.step)]
-    assert res_rewards == pytest.approx(ref_rewards)
+        tol = ADAPTER_TOL * float(ref[key].abs().max())
+        torch.testing.assert_close(res[key], ref[key], rtol=0, atol=tol, msg=key)
+
+
+def test_a_lost_optimizer_state_is_outside_the_tolerance():
+    """The tolerance above can fail: restarting Adam (state lost) moves a trained adapter far beyond it."""
+    torch.manual_seed(0)
+    b = torch.nn.Parameter(torch.zeros(16, 8))
+    grads = [torch.randn(16, 8) * 1e-3 for _ in range(4)]
+
+    def run(restart_at: int | None) -> torch.Tensor:
+        p = torch.nn.Parameter(b.detach().clone())
+        opt = torch.optim.AdamW([p], lr=1e-3)
+        for i, g in enumerate(grads):
+            if i == restart_at:
+                opt = torch.optim.AdamW([p], lr=1e-3)
+            p.grad = g.clone()
+            opt.step()
+        return p.detach()
+
+    ref, restarted = run(None), run(2)
+    assert float((restarted - ref).abs().max()) > 100 * ADAPTER_TOL * float(ref.abs().max())
 
 
 @pytest.mark.vllm

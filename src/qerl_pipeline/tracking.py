@@ -80,6 +80,9 @@ class MemoryLogger:
     def log_table(self, rows, artifact_file):
         self.artifacts[artifact_file] = list(rows)
 
+    def history(self, names) -> dict[str, list[tuple[int, float]]]:
+        return {n: [(s, v) for s, v in self.metrics.get(n, []) if s is not None] for n in names}
+
 
 class MlflowLogger:
     """Logs to one MLflow run through ``MlflowClient``.
@@ -119,6 +122,10 @@ class MlflowLogger:
         batch = [Metric(k, v, now, step or 0) for k, v in _finite(metrics).items()]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)
+
+    def history(self, names) -> dict[str, list[tuple[int, float]]]:
+        """``{name: [(step, value), ...]}`` of the run's logged metrics (all of its steps)."""
+        return {n: [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, n)] for n in names}
 
     def log_params(self, params):
         from mlflow.entities import Param

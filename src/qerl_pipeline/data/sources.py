@@ -133,7 +133,8 @@ def read_raw(name: str, cfg: SourceConfig) -> tuple[list[dict[str, Any]], str]:
     except Exception as err:  # noqa: BLE001 - offline, unknown id, missing config: all mean "unavailable"
         raise SourceUnavailable(
             f"source {name!r}: {where}, and loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) from the "
-            f"Hub failed: {type(err).__name__}: {str(err)[:300]}"
+            f"Hub failed: {type(err).__name__}: {str(err)[:300]} (a local copy: set data.sources.{name}.local_path to a "
+            f"folder with {cfg.local_split or cfg.split}.jsonl; offline: HF_HUB_OFFLINE=1 skips the Hub's retries)"
         ) from err
     return rows, f"hub:{cfg.hub_id}{'/' + cfg.hub_config if cfg.hub_config else ''}:{cfg.split}"
 

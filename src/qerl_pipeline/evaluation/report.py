@@ -59,6 +59,8 @@ CURVES: dict[str, tuple[str, tuple[str, ...]]] = {
     "entropy": ("Policy entropy (nats/token)", ("policy/entropy", "entropy", "train/entropy")),
     "accuracy": ("Training accuracy", ("reward/accuracy", "accuracy", "train/accuracy")),
     "sigma": ("AQN sigma", ("aqn/sigma", "sigma", "train/sigma")),
+    "format": ("Format reward", ("reward/format",)),
+    "length": ("Completion length (tokens)", ("completion/length",)),
 }
 
 #: System numbers: key -> (title, candidate metric names, reduction over steps).
@@ -403,6 +405,22 @@ def plot_system(runs: Sequence[RunData]):
         ax.set_xticks(range(len(runs)), names, rotation=30, ha="right")
         ax.set_title(SYSTEM[key][0], fontsize=10)
         ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_training(history: Sequence[dict[str, float]], method: str):
+    """One run's training curves (reward, accuracy, format, entropy, length, sigma) from the trainer's history."""
+    run = RunData(method=method, run_id="")
+    for row in history:
+        for name, value in row.items():
+            if name != "step" and isinstance(value, (int, float)):
+                run.history.setdefault(name, []).append((int(row["step"]), float(value)))
+    keys = ("reward", "accuracy", "format", "entropy", "length", "sigma")
+    fig = _figure(13.0, 6.4)
+    for ax, key in zip(fig.subplots(2, 3).flat, keys, strict=True):
+        plot_curves([run], key, ax=ax)
+    fig.suptitle(f"Training: {_label(method)}")
     fig.tight_layout()
     return fig
 

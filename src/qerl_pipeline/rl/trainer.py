@@ -317,9 +317,42 @@ def train(
     final = run_dir / "final_adapter"
     _save_adapter(policy, final)
     logger.log_artifact(final, artifact_path="final_adapter")
+    _log_curves(logger, run_dir, cfg.method)
     seconds = time.perf_counter() - t_start
     logger.log_metrics({"time/total_s": seconds}, step=tc.steps)
     return TrainResult(run_dir, final, tc.steps, start_step, run_id, history, seconds)
+
+
+def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:
+    """``<run_dir>/train_curves.png`` (every step, also those before a resume) -> MLflow ``plots/``."""
+    from qerl_pipeline.evaluation.report import figure_png, plot_training, write_atomic
+
+    history = _full_history(logger)
+    if not history:
+        return
+    path = run_dir / "train_curves.png"
+    try:
+        write_atomic(path, figure_png(plot_training(history, method)))
+        logger.log_artifact(path, artifact_path="plots")
+    except Exception as exc:  # noqa: BLE001 - a plot must never fail a finished training
+        log.warning("could not draw the training curves: %s", exc)
+
+
+#: Metrics drawn in ``train_curves.png``.
+CURVE_METRICS = ("reward/mean", "reward/accuracy", "reward/format", "policy/entropy", "completion/length", "aqn/sigma")
+
+
+def _full_history(logger: MetricsLogger) -> list[dict]:
+    """Per-step metrics from the logger (MLflow: the run's whole history, also before a resume)."""
+    if not hasattr(logger, "history"):  # the protocol's optional reader
+        return []
+    metrics = logger.history(CURVE_METRICS)
+    rows: dict[int, dict] = {}
+    for name, pts in metrics.items():
+        for step, value in pts:
+            if step and step > 0:
+                rows.setdefault(step, {"step": step})[name] = value
+    return [rows[s] for s in sorted(rows)]
 
 
 #: vLLM accepts only these max_lora_rank values; a smaller adapter rank fits under the next one.

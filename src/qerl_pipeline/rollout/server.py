@@ -59,6 +59,14 @@ class Server:
         if spec["enable_lora"]:
             kwargs["max_lora_rank"] = spec["max_lora_rank"]
             kwargs["max_loras"] = 1
+        if self.is_cpu:
+            # vLLM 0.32 rewinds the sampling generator of a partially prefilled *seeded*
+            # request with Generator.set_offset, which CPU generators lack: the engine core
+            # dies ("CPU Generator does not use offset") as soon as a batch of seeded prompts
+            # exceeds one step's token budget (long evaluation sets). Without chunked prefill
+            # no prompt is split across steps; every prompt fits one step's budget.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(spec["max_model_len"], 4096)
         if self.is_cuda:
             kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
             kwargs["enable_sleep_mode"] = spec["sleep_between_steps"]

@@ -161,7 +161,7 @@ def applied_adapter(engine, adapter_dir: str | Path | None, mode: str) -> Iterat
     from safetensors.torch import load_file
 
     from qerl_pipeline.rl.trainer import NORMS_FILE
-    from qerl_pipeline.rollout.engine import lora_deltas
+    from qerl_pipeline.rollout.engine import add_deltas, lora_deltas
 
     adapter_dir = Path(adapter_dir)
     updates: dict = {}
@@ -171,8 +171,7 @@ def applied_adapter(engine, adapter_dir: str | Path | None, mode: str) -> Iterat
     deltas = lora_deltas(adapter_dir) if mode == "merged" else {}
     names = sorted(set(updates) | set(deltas))
     clean = engine.read_weights(names) if names else {}
-    for name, delta in deltas.items():
-        updates[name] = (clean[name].float() + delta).to(clean[name].dtype)
+    updates.update(add_deltas(clean, deltas, adapter_dir))
     try:
         if updates:
             engine.update_weights(updates)

@@ -406,8 +406,13 @@ def lora_deltas(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def merged_weights(base: dict[str, torch.Tensor], adapter_dir: str | Path) -> dict[str, torch.Tensor]:
     """Dense ``W + scale * B @ A`` for every adapted linear (``base`` holds the clean W by HF name)."""
+    return add_deltas(base, lora_deltas(adapter_dir), adapter_dir)
+
+
+def add_deltas(base: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], adapter_dir: str | Path) -> dict[str, torch.Tensor]:
+    """``W + delta`` in W's dtype for every name of ``deltas`` (from ``lora_deltas(adapter_dir)``)."""
     out = {}
-    for name, delta in lora_deltas(adapter_dir).items():
+    for name, delta in deltas.items():
         if name not in base:
             raise KeyError(f"{name}: adapted by {adapter_dir} but missing from the base weights")
         w = base[name]

@@ -22,13 +22,18 @@ intermediate 18944, 28 query / 4 KV heads of 128; a few layers, not 28):
 2. ``stack``: forward + backward of ``layers`` decoder layers with LoRA (rank r on all
    seven projections) over (a) a dense BF16 base, (b) the packed NVFP4 base dequantized
    per layer in forward and backward (never kept dense): the training policy's own
-   ``PackedLinear`` when ``qerl_pipeline.quantization.policy`` imports (it needs pydantic),
-   else an equivalent script-local layer (``packed_layer`` in the JSON says which),
-   (c) the same with the fused Triton kernels. Time per step, peak CUDA memory, resident
-   parameter bytes, and the agreement of (b) and (c) with the base decoded to dense.
+   ``PackedLinear`` (``kernel="torch"``) when ``qerl_pipeline.quantization.policy`` imports
+   (it needs pydantic), else an equivalent script-local layer (``packed_layer`` in the JSON
+   says which), (c) the same with the fused Triton kernels (``kernel="triton"``), and
+   (d) ``nvfp4_lora_policy_auto``: ``kernel="auto"``, what training runs by default (the
+   one-time per-shape check picks Triton or torch; ``auto_decisions`` lists its choices,
+   timings and errors). Time per step, peak CUDA memory, resident parameter bytes, and the
+   agreement of (b)-(d) with the base decoded to dense.
 
-The packed base uses the project's codec (``qerl_pipeline.quantization.nvfp4``), imported
-from ``src/`` without installing the project (it is pure torch). The decoder layer is a
+The packed base uses the project's codec (``qerl_pipeline.quantization.nvfp4``) and the
+Triton kernels are the library's (``qerl_pipeline.quantization.triton_nvfp4``: dequant,
+fused forward, fused input gradient, per-shape config choice in ``triton_configs``), both
+imported from ``src/`` without installing the project. The decoder layer is a
 minimal Qwen2-shaped block (RMSNorm, GQA attention through SDPA, SiLU-gated MLP) without
 rotary embeddings and biases: they cost the same in every variant and do not touch the
 weights being compared.
@@ -41,7 +46,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,20 +59,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from qerl_pipeline.quantization import nvfp4  # noqa: E402  (pure torch)
+# The Triton kernels (library code; importing it never fails, HAVE_TRITON says whether they run).
+from qerl_pipeline.quantization import triton_nvfp4  # noqa: E402
 
 try:  # the policy's own packed layer (imports pydantic through the config; absent on a bare GPU box)
     from qerl_pipeline.quantization.policy import PackedLinear as ProjectPackedLinear
 except Exception:  # pragma: no cover - depends on the machine
     ProjectPackedLinear = None
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the machine
-    triton = tl = None
-    HAVE_TRITON = False
+HAVE_TRITON = triton_nvfp4.HAVE_TRITON
+triton = triton_nvfp4.triton
 
 SHAPES = {
     "full": dict(hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128, layers=4, seq_len=1024, seqs=4, rank=32, small_m=64),
@@ -90,180 +90,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_ms(fn, device: torch.device, warmup: int = 3, iters: int = 10) -> float:
-    """Median wall time of ``fn()`` in ms (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float32."""
-    a, b = a.float(), b.float()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
-
-
-# ------------------------------------------------------------------------------ Triton kernels
-if HAVE_TRITON:
-
-    @triton.jit
-    def _e2m1(code):
-        """E2M1 value of 4-bit codes (bit 3 = sign): 0, .5, 1, 1.5, 2, 3, 4, 6."""
-        mag = code & 7
-        e = (mag >> 1).to(tl.int32)
-        m = (mag & 1).to(tl.float32)
-        val = tl.where(e == 0, 0.5 * m, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
-        return tl.where((code & 8) != 0, -val, val)
-
-    @triton.jit
-    def _dequant_tile(p_ptr, s_ptr, rows, k0, n_rows, stride_p, stride_s, inv_gs,
-                      BR: tl.constexpr, BK: tl.constexpr):
-        """Dense fp32 tile ``W[rows, k0:k0+BK]`` of a packed NVFP4 weight (BK % 16 == 0)."""
-        row_ok = rows < n_rows
-        pk = k0 // 2 + tl.arange(0, BK // 2)
-        p = tl.load(p_ptr + rows[:, None] * stride_p + pk[None, :], mask=row_ok[:, None], other=0)
-        w = tl.reshape(tl.join(_e2m1(p & 15), _e2m1(p >> 4)), (BR, BK))
-        sk = k0 // 16 + tl.arange(0, BK // 16)
-        s = tl.load(s_ptr + rows[:, None] * stride_s + sk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BR, BK // 16, 16)), (BR, BK))
-        return w * s * inv_gs
-
-    @triton.jit
-    def _dequant_kernel(p_ptr, s_ptr, out_ptr, N, K, stride_p, stride_s, stride_o, inv_gs,
-                        BR: tl.constexpr, BK: tl.constexpr):
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        k0 = tl.program_id(1) * BK
-        w = _dequant_tile(p_ptr, s_ptr, rows, k0, N, stride_p, stride_s, inv_gs, BR, BK)
-        cols = k0 + tl.arange(0, BK)
-        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], w.to(out_ptr.dtype.element_ty),
-                 mask=(rows < N)[:, None])
-
-    @triton.jit
-    def _fused_fwd_kernel(x_ptr, p_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_p, stride_s, stride_ym, inv_gs,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-        """``y[M, N] = x[M, K] @ dequant(W)[N, K]^T``; K % BK == 0."""
-        pid = tl.program_id(0)
-        n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-        group = pid // (GROUP_M * n_n)
-        first_m = group * GROUP_M
-        size_m = min(n_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-        pid_n = (pid % (GROUP_M * n_n)) // size_m
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None], other=0.0)
-            w = _dequant_tile(p_ptr, s_ptr, rn, k0, N, stride_p, stride_s, inv_gs, BN, BK)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-    @triton.jit
-    def _fused_dx_kernel(g_ptr, p_ptr, s_ptr, dx_ptr, M, N, K, stride_gm, stride_p, stride_s, stride_dm, inv_gs,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """``dx[M, K] = g[M, N] @ dequant(W)[N, K]``; K % BK == 0."""
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        k0 = tl.program_id(1) * BK
-        acc = tl.zeros((BM, BK), dtype=tl.float32)
-        for n0 in range(0, N, BN):
-            rn = n0 + tl.arange(0, BN)
-            g = tl.load(g_ptr + rm[:, None] * stride_gm + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :], other=0.0)
-            w = _dequant_tile(p_ptr, s_ptr, rn, k0, N, stride_p, stride_s, inv_gs, BN, BK)
-            acc = tl.dot(g, w.to(g.dtype), acc)
-        rk = k0 + tl.arange(0, BK)
-        tl.store(dx_ptr + rm[:, None] * stride_dm + rk[None, :], acc.to(dx_ptr.dtype.element_ty), mask=(rm < M)[:, None])
-
-
-class Kernels:
-    """Launchers with a tiny per-shape config search (timed on the first call)."""
-
-    FWD_CONFIGS = [dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
-                   dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-                   dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
-                   dict(BM=128, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4),
-                   dict(BM=64, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4),
-                   dict(BM=16, BN=128, BK=128, GROUP_M=1, num_warps=4, num_stages=4),
-                   dict(BM=16, BN=64, BK=256, GROUP_M=1, num_warps=4, num_stages=3)]
-    DX_CONFIGS = [dict(BM=128, BN=64, BK=128, num_warps=8, num_stages=3),
-                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-                  dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)]
-    DRY = dict(BM=16, BN=16, BK=32, GROUP_M=2, num_warps=1, num_stages=1)
-
-    def __init__(self, device: torch.device, tune: bool):
-        self.device, self.tune, self.chosen = device, tune, {}
-
-    def dequant(self, w: nvfp4.NVFP4Weight, dtype: torch.dtype) -> torch.Tensor:
-        n, k = w.shape
-        out = torch.empty(n, k, device=w.packed.device, dtype=dtype)
-        br, bk = (16, 32) if not self.tune else (32, 128)
-        _dequant_kernel[(triton.cdiv(n, br), k // bk)](
-            w.packed, w.scale, out, n, k, w.packed.stride(0), w.scale.stride(0), out.stride(0),
-            1.0 / float(w.global_scale), BR=br, BK=bk)
-        return out
-
-    def _pick(self, key, configs, launch):
-        if key in self.chosen:
-            return self.chosen[key]
-        if not self.tune:
-            self.chosen[key] = self.DRY
-            return self.DRY
-        best, best_ms = None, math.inf
-        for cfg in configs:
-            if key[-1] % cfg["BK"]:
-                continue
-            try:
-                ms = bench_ms(lambda: launch(cfg), self.device, warmup=1, iters=5)
-            except Exception:  # a config the compiler rejects (e.g. shared memory)
-                continue
-            if ms < best_ms:
-                best, best_ms = cfg, ms
-        if best is None:
-            raise RuntimeError(f"no Triton config ran for shape {key}")
-        self.chosen[key] = best
-        return best
-
-    def fwd(self, x: torch.Tensor, w: nvfp4.NVFP4Weight) -> torch.Tensor:
-        m, k = x.shape
-        n = w.shape[0]
-        y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-
-        def launch(cfg):
-            grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-            _fused_fwd_kernel[grid](x, w.packed, w.scale, y, m, n, k, x.stride(0), w.packed.stride(0),
-                                    w.scale.stride(0), y.stride(0), 1.0 / float(w.global_scale), **cfg)
-            return y
-
-        return launch(self._pick(("fwd", m, n, k), self.FWD_CONFIGS, launch))
-
-    def dx(self, g: torch.Tensor, w: nvfp4.NVFP4Weight) -> torch.Tensor:
-        m, n = g.shape
-        k = w.shape[1]
-        dx = torch.empty(m, k, device=g.device, dtype=g.dtype)
-
-        def launch(cfg):
-            cfg = {key: v for key, v in cfg.items() if key != "GROUP_M"}
-            grid = (triton.cdiv(m, cfg["BM"]), k // cfg["BK"])
-            _fused_dx_kernel[grid](g, w.packed, w.scale, dx, m, n, k, g.stride(0), w.packed.stride(0),
-                                   w.scale.stride(0), dx.stride(0), 1.0 / float(w.global_scale), **cfg)
-            return dx
-
-        return launch(self._pick(("dx", m, n, k), self.DX_CONFIGS, launch))
+bench_ms = triton_nvfp4.bench_ms  # median ms (CUDA events on GPU)
+rel_err = triton_nvfp4.rel_err  # ||a - b|| / ||b|| in float32
 
 
 # ------------------------------------------------------------------------- packed LoRA layers
@@ -306,9 +134,12 @@ class LoraLinear(torch.nn.Module):
         self.project_layer = None
         if mode == "dense":
             self.weight = torch.nn.Parameter(base, requires_grad=False)
-        elif mode == "torch" and ProjectPackedLinear is not None:
-            # the training policy's layer: codes + scales resident, decoded in forward and again in backward
-            self.project_layer = ProjectPackedLinear(in_f, out_f, "nvfp4", base.state_dict(), compute_dtype=dtype)
+        elif ProjectPackedLinear is not None:
+            # the training policy's layer: codes + scales resident; "torch" decodes in forward and again in
+            # backward, "fused" forces its Triton kernels, "auto" lets its one-time per-shape check choose
+            kernel = {"torch": "torch", "fused": "triton", "auto": "auto"}[mode]
+            self.project_layer = ProjectPackedLinear(in_f, out_f, "nvfp4", base.state_dict(), compute_dtype=dtype,
+                                                     kernel=kernel)
         else:
             self.holder = _Holder(base)
         self.lora_A = torch.nn.Parameter((torch.randn(rank, in_f, generator=gen) / math.sqrt(in_f)).to(device, dtype))
@@ -453,6 +284,8 @@ def check_stack(s, device, dtype, kernels, gen, iters: int) -> dict:
     modes = {"bf16_lora": "dense", "nvfp4_lora_decoded_dense": "dense", "nvfp4_lora_dequant_matmul": "torch"}
     if kernels is not None:
         modes["nvfp4_lora_fused_triton"] = "fused"
+        if ProjectPackedLinear is not None:  # what the training policy runs by default (kernel="auto")
+            modes["nvfp4_lora_policy_auto"] = "auto"
     out, outputs = {}, {}
     for label, mode in modes.items():
         lora_gen = torch.Generator(device="cpu").manual_seed(1)  # the same LoRA in every variant
@@ -531,7 +364,8 @@ def main(argv=None) -> dict:
     device = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16
     use_triton = HAVE_TRITON and (not dry or args.interpret)
-    kernels = Kernels(device, tune=not dry) if use_triton else None
+    # the library's shared launchers: the policy's PackedLinear (and its auto check) reuse their tuned configs
+    kernels = triton_nvfp4.KERNELS if use_triton else None
     gen = torch.Generator(device="cpu").manual_seed(0)
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -555,6 +389,8 @@ def main(argv=None) -> dict:
     summary["stack"] = check_stack(s, device, dtype, kernels, gen, iters=(1 if args.interpret else 2) if dry else args.iters)
     if kernels is not None:
         summary["triton_configs"] = {"/".join(map(str, k)): v for k, v in kernels.chosen.items()}
+        # the policy's one-time choices (CUDA only; empty on CPU, where auto is always the torch path)
+        summary["auto_decisions"] = triton_nvfp4.DISPATCHER.summary()
     if kernels is not None and device.type == "cuda":
         rows = [r for r in summary["ops"]["per_projection"].values() if "same_as" not in r]
         summary["fused_beats_dequant_then_matmul"] = {

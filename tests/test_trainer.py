@@ -148,8 +148,11 @@ def test_reference_run_trains_and_logs(reference, tracking):
     assert run.info.status == "FINISHED"
     assert run.data.tags["method"] == "qerl" and run.data.tags["dataset"] == "generator"
     assert run.data.tags["git_commit"] and run.data.tags["model"]
+    # CPU: the dense copy decoded from the NVFP4 codes, computed in fp32 (model.dtype auto)
+    assert run.data.tags["rollout.served_format"] == "dense-decoded-nvfp4"
+    assert run.data.tags["rollout.served_dtype"] == "float32"
     for key in ("reward/mean", "reward/std", "reward/accuracy", "reward/format", "policy/entropy", "policy/kl_to_base",
-                "policy/clip_fraction", "mismatch/kl", "completion/length", "groups/zero_std_fraction", "aqn/sigma",
+                "policy/clip_fraction", "mismatch/kl", "completion/length", "groups/zero_std_fraction", "aqn/sigma", "aqn/sigma_effective",
                 "optim/lr", "rollout/tokens_per_s", "time/update_s", "memory/peak_gb"):
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == list(range(1, STEPS + 1)), key

@@ -62,6 +62,14 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Compute dtype. auto: float32 on CPU (bf16 matmul is slow there), bfloat16 on CUDA."
     )
+    norm_dtype: Literal["float32", "model"] = Field(
+        "float32",
+        description="Storage dtype of the RMSNorm weights in the trainer and in vLLM. float32 (default): fp32 whatever "
+        "`dtype` is, outputs rounded once to the compute dtype, so AQN's clean + Z and small trained-norm updates survive "
+        "a bf16 model (bf16's spacing near 1 is 2^-8..2^-7: most of the paper's sigma 1e-2..5e-4 rounds away; see "
+        "rl/norms.py). model: the stock behaviour, norm weights in the compute dtype; refused with AQN when the "
+        "noise of some stage would be served more than 10% off.",
+    )
     max_seq_len: int = Field(1024, gt=0, description="Longest prompt+completion, tokens (vLLM max_model_len).")
     trust_remote_code: bool = Field(False, description="Passed to transformers.")
 
@@ -184,7 +192,12 @@ class RolloutConfig(Section):
     """The vLLM rollout engine and its sampling."""
 
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_p: float = Field(
+        1.0, gt=0, le=1,
+        description="Nucleus sampling of training rollouts. Only 1.0 is accepted: the trainer's log-probs are those of "
+        "the full softmax at `temperature`, so with top_p < 1 its importance ratios (TIS, mismatch KL, pi_old) would "
+        "compare different distributions (evaluation has its own evaluate.top_p).",
+    )
     max_new_tokens: int = Field(256, gt=0, description="Completion length cap; longer ones are truncated.")
     seed: int = Field(0, description="Sampling seed (per step offset is added).")
     sync: Literal["auto", "adapter", "merge"] = Field(
@@ -197,8 +210,24 @@ class RolloutConfig(Section):
     enforce_eager: bool = Field(True, description="Skip CUDA graph capture (faster start, slower decode).")
     startup_timeout_s: float = Field(600.0, gt=0, description="Give up if the engine process is not ready by then.")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
-        "processed_logprobs", description="Log-probs after temperature/top-p (what the trainer's importance ratios need)."
+        "processed_logprobs",
+        description="Log-probs vLLM reports: processed = after temperature (what the trainer's importance ratios need; "
+        "it divides its logits by `temperature`); raw = before it, accepted only with temperature 1.0, where both agree.",
     )
+
+    @model_validator(mode="after")
+    def _trainer_logprobs_match(self) -> RolloutConfig:
+        if self.top_p < 1.0:
+            raise ValueError(
+                f"top_p {self.top_p}: training rollouts need top_p 1.0; the trainer's log-probs do not implement nucleus "
+                "truncation, so TIS weights and the mismatch KL would be wrong (evaluation uses evaluate.top_p)"
+            )
+        if self.logprobs_mode == "raw_logprobs" and self.temperature != 1.0:
+            raise ValueError(
+                f"logprobs_mode 'raw_logprobs' with temperature {self.temperature}: vLLM would report log-probs before "
+                "the temperature while the trainer's are after it; use processed_logprobs or temperature 1.0"
+            )
+        return self
 
 
 # ----------------------------------------------------------------------------- RL

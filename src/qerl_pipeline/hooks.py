@@ -31,4 +31,10 @@ class ValidateConfigHook:
         if self._context is None:
             return
         cfg = validate(dict(self._context.params), QerlConfig)
+        import torch
+
+        from qerl_pipeline.models import resolve_dtype
+        from qerl_pipeline.rl.norms import check_noise_precision
+
+        check_noise_precision(cfg, resolve_dtype(cfg.model, "cuda" if torch.cuda.is_available() else "cpu"))
         log.info("parameters valid: method=%s model=%s", cfg.method, cfg.model.name)

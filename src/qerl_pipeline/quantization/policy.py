@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from qerl_pipeline.config import LoraConfig
-from qerl_pipeline.quantization import checkpoint, nf4, nvfp4
+from qerl_pipeline.quantization import checkpoint, nf4, nvfp4, triton_nvfp4
 from qerl_pipeline.quantization.checkpoint import serving_dir  # noqa: F401  (public API)
 
 Format = Literal["nvfp4", "nf4", "bf16"]
@@ -78,29 +78,54 @@ DENSE_TRACKER = _DenseTracker()
 
 
 class _PackedMatmul(torch.autograd.Function):
-    """``x @ W.T`` with W decoded in forward and again in backward, never saved."""
+    """``x @ W.T`` with W decoded in forward and again in backward, never saved.
+
+    Each direction goes through the fused Triton kernel (``triton_nvfp4``: it reads the
+    codes and scales directly, no dense W at all) when ``layer.uses_triton`` says so for
+    that op and shape, else through the torch codec (decode, multiply, drop).
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
         ctx.layer = layer
+        x2 = x.reshape(-1, x.shape[-1])
+        if layer.uses_triton("fwd", x2):
+            y = triton_nvfp4.matmul("fwd", x2, layer.nvfp4_weight())
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         weight = layer.dense_weight(x.dtype)
         return x @ weight.t()
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        weight = ctx.layer.dense_weight(grad_out.dtype)
+        layer = ctx.layer
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if layer.uses_triton("dx", g2):
+            dx = triton_nvfp4.matmul("dx", g2, layer.nvfp4_weight())
+            return dx.reshape(*grad_out.shape[:-1], dx.shape[-1]), None
+        weight = layer.dense_weight(grad_out.dtype)
         return grad_out @ weight, None
 
 
 class PackedLinear(nn.Module):
-    """A frozen linear layer stored as NVFP4 or NF4 codes, decoded on the fly."""
+    """A frozen linear layer stored as NVFP4 or NF4 codes, decoded on the fly.
+
+    ``kernel`` picks how an NVFP4 layer multiplies (NF4 always uses the torch codec):
+    ``"torch"`` decodes with the torch codec; ``"triton"`` always runs the fused Triton
+    kernels (CPU tensors: Triton's interpreter, for tests); ``"auto"`` (default) follows
+    ``triton_nvfp4.kernel_mode()`` (``QERL_NVFP4_KERNEL`` / ``triton_nvfp4.force_kernel``),
+    whose own ``"auto"`` is the one-time per-shape check of ``triton_nvfp4.DISPATCHER``:
+    Triton only on CUDA, after it agreed with the torch path and timed faster.
+    """
 
     def __init__(self, in_features: int, out_features: int, fmt: str, tensors: dict[str, torch.Tensor], *,
                  compute_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
-                 blocksize: int = nf4.DEFAULT_BLOCKSIZE) -> None:
+                 blocksize: int = nf4.DEFAULT_BLOCKSIZE, kernel: str = "auto") -> None:
         super().__init__()
+        if kernel not in triton_nvfp4.MODES:
+            raise ValueError(f"PackedLinear: kernel must be one of {triton_nvfp4.MODES}, got {kernel!r}")
         self.in_features, self.out_features = in_features, out_features
         self.fmt = fmt
+        self.kernel = kernel
         self.compute_dtype = compute_dtype
         self.blocksize = blocksize
         if fmt == "nvfp4":
@@ -134,6 +159,19 @@ class PackedLinear(nn.Module):
                                self.blocksize, dtype)
         return DENSE_TRACKER.track(w) if track else w
 
+    def nvfp4_weight(self) -> nvfp4.NVFP4Weight:
+        """Views of the NVFP4 buffers (codes, FP8 scales, FP32 global scale), no copy."""
+        if self.fmt != "nvfp4":
+            raise ValueError(f"nvfp4_weight: this layer holds {self.fmt!r} codes")
+        return nvfp4.NVFP4Weight(self.packed, self.scale_bits.view(torch.float8_e4m3fn),
+                                 self.gs_bits.view(torch.float32))
+
+    def uses_triton(self, op: str, a: torch.Tensor) -> bool:
+        """Whether the 2-D operand ``a`` goes through the fused kernel (``op``: "fwd" or "dx")."""
+        if self.fmt != "nvfp4" or a.dtype not in triton_nvfp4.DTYPES:
+            return False
+        return triton_nvfp4.use_triton(op, a, self.nvfp4_weight(), self.kernel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _PackedMatmul.apply(x, self)
         return out + self.bias.to(out.dtype) if self.bias is not None else out
@@ -147,7 +185,8 @@ class PackedLinear(nn.Module):
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+        extra = f", kernel={self.kernel}" if self.kernel != "auto" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{extra}"
 
 
 def _packed_lora_class():
@@ -232,12 +271,22 @@ def _is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm")
 
 
-def build_policy(base_dir: Path, fmt: Format, lora: LoraConfig, *, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
-    """Base (packed per ``fmt``) + PEFT LoRA (+ trainable norms, gradient checkpointing)."""
+def build_policy(base_dir: Path, fmt: Format, lora: LoraConfig, *, dtype: torch.dtype, device: str = "cpu",
+                 norm_dtype: str = "float32") -> nn.Module:
+    """Base (packed per ``fmt``) + PEFT LoRA (+ trainable norms, gradient checkpointing).
+
+    ``norm_dtype`` (``model.norm_dtype``): ``float32`` keeps the RMSNorm weights in fp32 when
+    ``dtype`` is not (``rl/norms.py``: AQN noise and norm updates survive bf16); ``model``
+    leaves them in ``dtype``.
+    """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    from qerl_pipeline.rl.norms import keep_norm_weights_fp32
+
     model = load_base(base_dir, fmt, dtype=dtype, device=device)
+    if norm_dtype == "float32":
+        keep_norm_weights_fp32(model, dtype)
     targets = list(lora.target_modules)
     found = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, (nn.Linear, PackedLinear))}
     unknown = [t for t in targets if t not in found]

@@ -11,8 +11,10 @@ TRL's ``reward_funcs``); ``FunctionScorer`` adapts it to the scorer interface an
 missing ``accuracy``/``format`` with 0.
 
 Log-probs are computed from the decoder's hidden states at the completion positions
-only (right-padded batch, lm_head applied to ``[n, T, H]``), divided by the sampling
-temperature, which is what vLLM reports in ``processed_logprobs`` mode.
+only (right-padded batch), divided by the sampling temperature, which is what vLLM
+reports in ``processed_logprobs`` mode; ``rl/logprobs.py`` applies lm_head in chunks of
+positions, so neither the logits nor the log-softmax over the vocabulary ever exist as a
+``[n, T, V]`` tensor (forward or backward).
 
 A NaN/Inf loss or gradient norm raises ``TrainingDiverged`` naming the step before the
 optimizer update, so the newest checkpoint stays the last good state.
@@ -20,6 +22,7 @@ optimizer update, so the newest checkpoint stays the last good state.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import time
 from collections.abc import Callable
@@ -30,6 +33,7 @@ import torch
 
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.rl import aqn, grpo
+from qerl_pipeline.rl.logprobs import token_logprobs
 
 
 class TrainingDiverged(RuntimeError):
@@ -188,16 +192,40 @@ def completion_logprobs(
     length = input_ids.shape[1]
     pos = (prompt_lens.to(device).unsqueeze(1) - 1 + torch.arange(t_max, device=device).unsqueeze(0)).clamp(max=length - 2)
     rows = torch.arange(input_ids.shape[0], device=device).unsqueeze(1)
-    logits = inner.lm_head(hidden[rows, pos]).float() / temperature  # [n, T, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
     targets = input_ids[rows, pos + 1]
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    head = inner.lm_head
+    if type(head) is not torch.nn.Linear:  # a wrapped head (LoRA on lm_head, ...): its own forward, [n, T, V]
+        logits = head(hidden[rows, pos]).float() / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+    # chunked: log-softmax at the targets and the entropy without materialising [n, T, V] (rl/logprobs.py)
+    return token_logprobs(hidden[rows, pos], head.weight, targets, bias=head.bias, temperature=temperature)
 
 
 # ------------------------------------------------------------ rollout + update
+#: Per-prompt seeds stay below this, leaving room for vLLM's ``seed + i`` of the i-th of n samples.
+SEED_SPACE = 2**62
+
+
+def sampling_seeds(seed: int, step: int, round_: int, prompts: list[int]) -> list[int]:
+    """One sampling seed per prompt: a hash of ``(seed, step, round, position, prompt index)``.
+
+    vLLM seeds the i-th of a request's n samples with ``seed + i``. Seeds formed as sums of
+    offsets (``seed + step * a + round * b + prompt * n``) overlap as soon as a step's
+    prompts x n exceed an offset, so two prompts, rounds or steps could replay the same
+    random stream; hashed seeds collide only by chance (~n * 2^-62 per pair). The position
+    in the step is part of the key: a prompt drawn twice in one step (an epoch boundary)
+    gets two streams. Deterministic, so a resumed run draws the same samples.
+    """
+    out = []
+    for pos, prompt in enumerate(prompts):
+        key = f"{int(seed)}:{int(step)}:{int(round_)}:{pos}:{int(prompt)}".encode()
+        out.append(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % SEED_SPACE)
+    return out
+
+
 def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg: QerlConfig, step: int, adapter_dir: Path):
     """Rollout + rewards for one step, with DAPO dynamic sampling when enabled."""
     gc, rc, tc = cfg.grpo, cfg.rollout, cfg.train
@@ -209,10 +237,10 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
     need = tc.prompts_per_step
     while True:
         idx = sampler.take(need)
-        seed = rc.seed * 1_000_003 + step * 1_009 + rounds * 101
+        seeds = sampling_seeds(rc.seed, step, rounds, idx)
         res = engine.generate(
             [items[i].ids for i in idx], n=g, temperature=rc.temperature, top_p=rc.top_p,
-            max_new_tokens=rc.max_new_tokens, seed=seed, lora_path=adapter_dir,
+            max_new_tokens=rc.max_new_tokens, seed=seeds, lora_path=adapter_dir,
         )
         seconds += res.seconds
         tokens += res.output_tokens
@@ -258,38 +286,54 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
     }
     return kept_groups, rewards, info, {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
 
-def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg: QerlConfig, step: int) -> dict:
-    """``updates_per_rollout`` optimizer steps on one rollout batch (under the batch's noisy norms)."""
+def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg: QerlConfig, step: int,
+                  ref_norms: dict[str, torch.Tensor] | None = None) -> dict:
+    """``updates_per_rollout`` optimizer steps on one rollout batch.
+
+    Forward and backward run under the batch's noisy norms (``aqn.noisy_norms``: the
+    log-probs are those of the policy that generated the batch, the gradient is taken at
+    the noisy point); the clean values are back before ``optimizer.step()``, so trained
+    norms (``lora.train_norms``) step from their clean values and keep their updates.
+
+    The KL reference (``kl_beta > 0`` or ``log_kl_to_base``) is the clean base: adapter
+    disabled, no noise, and the base's own norm values ``ref_norms`` in place of trained
+    ones (``None``: the norms are not trained, the clean ones are the base's).
+
+    A token whose vLLM log-prob is missing (NaN) gets pi_old as its rollout log-prob, so its
+    importance weight is 1 in every update of the batch.
+    """
     gc, tc, rc = cfg.grpo, cfg.train, cfg.rollout
     n, t_max = roll_logp.shape
     n_tok = float(mask.sum())
     mb = tc.micro_batch_size
     chunks = [slice(i, min(n, i + mb)) for i in range(0, n, mb)]
     old_logp: dict[int, torch.Tensor] = {}
+    roll_filled: dict[int, torch.Tensor] = {}
     ref_logp: dict[int, torch.Tensor] = {}
     want_ref = gc.kl_beta > 0 or gc.log_kl_to_base
     stats_acc: dict[str, float] = {"entropy": 0.0, "mismatch_kl": 0.0, "tis_weight": 0.0, "kl_to_base": 0.0}
     clip_sum = clip_low = clip_high = 0.0
     grad_norms, losses = [], []
-    with aqn.noisy_norms(norm_params, noisy):
-        if want_ref:
-            with torch.no_grad(), policy.disable_adapter():
-                for k, sl in enumerate(chunks):
-                    ref_logp[k] = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)[0].detach().cpu()
-        for u in range(gc.updates_per_rollout):
-            optimizer.zero_grad(set_to_none=True)
-            total = 0.0
+    if want_ref:
+        with torch.no_grad(), policy.disable_adapter(), aqn.noisy_norms(norm_params, ref_norms):
+            for k, sl in enumerate(chunks):
+                ref_logp[k] = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)[0].detach().cpu()
+    for u in range(gc.updates_per_rollout):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        with aqn.noisy_norms(norm_params, noisy):
             for k, sl in enumerate(chunks):
                 logp, ent = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)
                 logp = logp.cpu() if logp.device.type != "cpu" else logp
-                m, roll = mask[sl], roll_logp[sl]
-                roll = torch.where(torch.isfinite(roll), roll, logp.detach())  # a missing vLLM log-prob: weight 1
+                m = mask[sl]
                 if u == 0:
                     old_logp[k] = logp.detach()
+                    roll = roll_logp[sl]
+                    roll_filled[k] = torch.where(torch.isfinite(roll), roll, old_logp[k])  # missing: weight 1
                     w = m.sum().clamp(min=1.0) / max(n_tok, 1.0)
                     stats_acc["entropy"] += float((ent.cpu() * m).sum() / m.sum().clamp(min=1.0)) * float(w)
-                    stats_acc["mismatch_kl"] += grpo.mismatch_kl(roll, old_logp[k], m) * float(w)
-                is_w = grpo.tis_weights(old_logp[k], roll, gc.tis_cap)
+                    stats_acc["mismatch_kl"] += grpo.mismatch_kl(roll_filled[k], old_logp[k], m) * float(w)
+                is_w = grpo.tis_weights(old_logp[k], roll_filled[k], gc.tis_cap)
                 if u == 0 and is_w is not None:
                     stats_acc["tis_weight"] += float((is_w * m).sum()) / max(n_tok, 1.0)
                 loss, st = grpo.policy_loss(
@@ -302,7 +346,7 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
                         f"non-finite loss ({float(loss.detach())}) at step {step + 1} (update {u + 1}, micro-batch {k + 1}); "
                         f"training stopped before the optimizer update, the newest checkpoint is the last good state"
                     )
-                loss.backward()
+                loss.backward()  # inside the context: saved tensors alias the noisy norm storage
                 total += float(loss.detach())
                 frac = st.tokens / max(n_tok, 1.0)
                 clip_sum += st.clip_fraction * frac / gc.updates_per_rollout
@@ -310,14 +354,14 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
                 clip_high += st.clip_high_fraction * frac / gc.updates_per_rollout
                 if u == 0 and st.kl_to_ref is not None:
                     stats_acc["kl_to_base"] += st.kl_to_ref * frac
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-            if not torch.isfinite(gn):
-                raise TrainingDiverged(f"non-finite gradient norm at step {step + 1} (update {u + 1}); training stopped before the optimizer update")
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            grad_norms.append(float(gn))
-            losses.append(total)
+        gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+        if not torch.isfinite(gn):
+            raise TrainingDiverged(f"non-finite gradient norm at step {step + 1} (update {u + 1}); training stopped before the optimizer update")
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()  # clean norms are back: their update sticks
+        scheduler.step()
+        grad_norms.append(float(gn))
+        losses.append(total)
     out = {
         "lr": lr, "loss": _mean(losses), "optim/grad_norm": _mean(grad_norms), "policy/entropy": stats_acc["entropy"],
         "policy/clip_fraction": clip_sum, "policy/clip_low_fraction": clip_low, "policy/clip_high_fraction": clip_high,

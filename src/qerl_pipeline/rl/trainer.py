@@ -4,7 +4,10 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
 
 1. AQN: ``(stage, sigma) = aqn.sigma_at(s, steps)``; ``Z`` drawn for ``(aqn.seed, s)``; the
    engine's norm weights are set to ``clean + Z`` (``engine.update_weights``; also when
-   sigma is 0, which restores the clean values, and every step when norms are trainable).
+   sigma is 0, which restores the clean values, and every step when norms are trainable),
+   then read back: ``aqn/sigma_effective`` is the std of served minus clean, and the
+   trainer uses the values the engine serves. Norm weights are fp32 in both (``model.
+   norm_dtype``, rl/norms.py), so a bf16 model serves the noise as drawn.
 2. Rollout: ``prompts_per_step`` prompts (a seeded permutation per epoch; the cursor is
    checkpointed), ``num_generations`` samples each, with the current adapter folder.
    Dynamic sampling (DAPO) drops groups with equal rewards and refills for up to
@@ -12,12 +15,16 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
 3. Rewards (``RewardScorer``, or a custom ``reward_fn``: argument or ``train.reward_fn``
    import path, see ``step.make_scorer``) + optional overlong shaping; group advantages.
 4. ``updates_per_rollout`` optimizer steps over the batch (micro-batches, gradient
-   accumulation), all inside ``aqn.noisy_norms`` so the trainer's log-probs are those of the
-   policy that generated the batch. pi_old is the trainer's log-prob at the first update
-   (taken from that forward, no extra pass). Truncated importance sampling reweights by
-   ``min(pi_old / pi_rollout, cap)``; the mismatch KL between vLLM's and the trainer's
-   log-probs is logged. With ``kl_beta > 0`` (or ``log_kl_to_base``) the reference
-   log-probs come from the same model with the adapter disabled (no second model).
+   accumulation); forward and backward inside ``aqn.noisy_norms`` so the trainer's
+   log-probs are those of the policy that generated the batch, ``optimizer.step()``
+   outside it, so trained norms step from (and keep) their clean values. pi_old is the
+   trainer's log-prob at the first update (taken from that forward, no extra pass).
+   Truncated importance sampling reweights by ``min(pi_old / pi_rollout, cap)``; the
+   mismatch KL between vLLM's and the trainer's log-probs is logged. With ``kl_beta > 0``
+   (or ``log_kl_to_base``) the reference log-probs are the clean base's: the same model
+   with the adapter disabled, no noise, and the base's norm values (no second model).
+   What the engine serves (``rollout/serving.py``: FP4 on CUDA, the decoded dense copy on
+   CPU) and in which dtype is tagged on the run (``rollout.served_format``/``_dtype``).
 5. The adapter is saved to a new step folder (the engine loads it under a new LoRA id);
    checkpoints every ``checkpoint_every`` steps.
 
@@ -186,7 +193,9 @@ def train(
     for custom rewards (like TRL's ``reward_funcs``); default ``cfg.train.reward_fn``.
     """
     from qerl_pipeline.models import resolve_dtype
-    from qerl_pipeline.quantization.policy import build_policy, serving_dir
+    from qerl_pipeline.quantization.policy import build_policy
+    from qerl_pipeline.rl.norms import check_noise_precision, sigma_effective
+    from qerl_pipeline.rollout.serving import engine_dtype, served_model, served_tags
 
     t_start = time.perf_counter()
     base_dir = Path(base_dir)
@@ -202,8 +211,13 @@ def train(
     torch.manual_seed(tc.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = resolve_dtype(cfg.model, device)
-    policy = build_policy(base_dir, METHOD_FORMAT[cfg.method], cfg.lora, dtype=dtype, device=device)
+    check_noise_precision(cfg, dtype)  # before any model loads
+    served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=device)
+    policy = build_policy(base_dir, METHOD_FORMAT[cfg.method], cfg.lora, dtype=dtype, device=device,
+                          norm_dtype=cfg.model.norm_dtype)
     policy.train()
+    # the base's values of trained norms, before a resume loads trained ones: the KL reference's norms
+    base_norms = {n: t.clone() for n, t in trained_norms(policy).items()}
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer, opt_note = build_optimizer(params, cfg)
     updates = gc.updates_per_rollout
@@ -238,14 +252,20 @@ def train(
         from qerl_pipeline.rollout.engine import RolloutEngine
 
         engine = RolloutEngine(
-            serving_dir(base_dir), max_model_len=cfg.model.max_seq_len, enable_lora=True,
-            max_lora_rank=vllm_lora_rank(cfg.lora.rank), dtype="auto", seed=rc.seed, rollout=rc,
+            served.path, max_model_len=cfg.model.max_seq_len, enable_lora=True,
+            max_lora_rank=vllm_lora_rank(cfg.lora.rank), dtype=engine_dtype(cfg.model, device, served), seed=rc.seed, rollout=rc,
+            extra_engine_args=served.engine_args, norm_dtype=engine_norm_dtype(cfg),
         )
     scorer = make_scorer(cfg, reward_fn)
     aqn_on = cfg.aqn_enabled()
     engine_norms = engine.norm_weight_names()
     sync_names = sorted(set((aqn.noisy_target_names(engine_norms) if aqn_on else []) + (engine_norms if cfg.lora.train_norms else [])))
     norm_params = aqn.norm_parameters(policy, sync_names) if sync_names else {}
+    noisy_names = aqn.noisy_target_names(norm_params) if aqn_on else []
+    ref_norms = {n: base_norms[n] for n in norm_params if n in base_norms} or None
+    serving_tags = {**served_tags(served, engine), "model.norm_dtype": cfg.model.norm_dtype}
+    logger.set_tags(serving_tags)
+    log.info("engine serves %s in %s", serving_tags["rollout.served_format"], serving_tags["rollout.served_dtype"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     adapters = run_dir / "adapters"
     adapters.mkdir(exist_ok=True)
@@ -262,6 +282,9 @@ def train(
             noise = aqn.draw_noise(clean, sigma, seed=cfg.aqn.seed, step=step) if aqn_on else None
             noisy = aqn.apply_noise(clean, noise) if clean else {}
             sync_s = engine.update_weights(noisy) if noisy else 0.0
+            if noisy:  # what the engine really serves (its dtype may round): the trainer uses the same values
+                noisy = engine.read_weights(sorted(noisy))
+            sigma_eff = sigma_effective(noisy, clean, noisy_names)
 
             groups, rewards, info, roll = collect(engine, scorer, sampler, items, cfg, step, adapter_dir)
             t_roll = time.perf_counter()
@@ -271,7 +294,8 @@ def train(
             ids, p_lens, c_lens, roll_logp = collate(samples, pad_id)
             truncated = torch.tensor([s.finish_reason == "length" for s in samples])
             mask = grpo.completion_mask(c_lens, roll_logp.shape[1], truncated if gc.mask_truncated else None)
-            upd = policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg, step)
+            upd = policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg, step,
+                                ref_norms=ref_norms)
             t_upd = time.perf_counter()
             adapter_dir = _save_adapter(policy, adapters / f"step-{step + 1:06d}")
             for old in sorted(adapters.glob("step-*"))[:-2]:
@@ -283,7 +307,7 @@ def train(
                 "reward/overlong": float(info["overlong"]), "accuracy": _mean(x["accuracy"] for x in rewards),
                 "completion/length": float(c_lens.float().mean()), "completion/truncated_fraction": float(truncated.float().mean()),
                 "groups/zero_std_fraction": info["zero_std_fraction"], "groups/refill_rounds": info["rounds"] - 1,
-                "aqn/sigma": sigma, "aqn/stage": stage, "optim/lr": upd["lr"], "rollout/tokens_per_s": roll["tokens_per_s"],
+                "aqn/sigma": sigma, "aqn/sigma_effective": sigma_eff, "aqn/stage": stage, "optim/lr": upd["lr"], "rollout/tokens_per_s": roll["tokens_per_s"],
                 "time/rollout_s": roll["seconds"], "time/reward_s": info["reward_s"], "time/sync_s": sync_s,
                 "time/update_s": t_upd - t_roll, "time/step_s": time.perf_counter() - t0, "memory/peak_gb": _peak_memory_gb(),
                 **{k: v for k, v in upd.items() if k != "lr"},
@@ -357,6 +381,11 @@ def _full_history(logger: MetricsLogger) -> list[dict]:
 
 #: vLLM accepts only these max_lora_rank values; a smaller adapter rank fits under the next one.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_norm_dtype(cfg: QerlConfig) -> str | None:
+    """``RolloutEngine(norm_dtype=...)`` for ``model.norm_dtype`` (rl/norms.py)."""
+    return "float32" if cfg.model.norm_dtype == "float32" else None
 
 
 def vllm_lora_rank(rank: int) -> int:

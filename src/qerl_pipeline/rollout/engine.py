@@ -59,6 +59,7 @@ from safetensors.torch import load_file, save_file
 
 from qerl_pipeline.config import RolloutConfig
 from qerl_pipeline.profile import engine_env
+from qerl_pipeline.rollout.vllm_plugin import ENV as NORM_DTYPE_ENV
 
 
 class EngineError(RuntimeError):
@@ -116,6 +117,7 @@ class RolloutEngine:
         rollout: RolloutConfig | None = None,
         log_file: str | Path | None = None,
         extra_engine_args: dict | None = None,
+        norm_dtype: str | None = None,
     ):
         self.rollout = rollout or RolloutConfig()
         self.model_dir = Path(model_dir).resolve()
@@ -127,6 +129,7 @@ class RolloutEngine:
         self.log_path = Path(log_file) if log_file else self._tmp / "engine.log"
         self._param_names: dict[str, str] | None = None
         self._seq = 0
+        self.norm_dtype = norm_dtype
         _LIVE.add(self)
         spec = {
             "model": str(self.model_dir),
@@ -158,6 +161,11 @@ class RolloutEngine:
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
         env = dict(os.environ)
         env.update(engine_env())
+        env.pop(NORM_DTYPE_ENV, None)
+        if self.norm_dtype == "float32":  # RMSNorm weights in fp32 inside vLLM (rollout/vllm_plugin.py)
+            env[NORM_DTYPE_ENV] = "float32"
+        elif self.norm_dtype is not None:
+            raise ValueError(f"norm_dtype: expected None or 'float32', got {self.norm_dtype!r}")
         env["QERL_ENGINE_ADDRESS"] = address
         env["QERL_ENGINE_AUTHKEY"] = authkey.hex()
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -298,13 +306,19 @@ class RolloutEngine:
         temperature: float,
         top_p: float,
         max_new_tokens: int,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
         lora_path: str | Path | None = None,
         ignore_eos: bool = False,
     ) -> GenerateResult:
-        """Sample ``n`` completions per prompt (token ids in, token ids + text + log-probs out)."""
+        """Sample ``n`` completions per prompt (token ids in, token ids + text + log-probs out).
+
+        ``seed``: one int (prompt p's request is seeded ``seed + p * n``, vLLM seeds its i-th
+        sample ``+ i``), or one seed per prompt (the trainer's hashed seeds, ``step.sampling_seeds``).
+        """
         if not prompts or any(not p for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+        if isinstance(seed, (list, tuple)) and len(seed) != len(prompts):
+            raise ValueError(f"seed: {len(seed)} seeds for {len(prompts)} prompts")
         if n < 1 or max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"bad sampling settings: n={n}, max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}")
         path = version = None
@@ -319,7 +333,7 @@ class RolloutEngine:
             temperature=float(temperature),
             top_p=float(top_p),
             max_new_tokens=int(max_new_tokens),
-            seed=None if seed is None else int(seed),
+            seed=None if seed is None else ([int(x) for x in seed] if isinstance(seed, (list, tuple)) else int(seed)),
             lora_path=path,
             lora_version=version,
             ignore_eos=bool(ignore_eos),

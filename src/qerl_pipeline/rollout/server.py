@@ -123,13 +123,18 @@ class Server:
         self._awake()
         # vLLM seeds the i-th of n samples with seed + i, so one seed shared by all prompts
         # would replay the same random stream in every prompt; prompt p gets seed + p * n.
+        # A list gives each prompt its own seed (the trainer's hashed seeds).
+        if isinstance(seed, list):
+            seeds = seed
+        else:
+            seeds = [None if seed is None else seed + p * n for p in range(len(prompts))]
         params = [
             SamplingParams(
                 n=n,
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_new_tokens,
-                seed=None if seed is None else seed + p * n,
+                seed=seeds[p],
                 logprobs=0,  # the sampled token's log-prob only
                 ignore_eos=ignore_eos,
             )

@@ -8,7 +8,10 @@ The pipeline measures, in one run on one machine:
   same; always RTN: how the codes were chosen does not change their speed);
 * ``benchmark_rollout``: output tokens/s per base format at each ``benchmark.batch_sizes``
   (and at the training batch) through our vLLM engine with the LoRA adapter attached,
-  fixed prompt and completion lengths, EOS ignored; LoRA sync time per step;
+  fixed prompt and completion lengths, EOS ignored; LoRA sync time per step. The engine
+  serves what ``rollout.serving.served_model`` decides (packed NVFP4 / bitsandbytes NF4 on
+  CUDA, the dense decoded copy on CPU); every row carries ``served_format`` and
+  ``served_dtype``, and the run is tagged ``rollout.served_format`` / ``rollout.served_dtype``;
 * ``benchmark_training``: time per optimizer step, tokens/s, peak memory and resident
   parameter bytes per method, each in its own process (``benchmarking.training``);
 * ``benchmark_trl``: TRL's ``GRPOTrainer`` step on the same model and batch
@@ -139,13 +142,25 @@ def _adapters_for(base_dir: Path, fmt: str, lcfg: LoraConfig, out_dir: Path, cou
     return folders
 
 
+def _folder_dtype(folder: Path) -> str:
+    """``float32`` or ``bfloat16``: the dtype a served folder was written in (its config.json)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return "bfloat16" if str(cfg.get("dtype") or cfg.get("torch_dtype")) == "bfloat16" else "float32"
+
+
 def benchmark_rollout(bases: dict[str, str], lora: dict[str, Any], rollout: dict[str, Any], grpo: dict[str, Any],
-                      benchmark: dict[str, Any]) -> dict[str, Any]:
-    """Rollout tokens/s per format and batch size, with and without LoRA; LoRA sync time per step."""
+                      benchmark: dict[str, Any], model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rollout tokens/s per format and batch size, with and without LoRA; LoRA sync time per step.
+
+    Each format's engine serves ``served_model(base)`` at ``engine_dtype(model)``; without
+    ``model`` (the node wired without ``params:model``) at the dtype the served folder was
+    written in, which ``prepare_bases`` took from ``model.dtype`` as well. The result's
+    ``served`` says, per format, what was served (path, tag, dense, the engine's dtype).
+    """
     from qerl_pipeline.benchmarking.rollout import measure_rollout, measure_sync, recommend_sync
-    from qerl_pipeline.quantization.policy import serving_dir
     from qerl_pipeline.rl.trainer import vllm_lora_rank
     from qerl_pipeline.rollout.engine import RolloutEngine
+    from qerl_pipeline.rollout.serving import engine_dtype, served_model, served_tags
 
     bcfg = parse(BenchmarkConfig, benchmark, "benchmark")
     lcfg = parse(LoraConfig, lora, "lora")
@@ -153,19 +168,26 @@ def benchmark_rollout(bases: dict[str, str], lora: dict[str, Any], rollout: dict
     gcfg = parse(GRPOConfig, grpo, "grpo")
     train_batch = bcfg.train_prompts * gcfg.num_generations
     sizes = sorted(set(bcfg.batch_sizes) | {train_batch})
-    rows, sync = [], {}
+    rows, sync, served_info = [], {}, {}
     for fmt in dict.fromkeys(METHOD_FORMAT[m] for m in bcfg.methods):
         base = Path(bases[fmt])
+        served = served_model(base)
+        dtype = engine_dtype(model, served.platform, served) if model is not None else _folder_dtype(served.path)
         with tempfile.TemporaryDirectory(prefix="qerl-bench-lora-") as tmp:
             adapters = _adapters_for(base, fmt, lcfg, Path(tmp), bcfg.sync_steps + 1)
             t0 = time.perf_counter()
-            with RolloutEngine(serving_dir(base), max_model_len=bcfg.prompt_len + bcfg.completion_len + 16,
-                               enable_lora=True, max_lora_rank=vllm_lora_rank(lcfg.rank), rollout=rcfg) as engine:
+            with RolloutEngine(served.path, max_model_len=bcfg.prompt_len + bcfg.completion_len + 16,
+                               enable_lora=True, max_lora_rank=vllm_lora_rank(lcfg.rank), rollout=rcfg, dtype=dtype,
+                               extra_engine_args=served.engine_args) as engine:
                 start_s = time.perf_counter() - t0
+                tags = served_tags(served, engine)
+                served_info[fmt] = {"path": str(served.path), "served_format": served.served_format,
+                                    "dense": served.dense, "dtype": tags["rollout.served_dtype"]}
                 for lora_path in (adapters[0], None):
                     for row in measure_rollout(engine, sizes, bcfg.prompt_len, bcfg.completion_len, lora_path=lora_path):
                         rows.append({**row, "format": fmt, "engine_start_s": start_s,
-                                     "is_train_batch": int(row["batch_size"]) == train_batch})
+                                     "is_train_batch": int(row["batch_size"]) == train_batch,
+                                     "served_format": served.served_format, "served_dtype": tags["rollout.served_dtype"]})
                 s = measure_sync(engine, adapters[1:])
                 with_lora = {r["batch_size"]: r for r in rows if r["format"] == fmt and r["lora"]}
                 merged = {r["batch_size"]: r for r in rows if r["format"] == fmt and not r["lora"]}
@@ -177,7 +199,7 @@ def benchmark_rollout(bases: dict[str, str], lora: dict[str, Any], rollout: dict
         log.info("rollout %s: %s; adapter sync %.3f s", fmt, ", ".join(
             f"b{r['batch_size']}={r['tokens_per_s']:.0f}" for r in rows if r["format"] == fmt and r["lora"]),
             sync[fmt].get("adapter_sync_s") or float("nan"))
-    return {"rows": rows, "sync": sync, "train_batch": train_batch}
+    return {"rows": rows, "sync": sync, "train_batch": train_batch, "served": served_info}
 
 
 def benchmark_training(bases: dict[str, str], model: dict[str, Any], lora: dict[str, Any], grpo: dict[str, Any],
@@ -231,8 +253,12 @@ def _row(section: str, subject: str, metric: str, value: float | None, unit: str
 
 def build_table(hardware_figures: dict[str, Any], bases: dict[str, str], rollout: dict[str, Any],
                 training: list[dict[str, Any]], trl: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, Any]:
-    """Every figure as a row ``(section, subject, metric, value, unit, limit, fraction_of_limit, note)``."""
-    from qerl_pipeline.quantization.policy import serving_dir
+    """Every figure as a row ``(section, subject, metric, value, unit, limit, fraction_of_limit, note)``.
+
+    The bytes a decode step reads are those of the folder the engine served
+    (``rollout["served"][fmt]["path"]``; the dense ``serving/`` copy for results without it).
+    """
+    from qerl_pipeline.quantization.checkpoint import serving_dir
 
     bcfg = parse(BenchmarkConfig, benchmark, "benchmark")
     bw, rate = hardware_figures["bandwidth_gbs"], hardware_figures["matmul_flops"]
@@ -244,12 +270,15 @@ def build_table(hardware_figures: dict[str, Any], bases: dict[str, str], rollout
     context = bcfg.prompt_len + bcfg.completion_len / 2
     for fmt in dict.fromkeys(r["format"] for r in rollout["rows"]):
         base = Path(bases[fmt])
-        served = hardware.served_weight_bytes(serving_dir(base))["total"]
+        info = rollout.get("served", {}).get(fmt) or {"path": str(serving_dir(base)), "served_format": f"dense-decoded-{fmt}",
+                                                      "dtype": ""}
+        served = hardware.served_weight_bytes(Path(info["path"]))["total"]
         packed = hardware.served_weight_bytes(base)["total"]
         config = json.loads((base / "config.json").read_text())
         fpt = hardware.decode_flops_per_token(config, int(context))
+        rows.append(_row("rollout", fmt, "served_format", None, "", note=f"{info['served_format']} {info.get('dtype', '')}".strip()))
         rows.append(_row("rollout", fmt, "weight_bytes_read_per_decode_step", served, "bytes",
-                         note="as served here (dense decoded weights on CPU)"))
+                         note=f"as served here ({info['served_format']})"))
         rows.append(_row("rollout", fmt, "weight_bytes_in_format", packed, "bytes", note="the format's own bytes"))
         for r in (r for r in rollout["rows"] if r["format"] == fmt):
             b = int(r["batch_size"])
@@ -350,6 +379,7 @@ def headline(table: dict[str, Any]) -> list[dict[str, Any]]:
         train = got.get(("training", m, "tokens_per_s"), {})
         out.append({
             "method": m, "format": fmt,
+            "served_format": (table["rollout"].get("served", {}).get(fmt) or {}).get("served_format"),
             f"rollout_tok_s@batch{b}": roll.get("value"), "rollout_fraction_of_limit": roll.get("fraction_of_limit"),
             "train_step_s": t["step_time_s"], "train_fraction_of_limit": train.get("fraction_of_limit"),
             "peak_mem_MiB": t["peak_memory_bytes"] / 2**20,
@@ -358,6 +388,23 @@ def headline(table: dict[str, Any]) -> list[dict[str, Any]]:
             "ours_over_trl": got.get(("peer", m, "our_over_trl_step_time"), {}).get("value"),
         })
     return out
+
+
+def served_run_tags(served: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """``rollout.served_format`` / ``rollout.served_dtype`` of a run that served several bases.
+
+    One format per base as ``<format>=<tag>`` (comma-separated), plus one tag per base
+    (``rollout.served_format.<format>``); the dtype as one value when all engines agree.
+    """
+    if not served:
+        return {}
+    tags = {"rollout.served_format": ",".join(f"{fmt}={s['served_format']}" for fmt, s in served.items())}
+    dtypes = list(dict.fromkeys(str(s.get("dtype", "")) for s in served.values()))
+    tags["rollout.served_dtype"] = dtypes[0] if len(dtypes) == 1 else ",".join(f"{f}={s.get('dtype')}" for f, s in served.items())
+    for fmt, s in served.items():
+        tags[f"rollout.served_format.{fmt}"] = s["served_format"]
+        tags[f"rollout.served_dtype.{fmt}"] = str(s.get("dtype", ""))
+    return tags
 
 
 def metric_name(row: dict[str, Any], field: str = "value") -> str:
@@ -400,7 +447,7 @@ def write_report(table: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, 
     logger = MlflowLogger()
     logger.log_metrics(metrics)
     logger.set_tags({"benchmark.device": hw["device"], "benchmark.trl": "skipped" if table["trl"].get("skipped") else
-                     table["trl"].get("trl_version", "")})
+                     table["trl"].get("trl_version", ""), **served_run_tags(table["rollout"].get("served", {}))})
     for p in paths.values():
         logger.log_artifact(p, artifact_path="benchmark")
     log.info("benchmark report: %s (%d figures logged to MLflow run %s)", out, len(metrics), logger.run_id)

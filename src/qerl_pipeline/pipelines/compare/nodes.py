@@ -21,9 +21,12 @@ How the methods run (design choices)
   fresh runs, never a resume of an older one.
 * One vLLM engine per base format (an engine start is ~30-45 s on CPU, most of a smoke
   run): it serves the training rollouts of every method on that base (qerl and qerl_noaqn
-  share the NVFP4 engine) and then their evaluation. Training leaves AQN noise (or trained
-  norms) in the engine, so after each method the clean norm weights are written back
-  from ``serving/`` and read back to check they are exact; sampling seeds are per request,
+  share the NVFP4 engine) and then their evaluation. The engine serves what
+  ``rollout.serving.served_model`` decides for the base (packed NVFP4 / bitsandbytes NF4 on
+  CUDA, the dense decoded ``serving/`` copy on CPU) at ``model.dtype``; each method's run is
+  tagged ``rollout.served_format`` and ``rollout.served_dtype``. Training leaves AQN noise
+  (or trained norms) in the engine, so after each method the clean norm weights are written
+  back from the served folder and read back to check they are exact; sampling seeds are per request,
   so a shared engine draws from the same seeds as a fresh one. Each method's run gets its
   ``trained`` evaluation rows and the shared ``base`` rows.
 * ``compare.reuse_runs``: no training; the runs are read from MLflow: those of one compare
@@ -131,7 +134,7 @@ def quantize_metrics(report: dict) -> dict[str, float]:
 
 # ---------------------------------------------------------------------- evaluate
 def clean_norms(engine, serving: Path) -> dict:
-    """The served model's RMSNorm weights as stored in ``serving/`` (the clean values)."""
+    """The served model's RMSNorm weights as stored in the served folder ``serving`` (the clean values)."""
     from safetensors import safe_open
 
     from qerl_pipeline.quantization.checkpoint import safetensor_files
@@ -157,11 +160,14 @@ def restore_norms(engine, clean: dict) -> None:
         raise RuntimeError(f"engine norm weights differ from the clean ones after restore: {bad[:5]}")
 
 
-def _log_eval(run_id: str, rows: list[dict], records: list[dict], timings: dict[str, float], base_dir: Path) -> None:
+def _log_eval(run_id: str, rows: list[dict], records: list[dict], timings: dict[str, float], base_dir: Path,
+              tags: dict[str, str] | None = None) -> None:
     from qerl_pipeline.pipelines.evaluate.nodes import base_weight_mib
     from qerl_pipeline.tracking import MlflowLogger
 
     logger = MlflowLogger(run_id=run_id)
+    if tags:
+        logger.set_tags(tags)
     metrics = M.metric_dict(rows)
     metrics["base/weight_mib"] = base_weight_mib(base_dir)
     metrics.update({f"eval/{k}": v for k, v in timings.items()})
@@ -170,15 +176,22 @@ def _log_eval(run_id: str, rows: list[dict], records: list[dict], timings: dict[
     logger.log_table(records, "eval/records.json")
 
 
-def evaluate_format(engine, cfg: QerlConfig, adapters: dict[str, Path], base_dir: Path, run_ids: dict[str, str], eval_records: list[dict]) -> None:
-    """Evaluate the adapters trained on one base (and the base once) on its engine; log per method."""
+def evaluate_format(engine, cfg: QerlConfig, adapters: dict[str, Path], base_dir: Path, run_ids: dict[str, str],
+                    eval_records: list[dict], served=None) -> None:
+    """Evaluate the adapters trained on one base (and the base once) on its engine; log per method.
+
+    ``served``: what the engine serves (``rollout.serving.ServedModel``; default: the decision
+    for ``base_dir`` on this machine); it picks the adapter mode and gives the runs' tags.
+    """
     from transformers import AutoTokenizer
 
     from qerl_pipeline.evaluation.evaluator import evaluate_on_engine
-    from qerl_pipeline.pipelines.evaluate.nodes import served_dir
     from qerl_pipeline.rewards.math import RewardScorer
+    from qerl_pipeline.rollout.serving import served_model, served_tags
 
-    tokenizer = AutoTokenizer.from_pretrained(served_dir(base_dir))
+    served = served or served_model(base_dir)
+    tags = served_tags(served, engine)
+    tokenizer = AutoTokenizer.from_pretrained(served.path)
     results = {}
     with RewardScorer(cfg.reward) as scorer:
         policies: dict[str, Path | None] = dict(adapters)
@@ -186,7 +199,8 @@ def evaluate_format(engine, cfg: QerlConfig, adapters: dict[str, Path], base_dir
             policies["base"] = None
         for name, path in policies.items():
             results[name] = evaluate_on_engine(
-                engine, tokenizer, eval_records, cfg.evaluate, scorer, policy=name, lora_path=path, max_model_len=cfg.model.max_seq_len
+                engine, tokenizer, eval_records, cfg.evaluate, scorer, policy=name, lora_path=path,
+                max_model_len=cfg.model.max_seq_len, served=served,
             )
     base_records = [{**r, "policy": "base"} for r in results["base"].records] if "base" in results else []
     for m in adapters:
@@ -194,7 +208,7 @@ def evaluate_format(engine, cfg: QerlConfig, adapters: dict[str, Path], base_dir
         rows = M.aggregate(mine, keys=("policy", "source"))
         timings = {f"trained/{k}": v for k, v in results[m].timings.items()}
         timings["skipped_prompts"] = float(len(results[m].skipped))
-        _log_eval(run_ids[m], rows, mine, timings, base_dir)
+        _log_eval(run_ids[m], rows, mine, timings, base_dir, tags)
 
 
 # --------------------------------------------------------------------------- nodes
@@ -209,9 +223,10 @@ def run_methods(train_prompts: list[dict], eval_prompts: dict[str, list[dict]], 
     each method, and then its evaluation. With ``compare.reuse_runs`` nothing is trained:
     the runs are looked up in MLflow.
     """
-    from qerl_pipeline.pipelines.evaluate.nodes import flatten_prompts, served_dir
-    from qerl_pipeline.rl.trainer import train, vllm_lora_rank
+    from qerl_pipeline.pipelines.evaluate.nodes import flatten_prompts
+    from qerl_pipeline.rl.trainer import engine_norm_dtype, train, vllm_lora_rank
     from qerl_pipeline.rollout.engine import RolloutEngine
+    from qerl_pipeline.rollout.serving import engine_dtype, served_model, served_tags
     from qerl_pipeline.tracking import MlflowLogger
 
     base_cfg: QerlConfig = validate(dict(parameters), QerlConfig)
@@ -234,20 +249,25 @@ def run_methods(train_prompts: list[dict], eval_prompts: dict[str, list[dict]], 
         by_format.setdefault(METHOD_FORMAT[method], []).append(method)
     run_ids: dict[str, str] = {}
     for fmt, methods in by_format.items():
-        serving = served_dir(bases[fmt])
+        served = served_model(bases[fmt])
         rc = base_cfg.rollout
         t_fmt = time.perf_counter()
         with RolloutEngine(
-            serving, max_model_len=base_cfg.model.max_seq_len, enable_lora=True,
-            max_lora_rank=vllm_lora_rank(base_cfg.lora.rank), dtype="auto", seed=rc.seed, rollout=rc,
+            served.path, max_model_len=base_cfg.model.max_seq_len, enable_lora=True,
+            max_lora_rank=vllm_lora_rank(base_cfg.lora.rank), dtype=engine_dtype(base_cfg.model, served.platform, served),
+            seed=rc.seed, rollout=rc, extra_engine_args=served.engine_args, norm_dtype=engine_norm_dtype(base_cfg),
         ) as engine:
             timings[f"compare/{fmt}/engine_start_s"] = engine.start_seconds
-            clean = clean_norms(engine, serving)
+            tags = served_tags(served, engine)
+            log.info("compare: %s base served from %s as %s (%s)", fmt, served.path, served.served_format,
+                     tags["rollout.served_dtype"])
+            clean = clean_norms(engine, served.path)
             adapters: dict[str, Path] = {}
             for method in methods:
                 cfg = validate({**base_cfg.model_dump(mode="json"), "method": method}, QerlConfig)
                 run_id = run_ids[method] = _new_method_run(client, experiment_id, parent_id, method, cfg)
                 MlflowLogger(run_id=run_id).log_metrics(quantize_metrics(quant_reports[fmt]), step=0)
+                MlflowLogger(run_id=run_id).set_tags(tags)
                 shutil.rmtree(workspace / method, ignore_errors=True)
                 log.info("compare: training %s (MLflow run %s)", method, run_id)
                 reset_ok = reset_peak_memory()
@@ -266,7 +286,7 @@ def run_methods(train_prompts: list[dict], eval_prompts: dict[str, list[dict]], 
                 timings[f"compare/{method}/train_s"] = time.perf_counter() - t1
             t2 = time.perf_counter()
             try:
-                evaluate_format(engine, base_cfg, adapters, bases[fmt], run_ids, eval_records)
+                evaluate_format(engine, base_cfg, adapters, bases[fmt], run_ids, eval_records, served)
             except BaseException:
                 for m in methods:
                     client.set_terminated(run_ids[m], "FAILED")

@@ -12,6 +12,10 @@ only resolve where things are, call those, and shape the outputs:
   plus ``eval/<policy>/tokens_per_s``, ``eval/engine_start_s`` and ``base/weight_mib``
   (the size of the base checkpoint's weights, the report's weight-bytes column).
 
+What the engine serves is ``rollout.serving.served_model``'s decision (packed NVFP4 /
+bitsandbytes NF4 on CUDA, the dense decoded copy on CPU), at ``model.dtype``
+(``engine_dtype``); the run is tagged ``rollout.served_format`` and ``rollout.served_dtype``.
+
 Policy names: ``trained`` (base + the adapter of ``params:method``) and ``base`` (the same
 served base without adapter, when ``evaluate.include_base``).
 """
@@ -54,18 +58,8 @@ def adapter_dir(method: str, train: dict[str, Any] | TrainConfig) -> Path:
     return path
 
 
-def served_dir(base_dir: str | Path) -> Path:
-    """The folder the engine serves for a base: its dense ``serving/`` copy (vLLM on CPU)."""
-    from qerl_pipeline.quantization.checkpoint import serving_dir
-
-    path = serving_dir(Path(base_dir))
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"base {base_dir} has no serving/ folder; run the quantize pipeline for this method first")
-    return path
-
-
 def base_weight_mib(base_dir: str | Path) -> float:
-    """Size of the base checkpoint's files (without its serving/ copy), MiB."""
+    """Size of the base checkpoint's files (without its serving/ and bnb/ copies), MiB."""
     from qerl_pipeline.quantization.checkpoint import folder_bytes
 
     return folder_bytes(Path(base_dir)) / 2**20
@@ -81,7 +75,14 @@ def run_evaluation(
     rollout: dict[str, Any],
     train: dict[str, Any],
 ) -> EvalResult:
-    """Evaluate ``trained`` (base + adapter of ``method``) and, if configured, ``base`` in one engine."""
+    """Evaluate ``trained`` (base + adapter of ``method``) and, if configured, ``base`` in one engine.
+
+    The engine serves ``served_model(base_dir)`` at ``engine_dtype(model)``; its
+    ``rollout.served_format`` / ``rollout.served_dtype`` tags go to the active MLflow run.
+    """
+    from qerl_pipeline.rollout.serving import engine_dtype, served_model
+    from qerl_pipeline.tracking import MlflowLogger
+
     cfg: EvaluateConfig = parse(EvaluateConfig, evaluate, "evaluate")
     mc: ModelConfig = parse(ModelConfig, model, "model")
     policies: dict[str, Path | None] = {"trained": adapter_dir(method, train)}
@@ -90,11 +91,14 @@ def run_evaluation(
     records = flatten_prompts(eval_prompts)
     base_dir = folder_of(base_dir)
     log.info("evaluate %s on %s (limit %s, k=%d, greedy=%s)", method, ", ".join(cfg.benchmarks), cfg.limit, cfg.samples_k, cfg.greedy)
+    served = served_model(base_dir)
     result = evaluate_policies(
-        served_dir(base_dir), records, cfg, parse(RewardConfig, reward, "reward"), policies,
+        served, records, cfg, parse(RewardConfig, reward, "reward"), policies,
         max_model_len=mc.max_seq_len, rollout_cfg=parse(RolloutConfig, rollout, "rollout"),
+        dtype=engine_dtype(mc, served.platform, served), norm_dtype="float32" if mc.norm_dtype == "float32" else None,
     )
     result.timings["base/weight_mib"] = base_weight_mib(base_dir)
+    MlflowLogger().set_tags(result.tags)
     return result
 
 

@@ -1,0 +1,239 @@
+"""What every vLLM engine start serves for a base: one decision, from the base format and the platform.
+
+QeRL's rollout speed-up comes from vLLM decoding with the NVFP4 weights themselves: each
+decode step reads 4.5 bits a weight instead of 16 (decoding is memory-bound). Serving the
+dense copy decoded from the same codes gives the same numbers but none of the speed, and
+the QLoRA baseline's rollouts would likewise never pay what bitsandbytes NF4 costs. So the
+trainer, the evaluation, the comparison and the benchmark all start their engines through
+``served_model`` and nothing else.
+
+The table (``decide``; paths relative to the base folder ``<base>``)::
+
+    base   platform  served folder   served_format        dense  extra vllm.LLM args
+    nvfp4  cuda      <base>          nvfp4                no     quantization="compressed-tensors"
+    nf4    cuda      <base>/bnb      nf4-bnb              no     quantization="bitsandbytes",
+                                                                 load_format="bitsandbytes"
+    nf4    cuda (*)  <base>/serving  dense-decoded-nf4    yes    -
+    bf16   cuda      <base>          bf16                 yes    -
+    nvfp4  cpu       <base>/serving  dense-decoded-nvfp4  yes    -
+    nf4    cpu       <base>/serving  dense-decoded-nf4    yes    -
+    bf16   cpu       <base>/serving  bf16                 yes    -
+
+    (*) when the installed vLLM cannot load bitsandbytes checkpoints (see below).
+
+Why each row:
+
+* NVFP4 on CUDA: vLLM parses the folder's ``quantization_config`` (compressed-tensors,
+  weights FP4 E2M1 in groups of 16 with FP8 scales and a global scale, no activation
+  quantization) into its ``CompressedTensorsW4A4Fp4(use_a16=True)`` scheme, the W4A16
+  NVFP4 path: on Hopper (no FP4 tensor cores) the weight-only kernel is Humming where the
+  optional ``humming`` package is installed and Marlin otherwise (vLLM 0.32's
+  ``init_nvfp4_linear_kernel``); on Blackwell FlashInfer's CuTe-DSL W4A16 kernel. Passing
+  ``quantization="compressed-tensors"`` makes a config vLLM does not recognise an error
+  instead of a silently different model.
+* NF4 on CUDA: our NF4 codes are byte-identical to bitsandbytes' (quantization/nf4.py), so
+  ``quantization.checkpoint.ensure_bnb_nf4`` re-lays the same bytes out as a pre-quantized
+  bitsandbytes checkpoint and vLLM runs the QLoRA baseline's rollouts through bitsandbytes'
+  4-bit kernels: the baseline pays for its NF4 format in rollouts, which is what the
+  paper's speed comparison with QLoRA is about. vLLM 0.32 no longer ships
+  bitsandbytes support in-tree; it comes back with vLLM's out-of-tree plugin
+  ``vllm-bnb-plugin`` (entry point ``vllm.general_plugins: bitsandbytes``). Without it
+  the NF4 base is served dense (``dense-decoded-nf4``, a warning says so): same numbers,
+  but the QLoRA rollouts then run at BF16 speed, which flatters the baseline.
+* BF16 on CUDA: the base is plain bf16 weights; nothing to decode.
+* CPU: vLLM-CPU has no FP4 kernel (its NVFP4 W4A16 selection stops at "Marlin FP4 not
+  available") and bitsandbytes' CPU path dequantizes per call, so every format is served
+  dense from ``serving/``, decoded from the very codes the trainer decodes: rollouts still
+  come from the quantized policy, only not at 4-bit speed. ``serving/`` is also what the
+  ``merge`` sync and ``evaluate.adapter_mode: merged`` write dense weights into.
+
+``dense``: the served linears are plain dense weights, so in-place dense writes (merged
+adapters, ``rollout.sync: merge``) work; on a packed base only norms and other unquantized
+tensors can be written, and adapters go to vLLM as ``LoRARequest``.
+
+Engine dtype (``engine_dtype``): ``model.dtype`` as ``models.resolve_dtype`` reads it
+(``auto``: float32 on CPU, bfloat16 on CUDA). Before this module every engine started with
+``dtype="auto"``, which the engine process maps to float32 on CPU whatever ``model.dtype``
+says. vLLM's NVFP4 W4A16 kernels take 16-bit activations only, so a float32 engine on the
+packed NVFP4 base is refused here.
+
+What was checked where (tests/test_serving.py): the decision for every (format, platform);
+``served_model`` on real bases; the bitsandbytes folder against transformers' own
+bitsandbytes 4-bit save of the same model (byte-identical tensors and config) and loaded
+back by transformers + bitsandbytes on CPU (dequantized weights equal to our decoded NF4,
+exactly); vLLM-CPU serving that folder through ``vllm-bnb-plugin`` where the plugin is
+installed; vLLM-CPU started on the NVFP4 folder reaching the W4A16 NVFP4 compressed-tensors
+scheme and stopping only at kernel selection. Not checked here (no GPU): vLLM's CUDA
+kernels themselves (Marlin/Humming FP4, bitsandbytes CUDA 4-bit) and their speed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("nvfp4", "nf4", "bf16")
+PLATFORMS = ("cuda", "cpu")
+#: Method to run the quantize pipeline for, per base format (error messages).
+_METHOD_FOR_FORMAT = {"nvfp4": "qerl", "nf4": "qlora", "bf16": "lora"}
+#: The vLLM plugin that registers bitsandbytes with vLLM >= 0.32 (in-tree support was removed).
+BNB_PLUGIN = "vllm-bnb-plugin"
+BNB_ENGINE_ARGS = {"quantization": "bitsandbytes", "load_format": "bitsandbytes"}
+NVFP4_ENGINE_ARGS = {"quantization": "compressed-tensors"}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What one engine start serves.
+
+    ``path``: the folder given to ``vllm.LLM(model=...)`` (relative to the base in what
+    ``decide`` returns, absolute from ``served_model``); ``served_format``: the tag logged
+    as ``rollout.served_format``; ``dense``: plain dense linears (dense writes possible);
+    ``engine_args``: extra ``vllm.LLM`` keyword arguments; ``base_format`` and
+    ``platform``: what the decision was made from.
+    """
+
+    path: Path
+    served_format: str
+    dense: bool
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    base_format: str = ""
+    platform: str = ""
+
+
+def _check(fmt: str, platform: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown base format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)}")
+
+
+def decide(fmt: str, platform: str, *, bitsandbytes_in_vllm: bool = False) -> ServedModel:
+    """The table of the module docstring (pure; ``path`` relative to the base folder).
+
+    ``bitsandbytes_in_vllm``: whether the vLLM that will serve can load bitsandbytes
+    checkpoints (``vllm_has_bitsandbytes()``); it only matters for NF4 on CUDA.
+    """
+    from qerl_pipeline.quantization.checkpoint import BNB_SUBDIR, SERVING_SUBDIR
+
+    _check(fmt, platform)
+    serving = Path(SERVING_SUBDIR)
+    if platform == "cpu":
+        tag = "bf16" if fmt == "bf16" else f"dense-decoded-{fmt}"
+        return ServedModel(serving, tag, True, {}, fmt, platform)
+    if fmt == "nvfp4":
+        return ServedModel(Path("."), "nvfp4", False, dict(NVFP4_ENGINE_ARGS), fmt, platform)
+    if fmt == "nf4":
+        if bitsandbytes_in_vllm:
+            return ServedModel(Path(BNB_SUBDIR), "nf4-bnb", False, dict(BNB_ENGINE_ARGS), fmt, platform)
+        return ServedModel(serving, "dense-decoded-nf4", True, {}, fmt, platform)
+    return ServedModel(Path("."), "bf16", True, {}, fmt, platform)
+
+
+def current_platform() -> str:
+    """``cuda`` when torch sees a CUDA device, else ``cpu`` (the vLLM build installed follows the same rule)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def vllm_has_bitsandbytes() -> bool:
+    """Whether the installed vLLM can load bitsandbytes checkpoints, without importing vLLM.
+
+    True when vLLM ships ``quantization/bitsandbytes.py`` itself (releases before its
+    removal) or a ``vllm.general_plugins`` entry point named ``bitsandbytes`` is installed
+    (``vllm-bnb-plugin``), and bitsandbytes itself is importable. The engine process runs
+    the same interpreter and environment, so it sees the same.
+    """
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return False
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    in_tree = any(
+        (Path(p) / "model_executor" / "layers" / "quantization" / "bitsandbytes.py").is_file()
+        for p in spec.submodule_search_locations
+    )
+    if in_tree:
+        return True
+    return any(ep.name == "bitsandbytes" for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
+
+
+def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
+    method = _METHOD_FOR_FORMAT.get(fmt or "", "<method>")
+    return FileNotFoundError(
+        f"{what}; run `kedro run --pipeline=quantize --params method={method}` (same --env) to write the base {base_dir}"
+    )
+
+
+def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | None = None) -> ServedModel:
+    """What to serve for the base folder ``base_dir`` on ``platform`` (default: this machine's).
+
+    ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). For NF4 on
+    CUDA the bitsandbytes folder is written on first use (``checkpoint.ensure_bnb_nf4``,
+    atomically) for bases quantized before it existed. Raises ``FileNotFoundError``
+    naming the quantize command when the base or the served folder is missing.
+    """
+    from qerl_pipeline.quantization import checkpoint
+
+    base_dir = Path(base_dir)
+    if not (base_dir / "config.json").is_file():
+        raise _missing(base_dir, fmt, f"base folder {base_dir} does not exist or has no config.json")
+    actual = checkpoint.base_format(base_dir)
+    if fmt is not None and fmt != actual:
+        raise ValueError(f"{base_dir} holds a {actual!r} base, not {fmt!r}")
+    platform = platform or current_platform()
+    bnb = actual == "nf4" and platform == "cuda" and vllm_has_bitsandbytes()
+    if actual == "nf4" and platform == "cuda" and not bnb:
+        log.warning(
+            "NF4 base served dense on CUDA (dense-decoded-nf4): this vLLM has no bitsandbytes support "
+            "(vLLM >= 0.32 needs `pip install %s`); QLoRA rollouts then run at BF16 speed", BNB_PLUGIN,
+        )
+    decision = decide(actual, platform, bitsandbytes_in_vllm=bnb)
+    if decision.served_format == "nf4-bnb":
+        if not (checkpoint.serving_dir(base_dir) / "config.json").is_file():
+            raise _missing(base_dir, actual, f"base {base_dir} has no serving/ folder (needed for the weight shapes)")
+        path = checkpoint.ensure_bnb_nf4(base_dir)
+    else:
+        path = (base_dir / decision.path) if decision.path != Path(".") else base_dir
+    if not (path / "config.json").is_file():
+        raise _missing(base_dir, actual, f"base {base_dir} has no {decision.path}/ folder to serve ({decision.served_format})")
+    return replace(decision, path=path.resolve())
+
+
+def engine_dtype(model_cfg: Any, platform: str | None = None, served: ServedModel | None = None) -> str:
+    """The engine's compute dtype, ``"float32"`` or ``"bfloat16"``, from ``model.dtype``.
+
+    ``model_cfg``: a ``ModelConfig`` or its dict. ``served`` (optional): refuse float32 on
+    the packed NVFP4 base (vLLM's W4A16 NVFP4 kernels take 16-bit activations only).
+    """
+    import torch
+
+    from qerl_pipeline.config import ModelConfig, parse
+    from qerl_pipeline.models import resolve_dtype
+
+    cfg = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
+    platform = platform or current_platform()
+    name = "bfloat16" if resolve_dtype(cfg, device=platform) == torch.bfloat16 else "float32"
+    if served is not None and served.served_format == "nvfp4" and name == "float32":
+        raise ValueError(
+            "model.dtype float32 with the NVFP4 base served packed on CUDA: vLLM's NVFP4 W4A16 kernels take "
+            "bfloat16/float16 activations only; use model.dtype auto or bfloat16"
+        )
+    return name
+
+
+def served_tags(served: ServedModel, engine: Any) -> dict[str, str]:
+    """MLflow tags of an engine start: ``rollout.served_format`` and ``rollout.served_dtype``.
+
+    The dtype is the one vLLM actually uses (``engine.info["dtype"]``, reported by the engine
+    process), not the one asked for.
+    """
+    info = getattr(engine, "info", None) or {}
+    return {"rollout.served_format": served.served_format, "rollout.served_dtype": str(info.get("dtype", "unknown"))}

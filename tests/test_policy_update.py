@@ -1,0 +1,164 @@
+"""``step.policy_update`` on a tiny packed policy: trained norms keep their updates and no
+noise, the KL reference is the clean base, a missing rollout log-prob weighs 1; hashed
+sampling seeds. Fast tier: no vLLM, no Kedro."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_pipeline.config import QerlConfig
+from qerl_pipeline.quantization import checkpoint
+from qerl_pipeline.quantization.policy import build_policy
+from qerl_pipeline.rl import aqn, grpo, step
+from qerl_pipeline.rl.trainer import build_optimizer, lr_factor, trained_norms
+
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    out = tmp_path_factory.mktemp("pu") / "nvfp4"
+    checkpoint.write_base(model, None, "nvfp4", out)
+    return out
+
+
+def _cfg(**over) -> QerlConfig:
+    raw = {
+        "method": "qerl",
+        "lora": {"rank": 4, "alpha": 8, "train_norms": True},
+        "optim": {"lr": {"qerl": LR}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1e9},
+        "grpo": {"num_generations": 2, "kl_beta": 0.1, "log_kl_to_base": True, "tis_cap": 2.0},
+        "rollout": {"temperature": 0.7, "max_new_tokens": 6},
+        "train": {"micro_batch_size": 2},
+    }
+    for key, value in over.items():
+        raw.setdefault(key, {}).update(value)
+    return QerlConfig.model_validate(raw)
+
+
+def _batch(n=4, p_len=5, c_len=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (n, p_len + c_len), generator=g)
+    p_lens = torch.full((n,), p_len)
+    mask = torch.ones(n, c_len)
+    roll = -torch.rand(n, c_len, generator=g) * 3
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:n]
+    return ids, p_lens, roll, mask, adv
+
+
+def _setup(base_dir, cfg):
+    policy = build_policy(base_dir, "nvfp4", cfg.lora, dtype=torch.float32)
+    policy.train()
+    base = {n: t.clone() for n, t in trained_norms(policy).items()}
+    with torch.no_grad():  # an adapter that has trained, so that the reference differs from the policy
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt, _ = build_optimizer(params, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, warmup=0, total=10, schedule="constant"))
+    names = aqn.noisy_target_names(base)
+    norm_params = aqn.norm_parameters(policy, sorted(base))
+    return policy, params, opt, sched, base, names, norm_params
+
+
+def _noisy(clean: dict, names, sigma=0.3):
+    noise = aqn.draw_noise({n: clean[n] for n in names}, sigma, seed=0, step=0)
+    return {**{n: t.clone() for n, t in clean.items()}, **aqn.apply_noise({n: clean[n] for n in names}, noise)}
+
+
+def test_trained_norms_step_from_clean_values_and_keep_the_update(base_dir):
+    cfg = _cfg(grpo={"kl_beta": 0.0, "log_kl_to_base": False})
+    policy, params, opt, sched, base, names, norm_params = _setup(base_dir, cfg)
+    clean = {n: p.detach().clone() for n, p in norm_params.items()}
+    noisy = _noisy(clean, names)
+    ids, p_lens, roll, mask, adv = _batch()
+    step.policy_update(policy, opt, sched, params, norm_params, noisy, ids, p_lens, roll, mask, adv, cfg, 0)
+    moved = max(float((norm_params[n].detach() - clean[n]).abs().max()) for n in names)
+    assert moved > 0.1 * LR, "trained norms did not move (the update was undone)"
+    # Adam's first step moves each entry by at most ~lr; the noise (sigma 0.3) must not stay behind
+    assert moved <= 1.5 * LR, f"norms moved by {moved}: noise stayed in the weights"
+    # the saved adapter carries the clean, updated norms
+    saved = trained_norms(policy)
+    assert all(torch.equal(saved[n], norm_params[n].detach()) for n in names)
+
+
+def test_kl_reference_is_the_clean_base(base_dir, monkeypatch):
+    cfg = _cfg()
+    policy, params, opt, sched, base, names, norm_params = _setup(base_dir, cfg)
+    with torch.no_grad():  # trained norms that differ from the base's
+        for p in norm_params.values():
+            p.add_(0.1)
+    clean = {n: p.detach().clone() for n, p in norm_params.items()}
+    noisy = _noisy(clean, names)
+    ids, p_lens, roll, mask, adv = _batch()
+    seen = []
+    real = grpo.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["ref_logp"].clone())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "policy_loss", spy)
+    ref_norms = {n: base[n] for n in norm_params}
+    step.policy_update(policy, opt, sched, params, norm_params, noisy, ids, p_lens, roll, mask, adv, cfg, 0, ref_norms=ref_norms)
+    got = torch.cat(seen, 0)
+    fresh = build_policy(base_dir, "nvfp4", cfg.lora, dtype=torch.float32).eval()  # the base: no adapter effect, base norms
+    with torch.no_grad():
+        want = torch.cat([step.completion_logprobs(fresh, ids[s], p_lens[s], 6, 0.7)[0] for s in (slice(0, 2), slice(2, 4))], 0)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0), float((got - want).abs().max())
+    # and it is not what the noisy, trained policy computes (the check can fail)
+    with torch.no_grad(), policy.disable_adapter(), aqn.noisy_norms(norm_params, noisy):
+        noisy_ref = step.completion_logprobs(policy, ids, p_lens, 6, 0.7)[0]
+    assert float((noisy_ref - want).abs().max()) > 1e-3
+
+
+def test_missing_rollout_logprob_gets_pi_old_in_every_update(base_dir, monkeypatch):
+    cfg = _cfg(grpo={"updates_per_rollout": 2, "kl_beta": 0.0, "log_kl_to_base": False})
+    policy, params, opt, sched, base, names, norm_params = _setup(base_dir, cfg)
+    ids, p_lens, roll, mask, adv = _batch()
+    roll[0, 2] = roll[3, 5] = float("nan")
+    seen = []
+    real = grpo.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["is_weights"].clone())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "policy_loss", spy)
+    step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
+    assert len(seen) == 4  # 2 updates x 2 micro-batches
+    for u in range(2):
+        first, second = seen[2 * u], seen[2 * u + 1]
+        assert first[0, 2] == 1.0 and second[1, 5] == 1.0, f"update {u + 1}: weight of a missing log-prob != 1"
+    # the other tokens' weights are real ratios (not all 1)
+    assert float((seen[0] - 1).abs().max()) > 1e-3
+
+
+def test_sampling_seeds_are_distinct_and_deterministic():
+    n = 8
+    seen = {}
+    for s in range(60):
+        for r in range(4):
+            seeds = step.sampling_seeds(0, s, r, list(range(16)))
+            assert seeds == step.sampling_seeds(0, s, r, list(range(16)))
+            for p, x in enumerate(seeds):
+                assert 0 <= x < step.SEED_SPACE
+                seen[(s, r, p)] = x
+    values = sorted(seen.values())
+    # vLLM seeds sample i of a request with seed + i: no two requests' [seed, seed + n) ranges overlap
+    assert all(b - a >= n for a, b in zip(values, values[1:]))
+    # a prompt drawn twice in one step gets two streams; another run seed gives other seeds
+    assert len(set(step.sampling_seeds(0, 3, 0, [5, 5]))) == 2
+    assert step.sampling_seeds(1, 3, 0, [5]) != step.sampling_seeds(0, 3, 0, [5])

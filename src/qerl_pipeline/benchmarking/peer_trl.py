@@ -120,7 +120,7 @@ def measure_trl_step(
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from qerl_pipeline.benchmarking.training import peak_memory_bytes
+    from qerl_pipeline.memory import peak_memory_bytes
     from qerl_pipeline.models import resolve_dtype
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

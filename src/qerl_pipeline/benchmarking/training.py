@@ -28,7 +28,6 @@ import inspect
 import json
 import logging
 import os
-import resource
 import signal
 import statistics
 import subprocess
@@ -43,31 +42,13 @@ import torch
 
 from qerl_pipeline.benchmarking import hardware
 from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
+from qerl_pipeline.memory import limit_heap_fragmentation, peak_memory_bytes  # noqa: F401 (peak_memory_bytes: public here too)
 
 log = logging.getLogger(__name__)
 
 #: Parameters of ``rl.trainer._update`` this module calls it with.
 _UPDATE_PARAMS = ["policy", "optimizer", "scheduler", "params", "norm_params", "noisy", "ids", "p_lens",
                   "roll_logp", "mask", "adv", "cfg", "step", "ref_norms"]
-
-
-def peak_memory_bytes() -> int:
-    """Peak memory of this process: CUDA max allocated, else its RSS high-water mark.
-
-    On Linux the high-water mark is ``VmHWM`` from ``/proc/self/status``, which belongs to
-    the process's own address space. ``getrusage``'s ``ru_maxrss`` is not used there: it
-    survives ``fork``+``exec``, so a child started from a large process (the Kedro run)
-    would report its parent's size.
-    """
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -164,8 +145,10 @@ def measure_training(
     cfg.rollout.max_new_tokens = completion_len
     fmt = METHOD_FORMAT[method]
     torch.manual_seed(seed)
+    limit_heap_fragmentation()  # as the trainer does (qerl_pipeline.memory)
     t0 = time.perf_counter()
-    policy = build_policy(Path(base_dir), fmt, cfg.lora, dtype=resolve_dtype(cfg.model, device), device=device)
+    policy = build_policy(Path(base_dir), fmt, cfg.lora, dtype=resolve_dtype(cfg.model, device), device=device,
+                          norm_dtype=cfg.model.norm_dtype)
     build_s = time.perf_counter() - t0
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]

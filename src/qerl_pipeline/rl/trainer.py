@@ -33,6 +33,8 @@ The step's parts (prompts, rollout + rewards, log-probs, the update) live in
 
 Resume: the newest checkpoint of ``<output_dir>/<method>`` restores trainable tensors,
 optimizer, scheduler, RNG, data cursor and the MLflow run id; metrics go on in that run.
+A fresh run never mixes with an earlier one's files: the earlier folder is moved aside
+first (``open_run_dir``).
 Every random draw is a function of ``(seed, step)`` (sampling seeds, AQN noise, data
 order), so a resumed run reproduces the uninterrupted one.
 
@@ -44,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
 import shutil
 import time
 from collections.abc import Callable
@@ -121,16 +122,58 @@ class TrainResult:
     run_id: str | None
     history: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    #: where an earlier run's folder was moved before this fresh run (None: nothing was there, or a resume)
+    moved_aside: Path | None = None
 
 
 def run_dir_for(cfg: QerlConfig, output_dir: str | Path | None = None) -> Path:
+    """``<output_dir>/<method>`` (``output_dir`` defaults to ``train.output_dir``); see ``open_run_dir``."""
     return Path(output_dir or cfg.train.output_dir) / cfg.method
 
 
+def open_run_dir(cfg: QerlConfig, output_dir: str | Path | None = None) -> tuple[Path, Path | None, Path | None]:
+    """The run folder of this training, ready to write: ``(run_dir, checkpoint to resume or None, moved_aside)``.
+
+    The rule: one run folder ``<output_dir>/<method>`` holds one run (one lineage of steps).
+
+    - Resume (``train.resume: true`` and ``run_dir`` holds a complete checkpoint): the folder
+      is kept as it is and the newest checkpoint is resumed (unchanged behaviour).
+    - Fresh run (``train.resume: false``, or no complete checkpoint) over a folder that holds
+      anything (an earlier run, finished or not, or one killed before its first checkpoint):
+      the folder is moved aside, renamed to the sibling
+      ``<method>.previous-<UTC YYYYmmddTHHMMSSZ>`` (``-1``, ``-2``, ... when that name is taken;
+      an earlier moved-aside folder is never overwritten), and the move is logged at WARNING.
+      Nothing of it is deleted or mixed into the new run: its checkpoints, adapters and
+      ``final_adapter/`` stay browsable there (``checkpoint.previous_runs`` lists them).
+      An empty folder is simply reused.
+    - The new run then starts in an empty ``run_dir``. Inside it, the adapter cleanup keeps
+      the last two step folders *this* ``train`` call wrote (the one the engine is about to
+      load and the one before) and deletes only other ``adapters/step-*`` folders of this
+      run folder; checkpoints keep their ``keep_last`` (``checkpoint.save_checkpoint``).
+    """
+    run_dir = run_dir_for(cfg, output_dir)
+    latest = ckpt.find_latest(run_dir) if cfg.train.resume else None
+    moved = None
+    if latest is None and ckpt.has_leftovers(run_dir):
+        moved = ckpt.move_aside(run_dir)
+        why = "train.resume is false" if not cfg.train.resume else "it holds no complete checkpoint to resume"
+        log.warning("fresh run in %s (%s): the earlier run there was moved aside to %s", run_dir, why, moved)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir, latest, moved
+
+
+def prune_adapters(adapters: Path, keep: list[Path]) -> None:
+    """Delete the ``step-*`` folders of ``adapters`` except ``keep`` (this run's last two written)."""
+    keep_names = {k.name for k in keep}
+    for old in adapters.iterdir():
+        if ckpt.step_of(old) is not None and old.name not in keep_names:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def _peak_memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    from qerl_pipeline.memory import peak_memory_bytes
+
+    return peak_memory_bytes() / 2**30
 
 
 def _mark_failed(logger: MetricsLogger, message: str) -> None:
@@ -192,6 +235,7 @@ def train(
     path ``"module:function"``): a custom reward replacing the math ``RewardScorer``, the hook
     for custom rewards (like TRL's ``reward_funcs``); default ``cfg.train.reward_fn``.
     """
+    from qerl_pipeline.memory import limit_heap_fragmentation
     from qerl_pipeline.models import resolve_dtype
     from qerl_pipeline.quantization.policy import build_policy
     from qerl_pipeline.rl.norms import check_noise_precision, sigma_effective
@@ -200,9 +244,7 @@ def train(
     t_start = time.perf_counter()
     base_dir = Path(base_dir)
     tc, gc, rc = cfg.train, cfg.grpo, cfg.rollout
-    run_dir = run_dir_for(cfg, output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    latest = ckpt.find_latest(run_dir) if tc.resume else None
+    run_dir, latest, moved_aside = open_run_dir(cfg, output_dir)
     stored = ckpt.peek_state(latest) if latest is not None else {}
     make_logger = make_logger or (lambda _run_id: MemoryLogger())
     logger = make_logger(stored.get("run_id"))
@@ -212,6 +254,7 @@ def train(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = resolve_dtype(cfg.model, device)
     check_noise_precision(cfg, dtype)  # before any model loads
+    limit_heap_fragmentation()  # glibc: -58% peak RSS of an update on CPU (qerl_pipeline.memory)
     served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=device)
     policy = build_policy(base_dir, METHOD_FORMAT[cfg.method], cfg.lora, dtype=dtype, device=device,
                           norm_dtype=cfg.model.norm_dtype)
@@ -244,6 +287,8 @@ def train(
             "git_commit": git_commit(), "optimizer": opt_note,
         })
         logger.log_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config/resolved_config.yaml")
+        if moved_aside is not None:
+            logger.set_tags({"qerl.previous_run_dir": str(moved_aside)})
     if dropped:
         log.warning("%d prompts longer than %d tokens were dropped", dropped, cfg.model.max_seq_len - rc.max_new_tokens)
 
@@ -270,6 +315,7 @@ def train(
     adapters = run_dir / "adapters"
     adapters.mkdir(exist_ok=True)
     adapter_dir = _save_adapter(policy, adapters / f"step-{start_step:06d}")
+    written = [adapter_dir]  # the step folders this call wrote, oldest first: prune_adapters keeps the last two
     history: list[dict] = []
     logger.log_metrics({"data/prompts": len(items), "data/dropped_prompts": dropped}, step=start_step)
 
@@ -298,8 +344,8 @@ def train(
                                 ref_norms=ref_norms)
             t_upd = time.perf_counter()
             adapter_dir = _save_adapter(policy, adapters / f"step-{step + 1:06d}")
-            for old in sorted(adapters.glob("step-*"))[:-2]:
-                shutil.rmtree(old, ignore_errors=True)
+            written = [*written[-1:], adapter_dir]
+            prune_adapters(adapters, written)
 
             metrics = {
                 "reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
@@ -344,7 +390,7 @@ def train(
     _log_curves(logger, run_dir, cfg.method)
     seconds = time.perf_counter() - t_start
     logger.log_metrics({"time/total_s": seconds}, step=tc.steps)
-    return TrainResult(run_dir, final, tc.steps, start_step, run_id, history, seconds)
+    return TrainResult(run_dir, final, tc.steps, start_step, run_id, history, seconds, moved_aside)
 
 
 def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:

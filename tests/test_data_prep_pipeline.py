@@ -1,26 +1,19 @@
 """data_prep as a real `kedro run --pipeline=data_prep --env smoke`, offline.
 
-The run happens in a throw-away copy of the project (tmp_path/project) with
-tmp_path/shared/data beside it, so ``../shared/data`` resolves to copies and the real
-project's data/ and mlflow.db are untouched. Only the config files data_prep reads are
-copied (parameters, mlflow, the data_prep catalog): the test checks this pipeline, not
-the other pipelines' catalogs. One Kedro run for the whole module.
+The run happens in a throw-away copy of the project (conftest's ``project_copy``) with the
+gsm8k test split copied to ``shared/data`` beside it, so ``../shared/data`` resolves to that
+copy and the checkout's data/ and mlflow.db are untouched. One Kedro run for the module.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-PROJECT = Path(__file__).resolve().parents[1]
-SHARED_DATA = PROJECT.parent / "shared" / "data"
+from .conftest import project_copy, run_kedro
 
 pytestmark = pytest.mark.kedro_run
 
@@ -34,27 +27,8 @@ def _latest(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    if not (SHARED_DATA / "gsm8k" / "test.jsonl").is_file():
-        pytest.skip(f"offline data copies not found at {SHARED_DATA}")
-    root = tmp_path_factory.mktemp("dataprep")
-    project, shared = root / "project", root / "shared" / "data" / "gsm8k"
-    shared.mkdir(parents=True)
-    shutil.copy(SHARED_DATA / "gsm8k" / "test.jsonl", shared / "test.jsonl")
-    for rel in ("pyproject.toml", ".kedro.yml", "conf/base/parameters.yml", "conf/base/mlflow.yml",
-                "conf/base/catalog.yml", "conf/base/catalog_data_prep.yml", "conf/smoke/parameters.yml",
-                "conf/smoke/catalog_data_prep.yml"):
-        (project / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(PROJECT / rel, project / rel)
-    (project / "conf" / "local").mkdir()
-    (project / "src").mkdir()  # the package itself is installed; Kedro only checks the folder exists
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env.update(KEDRO_DISABLE_TELEMETRY="true", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    kedro = Path(sys.executable).parent / "kedro"
-    proc = subprocess.run(
-        [str(kedro), "run", "--pipeline=data_prep", "--env", "smoke"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, f"kedro run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    project = project_copy(tmp_path_factory.mktemp("dataprep") / "project", shared=["gsm8k/test.jsonl"])
+    proc = run_kedro(project, "run", "--pipeline=data_prep", "--env", "smoke", timeout=600)
     return project, proc
 
 

@@ -1,4 +1,4 @@
-"""`kedro run --pipeline=evaluate` in the smoke env with a real vLLM engine (one run for the module).
+"""`kedro run --pipelines=evaluate` in the smoke env with a real vLLM engine (one run for the module).
 
 The adapter under test has random, large LoRA B matrices, so the trained policy must
 generate differently from the base: this is the check that the adapter really reaches
@@ -8,16 +8,14 @@ vLLM (the paper's GSM8K script loaded it and never applied it).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import project_copy, run_kedro, tracking_uri
+
 pytestmark = [pytest.mark.kedro_run, pytest.mark.vllm]
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _random_adapter(model_dir: Path, out: Path) -> Path:
@@ -39,14 +37,12 @@ def _random_adapter(model_dir: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def evaluated(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("evaluate")
-    _random_adapter(tiny_model_dir, tmp / "train" / "qerl" / "final_adapter")
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", KEDRO_DISABLE_TELEMETRY="true", HF_HUB_OFFLINE="1")
-    params = f"method=qerl,train.output_dir={tmp / 'train'}"
-    cmd = [str(Path(sys.executable).with_name("kedro")), "run", "--pipelines=quantize,evaluate", "--env=smoke", f"--params={params}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return {"tmp": tmp, "uri": env["MLFLOW_TRACKING_URI"]}
+    """quantize + evaluate in a project copy; the adapter is put where the ``trained_adapters`` dataset
+    (conf/smoke/catalog_train.yml) holds the train pipeline's: ``<copy>/data/06_models/smoke/adapters/qerl``."""
+    root = project_copy(tmp_path_factory.mktemp("evaluate") / "project", shared=["gsm8k/test.jsonl"])
+    _random_adapter(tiny_model_dir, root / "data" / "06_models" / "smoke" / "adapters" / "qerl")
+    run_kedro(root, "run", "--pipelines=quantize,evaluate", "--env=smoke", "--params=method=qerl", timeout=900)
+    return {"tmp": root, "uri": tracking_uri(root)}
 
 
 def _run(evaluated):
@@ -55,6 +51,8 @@ def _run(evaluated):
     client = MlflowClient(tracking_uri=evaluated["uri"])
     exp = client.get_experiment_by_name("qerl_pipeline")
     (run,) = client.search_runs([exp.experiment_id])
+    assert run.data.tags["mlflow.runName"] == "evaluate qerl · random"  # the random adapter has no qerl_adapter.json (seed)
+    assert run.data.tags["qerl.role"] == "evaluate" and run.data.tags["method"] == "qerl"
     return client, run
 
 

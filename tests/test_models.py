@@ -12,7 +12,6 @@ from qerl_pipeline.models import (
     BUNDLED_MODEL,
     bundled_gguf_path,
     load_tokenizer,
-    replace_dir,
     resolve_dtype,
     resolve_source,
 )
@@ -63,6 +62,8 @@ def test_tiny_model_folder_is_vllm_shaped(tiny_model_dir):
 
 
 def test_replace_dir_swaps_whole_folder(tmp_path):
+    from qerl_pipeline.atomic import replace_dir  # the one home of folder swaps
+
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "old.txt").write_text("old")

@@ -4,7 +4,8 @@ Fast tier: the trainer's ``Fp32WeightRMSNorm`` against Hugging Face's and vLLM's
 math, the swap in a bf16 policy, the served-noise check of config validation, and the vLLM
 internals the plugin relies on (the out-of-tree op registry, ``RMSNorm``'s ``dtype``
 argument, the IR op's mixed-dtype native path): each test fails when vLLM changes them.
-Slow tier (``vllm``): a bf16 vLLM-CPU engine with and without the plugin, noise read back.
+Slow tier (``vllm``): a bf16 vLLM-CPU engine without the plugin, noise read back (with the
+plugin: tests/test_train_precision.py, in a real run).
 """
 
 from __future__ import annotations
@@ -155,29 +156,26 @@ def test_entry_point_is_installed():
 
 
 @pytest.mark.vllm
-def test_bf16_engine_serves_the_noise_with_fp32_norms_and_rounds_it_without(tiny_model_dir):
-    """vLLM-CPU in bf16 (accepted on this AVX2 CPU): noisy norms pushed and read back."""
+def test_stock_bf16_engine_rounds_the_noise_away(tiny_model_dir):
+    """vLLM-CPU in bf16 (accepted on this AVX2 CPU) without the plugin: noisy norms pushed and
+    read back lose the paper's last stages, which is why the plugin exists. The plugin's side
+    (fp32 norm weights in a bf16 engine serve every stage within 10%) is checked at every step
+    of a real run: ``tests/test_train_precision.py`` (``aqn/sigma_effective`` is read back from
+    the engine after each push), so it starts no second engine here."""
     from qerl_pipeline.rollout.engine import RolloutEngine
 
-    out = {}
-    for nd in ("float32", None):
-        with RolloutEngine(tiny_model_dir, max_model_len=128, enable_lora=False, dtype="bfloat16", norm_dtype=nd) as engine:
-            assert engine.info["dtype"] == "bfloat16"
-            names = aqn.noisy_target_names(engine.norm_weight_names())
-            clean = engine.read_weights(names)
-            res = {}
-            for sigma in (1e-2, 2e-3, 5e-4):
-                noise = aqn.draw_noise(clean, sigma, seed=0, step=1)
-                engine.update_weights(aqn.apply_noise({n: t.float() for n, t in clean.items()}, noise))
-                served = engine.read_weights(names)
-                res[sigma] = norms.sigma_effective(served, clean, names) / sigma
-            engine.update_weights(clean)
-            gen = engine.generate([[1, 2, 3, 4]], n=1, temperature=0.0, top_p=1.0, max_new_tokens=4)
-            assert len(gen.samples[0][0].completion_ids) == 4
-            out[nd] = (str(next(iter(clean.values())).dtype), res)
-    dtype, res = out["float32"]
-    assert dtype == "torch.float32"
-    assert all(abs(r - 1) < 0.1 for r in res.values()), res
-    dtype, res = out[None]
-    assert dtype == "torch.bfloat16"
+    with RolloutEngine(tiny_model_dir, max_model_len=128, enable_lora=False, dtype="bfloat16", norm_dtype=None) as engine:
+        assert engine.info["dtype"] == "bfloat16"
+        names = aqn.noisy_target_names(engine.norm_weight_names())
+        clean = engine.read_weights(names)
+        assert {str(t.dtype) for t in clean.values()} == {"torch.bfloat16"}
+        res = {}
+        for sigma in (1e-2, 2e-3, 5e-4):
+            noise = aqn.draw_noise(clean, sigma, seed=0, step=1)
+            engine.update_weights(aqn.apply_noise({n: t.float() for n, t in clean.items()}, noise))
+            res[sigma] = norms.sigma_effective(engine.read_weights(names), clean, names) / sigma
+        engine.update_weights(clean)
+        gen = engine.generate([[1, 2, 3, 4]], n=1, temperature=0.0, top_p=1.0, max_new_tokens=4)
+        assert len(gen.samples[0][0].completion_ids) == 4
+    assert abs(res[1e-2] - 1) < 0.1, res  # far above bf16's spacing the noise survives (the check can pass)
     assert res[5e-4] < 0.5, res  # the stock engine serves almost none of the last stage's noise

@@ -123,6 +123,37 @@ def test_reports_and_mlflow_records(runs):
         assert run.data.params["method"] in METHODS
 
 
+@pytest.mark.kedro_run
+def test_second_run_reuses_the_base_untouched(tmp_path):
+    """`kedro run --pipelines=quantize` twice on one config: the second keeps every file and says so; force rewrites."""
+    from mlflow.tracking import MlflowClient
+
+    from .conftest import run_kedro, tracking_uri
+    from .test_base_store import rewritten, snapshot
+
+    root = project_copy(tmp_path / "project")
+    args = ("run", "--pipelines=quantize", "--env=smoke")
+    base = root / "data" / "06_models" / "smoke" / "base_nf4"  # Kedro makes catalog paths absolute
+    first = run_kedro(root, *args, "--params=method=qlora")
+    assert f"base_nf4 quantized into {base}: no base there yet" in first.stdout, first.stdout[-3000:]
+    before = snapshot(base)
+    second = run_kedro(root, *args, "--params=method=qlora")
+    assert snapshot(base) == before  # inode, mtime_ns and size of every file and folder
+    assert f"base_nf4 reused: {base} (fingerprint " in second.stdout, second.stdout[-3000:]
+    assert "base_nf4 quantized into" not in second.stdout
+    third = run_kedro(root, *args, "--params=method=qlora,quantize.force=true")
+    assert f"base_nf4 quantized into {base}: quantize.force=true" in third.stdout, third.stdout[-3000:]
+    assert rewritten(before, snapshot(base))
+    assert sorted(p.name for p in base.parent.iterdir()) == ["base_nf4"]  # no staging folder left
+    client = MlflowClient(tracking_uri=tracking_uri(root))
+    exp = client.get_experiment_by_name("qerl_pipeline")
+    runs = sorted(client.search_runs([exp.experiment_id]), key=lambda r: r.info.start_time)
+    assert [r.data.tags.get("quantize.reused") for r in runs] == ["false", "true", "false"]
+    # the reused run reports the stored numbers: the same as the first run's
+    for key in ("quantize.linear_bytes_ratio", "quantize.rel_error_mean", "quantize.checkpoint_bytes"):
+        assert runs[1].data.metrics[key] == runs[0].data.metrics[key]
+
+
 def test_dataset_saves_folders_atomically_and_versioned(tmp_path):
     src = tmp_path / "made"
     src.mkdir()

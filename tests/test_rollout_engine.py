@@ -350,6 +350,7 @@ def test_a_crashed_engine_is_reported_and_cleaned_up(engine, prompts):
         engine.generate(prompts[:1], n=1, temperature=0.0, top_p=1.0, max_new_tokens=2)
 
 
+@pytest.mark.vllm
 def test_a_failing_start_surfaces_the_reason_and_leaves_no_process(work):
     bad = work / "not_a_model"
     bad.mkdir()

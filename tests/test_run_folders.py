@@ -6,29 +6,25 @@ moves that folder aside to ``<method>.previous-<UTC timestamp>[-n]``, never dele
 overwritten, never mixed in; a resume keeps the folder. The adapter cleanup keeps the last
 two step folders of this run and never the one the engine is about to load.
 
-Fast unit tests of that logic, and one slow test: two ``kedro run --pipeline=train`` with
-``train.resume=false`` in a row on the same output folder (the second used to die at step 2
-with ``FileNotFoundError: .../adapters/step-000001``).
+Fast unit tests of that logic here. The real run (a ``kedro run --pipeline=train`` with
+``train.resume=false`` over a finished run's folder, which used to die at step 2 with
+``FileNotFoundError: .../adapters/step-000001``) is
+``tests/test_trainer.py::test_a_fresh_run_over_an_earlier_run_moves_it_aside_intact``: it
+shares that module's runs instead of starting two engines of its own.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
-import subprocess
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import pytest
 import torch
 
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.rl import checkpoint as ckpt
 from qerl_pipeline.rl import trainer
-from tests.conftest import project_copy
 
 NOW = datetime(2026, 12, 1, 10, 15, 2, tzinfo=timezone.utc)
 STAMP = "20261201T101502Z"
@@ -204,60 +200,3 @@ def test_checkpoint_cleanup_never_deletes_the_one_just_written(tmp_path):
     for s in (1, 2, 3):
         ckpt.save_checkpoint(other, s, policy=policy, optimizer=opt, scheduler=None, state={"step": s})
     assert [s for s, _ in ckpt.list_checkpoints(other)] == [2, 3]
-
-
-# ------------------------------------------------------------------ two real runs in a row
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@pytest.mark.vllm
-@pytest.mark.kedro_run
-def test_two_fresh_runs_in_a_row_each_get_their_own_folder(tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    root = project_copy(tmp_path / "project")
-    out = tmp_path / "out"
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    # COLUMNS: rich would wrap log lines at 80 columns (and split the paths the test looks for)
-    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking, KEDRO_DISABLE_TELEMETRY="true", PYTHONUNBUFFERED="1",
-               COLUMNS="400")
-    cmd = [str(Path(sys.executable).parent / "kedro"), "run", "--pipeline=train", "--env", "smoke",
-           "--params", f"train.resume=false,train.steps=3,train.output_dir={out}"]
-    run_dir = out / "qerl"
-
-    def kedro_run(name: str) -> str:
-        log = tmp_path / f"{name}.log"  # kept for a look after a failure
-        with open(log, "wb") as fh:
-            rc = subprocess.run(cmd, cwd=root, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=900,
-                                start_new_session=True).returncode
-        text = log.read_text(errors="replace")
-        assert rc == 0, f"{name} run: exit {rc}\n" + text[-6000:]
-        return text
-
-    assert "moved aside" not in kedro_run("first")  # nothing was there before
-    first_id = ckpt.peek_state(ckpt.find_latest(run_dir))["run_id"]
-    first_final = {p.name: _sha(p) for p in (run_dir / "final_adapter").iterdir() if p.is_file()}
-    assert "adapter_model.safetensors" in first_final
-
-    second_log = kedro_run("second")
-    second_id = ckpt.peek_state(ckpt.find_latest(run_dir))["run_id"]
-    assert first_id and second_id and second_id != first_id
-
-    # the second run's folder is fresh: its checkpoints and adapters are its own
-    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [2, 3]
-    assert all(ckpt.peek_state(p)["run_id"] == second_id for _, p in ckpt.list_checkpoints(run_dir))
-    assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == ["step-000002", "step-000003"]
-    assert (run_dir / "final_adapter" / "adapter_model.safetensors").is_file()
-
-    # the first run's folder exists, moved aside, with its final adapter intact
-    previous = ckpt.previous_runs(run_dir)
-    assert len(previous) == 1, previous
-    moved = previous[0]
-    assert {p.name: _sha(p) for p in (moved / "final_adapter").iterdir() if p.is_file()} == first_final
-    assert all(ckpt.peek_state(p)["run_id"] == first_id for _, p in ckpt.list_checkpoints(moved))
-    assert [s for s, _ in ckpt.list_checkpoints(moved)] == [2, 3]
-    assert "moved aside to" in second_log and str(moved) in second_log
-    run = MlflowClient(tracking).get_run(second_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.tags["qerl.previous_run_dir"] == str(moved)

@@ -13,6 +13,7 @@ from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, MlflowLogger
 @pytest.fixture()
 def sqlite_store(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.chdir(tmp_path)  # the store's default artifact root is ./mlruns: never the checkout's
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
     yield uri

@@ -13,34 +13,25 @@ the norms get gradients (a random model never earns a math reward).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import project_copy
+from tests.conftest import project_copy, run_kedro, tracking_uri
 
 STEPS = 10
 PARAMS = (
     f"model.dtype=bfloat16,lora.train_norms=true,aqn.num_stages=10,aqn.sigma_start=0.01,aqn.sigma_end=0.0005,"
     f"train.steps={STEPS},train.checkpoint_every=5,optim.lr.qerl=0.001,train.reward_fn=tests.rewards_for_tests:letter_fraction"
 )
-PROJECT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
     root = project_copy(tmp_path_factory.mktemp("bf16") / "project")
-    tracking = f"sqlite:///{root / 'mlflow.db'}"
-    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking, KEDRO_DISABLE_TELEMETRY="true", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(PROJECT), os.environ.get("PYTHONPATH", "")) if p))
-    cmd = [str(Path(sys.executable).parent / "kedro"), "run", "--pipeline=train", "--env", "smoke", "--params", PARAMS]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return root, tracking
+    run_kedro(root, "run", "--pipeline=train", "--env", "smoke", "--params", PARAMS, timeout=1500)
+    return root, tracking_uri(root)
 
 
 def _run(tracking: str, root: Path):

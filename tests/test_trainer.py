@@ -1,10 +1,12 @@
-"""The training loop end to end: real Kedro runs (smoke env), real vLLM, real MLflow (SQLite).
+"""The training loop end to end: real Kedro runs (smoke env, in a project copy), real vLLM, real MLflow (SQLite).
 
 One module, few runs, shared between assertions (each run starts a vLLM engine, ~45 s):
 
 1. ``reference``: an uninterrupted ``kedro run --pipeline=train --env smoke``.
-2. ``resumed``: the same run with another output dir, SIGKILLed right after its first
-   checkpoint, then started again: it resumes and must end with the reference's adapter.
+2. ``resumed``: the same run in another output dir that holds a copy of the reference's
+   finished run, started fresh (``train.resume=false``: that earlier run is moved aside),
+   SIGKILLed right after its first checkpoint, then started again: it resumes and must end
+   with the reference's adapter, and the earlier run must be intact where it was moved.
 3. an in-process run on the same base whose loss is made NaN at step 3.
 
 A random tiny model never earns a math reward, so every advantage would be 0 and the
@@ -15,17 +17,17 @@ trainer's custom-reward hook, ``train.reward_fn=tests.rewards_for_tests:letter_f
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import signal
+import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import project_copy, start_kedro, stop_kedro, tracking_uri, wait_kedro
 from tests.rewards_for_tests import letter_fraction
 
 
@@ -37,7 +39,6 @@ PARAMS = "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},op
 ATOL = 1e-7
 #: per-tensor tolerance of the resume comparison, relative to the tensor's largest entry (see the test)
 ADAPTER_TOL = 1e-3
-PROJECT = Path(__file__).resolve().parents[1]
 
 
 def test_reward_hook_from_import_path_or_callable():
@@ -65,28 +66,23 @@ def test_reward_hook_from_import_path_or_callable():
 
 
 @pytest.fixture(scope="module")
-def tracking(tmp_path_factory) -> str:
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+def project(tmp_path_factory) -> Path:
+    """One project copy for the module's Kedro runs (each with its own output folder)."""
+    return project_copy(tmp_path_factory.mktemp("trainer") / "project")
 
 
-def _kedro(project: Path, out: Path, tracking: str) -> subprocess.Popen:
-    # PYTHONPATH: the project root, so the kedro process can import tests.rewards_for_tests
-    pythonpath = os.pathsep.join(p for p in (str(PROJECT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking, KEDRO_DISABLE_TELEMETRY="true", PYTHONUNBUFFERED="1",
-               PYTHONPATH=pythonpath)
-    cmd = [str(Path(sys.executable).parent / "kedro"), "run", "--pipeline=train", "--env", "smoke",
-           "--params", PARAMS.format(steps=STEPS, out=out)]
-    log = open(out.parent / f"{out.name}.log", "ab")
-    return subprocess.Popen(cmd, cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+@pytest.fixture(scope="module")
+def tracking(project) -> str:
+    return tracking_uri(project)
 
 
-def _finish(proc: subprocess.Popen, out: Path, timeout: float = 420) -> None:
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert rc == 0, (out.parent / f"{out.name}.log").read_text()[-6000:]
+def _start(project: Path, out: Path, resume: bool = True) -> subprocess.Popen:
+    params = PARAMS.format(steps=STEPS, out=out) + ("" if resume else ",train.resume=false")
+    return start_kedro(project, "run", "--pipeline=train", "--env", "smoke", "--params", params, log=_log(out))
+
+
+def _log(out: Path) -> Path:
+    return out.parent / f"{out.name}.log"
 
 
 def _adapter(folder: Path) -> dict[str, torch.Tensor]:
@@ -104,31 +100,39 @@ def _run_for(client, out: Path):
 
 
 @pytest.fixture(scope="module")
-def reference(project_path, tracking, tmp_path_factory) -> Path:
+def reference(project, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "out"
-    _finish(_kedro(project_path, out, tracking), out)
+    wait_kedro(_start(project, out), _log(out), timeout=420)
     return out
 
 
 @pytest.fixture(scope="module")
-def resumed(project_path, tracking, tmp_path_factory) -> tuple[Path, bool, str]:
-    """Killed right after its step-2 checkpoint, then rerun; also the run id the killed process used."""
+def resumed(project, reference, tmp_path_factory) -> tuple[Path, bool, str, str]:
+    """A fresh run (``train.resume=false``) over a copy of the reference's finished run folder,
+    SIGKILLed right after its step-2 checkpoint, then started again (``resume: true``):
+    (its output dir, killed before the end, the run id the killed process used, the log)."""
     from qerl_pipeline.rl import checkpoint as ckpt
 
     out = tmp_path_factory.mktemp("resume") / "out"
-    proc = _kedro(project_path, out, tracking)
-    first = out / "qerl" / "checkpoints" / "step-000002" / "meta.json"
+    run_dir = out / "qerl"
+    shutil.copytree(reference / "qerl", run_dir)  # an earlier, finished run in the folder
+    proc = _start(project, out, resume=False)
+    first = run_dir / "checkpoints" / "step-000002" / "meta.json"
     deadline = time.monotonic() + 420
-    while not first.exists():
-        assert proc.poll() is None, (out.parent / "out.log").read_text()[-6000:]
+    while not (ckpt.previous_runs(run_dir) and first.exists()):  # the copied run's step 2 is not this one
+        assert proc.poll() is None, _log(out).read_text()[-6000:]
         assert time.monotonic() < deadline, "no checkpoint within the time limit"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # kedro and its children in that group; the engine exits on EOF
-    proc.wait(timeout=30)
-    killed_mid_run = not (out / "qerl" / "final_adapter").exists()
-    killed_run_id = ckpt.peek_state(ckpt.find_latest(out / "qerl"))["run_id"]
-    _finish(_kedro(project_path, out, tracking), out)
-    return out, killed_mid_run, killed_run_id
+    stop_kedro(proc)  # SIGKILL to kedro and its children in that group
+    killed_mid_run = not (run_dir / "final_adapter").exists()
+    killed_run_id = ckpt.peek_state(ckpt.find_latest(run_dir))["run_id"]
+    log = wait_kedro(_start(project, out), _log(out), timeout=420).stdout
+    return out, killed_mid_run, killed_run_id, log
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every file under ``folder``: relative path -> sha256."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
 
 
 @pytest.mark.vllm
@@ -170,7 +174,8 @@ def test_reference_run_trains_and_logs(reference, tracking):
     assert sig == {s + 1: pytest.approx(aqn.sigma_at(s, STEPS, cfg)[1]) for s in range(STEPS)}
     assert sig[1] == 0.0
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"final_adapter", "completions", "config", "plots"} <= artifacts
+    assert {"final_adapter", "completions", "config", "plots", "data", "quantize"} <= artifacts
+    assert run.data.tags["mlflow.runName"] == "train qerl · random · seed 0" and run.data.tags["qerl.role"] == "train"
     assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/train_curves.png"]
     tables = client.list_artifacts(run.info.run_id, "completions")
     assert tables and all(t.path.endswith(".json") for t in tables)
@@ -181,7 +186,7 @@ def test_reference_run_trains_and_logs(reference, tracking):
 def test_resume_after_sigkill_continues_the_same_mlflow_run(reference, resumed, tracking):
     from mlflow.tracking import MlflowClient
 
-    out, killed_mid_run, killed_run_id = resumed
+    out, killed_mid_run, killed_run_id, _ = resumed
     assert killed_mid_run, "the run finished before it could be killed"
     assert (out / "qerl" / "final_adapter").is_dir()
     client = MlflowClient(tracking)
@@ -222,7 +227,7 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking
     """
     from mlflow.tracking import MlflowClient
 
-    out, _, _ = resumed
+    out, _, _, _ = resumed
     client = MlflowClient(tracking)
     ref_run, res_run = _run_for(client, reference).info.run_id, _run_for(client, out).info.run_id
     for step in range(1, STEPS + 1):  # smoke logs the completions of every step
@@ -235,6 +240,36 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking
     for key in ref:
         tol = ADAPTER_TOL * float(ref[key].abs().max())
         torch.testing.assert_close(res[key], ref[key], rtol=0, atol=tol, msg=key)
+
+
+@pytest.mark.vllm
+@pytest.mark.kedro_run
+def test_a_fresh_run_over_an_earlier_run_moves_it_aside_intact(reference, resumed, tracking):
+    """``train.resume=false`` over a finished run's folder (rule: ``rl/trainer.py: open_run_dir``;
+    the second of two such runs in a row used to die at step 2 with ``FileNotFoundError:
+    .../adapters/step-000001``): the earlier run is moved aside whole, byte for byte, and
+    named in the log and in the new run's tags; the folder then holds this run's files only."""
+    from mlflow.tracking import MlflowClient
+
+    from qerl_pipeline.rl import checkpoint as ckpt
+
+    out, _, new_id, log = resumed
+    ref_dir, run_dir = reference / "qerl", out / "qerl"
+    ref_id = ckpt.peek_state(ckpt.find_latest(ref_dir))["run_id"]
+    assert "moved aside" not in _log(reference).read_text()  # the reference started in an empty folder
+    previous = ckpt.previous_runs(run_dir)
+    assert len(previous) == 1, previous  # the resume after the kill kept the folder
+    moved = previous[0]
+    assert _tree(moved) == _tree(ref_dir) and "final_adapter/adapter_model.safetensors" in _tree(moved)
+    assert "moved aside to" in log and str(moved) in log
+    assert ref_id and new_id and new_id != ref_id
+    # the new run's folder: its own checkpoints and the last two adapters of its own steps
+    steps = [s for s, _ in ckpt.list_checkpoints(run_dir)]
+    assert steps == [s for s, _ in ckpt.list_checkpoints(moved)] and steps[-1] == STEPS
+    assert all(ckpt.peek_state(p)["run_id"] == new_id for _, p in ckpt.list_checkpoints(run_dir))
+    assert sorted(p.name for p in (run_dir / "adapters").iterdir()) == [f"step-{s:06d}" for s in (STEPS - 1, STEPS)]
+    assert (run_dir / "final_adapter" / "adapter_model.safetensors").is_file()
+    assert MlflowClient(tracking).get_run(new_id).data.tags["qerl.previous_run_dir"] == str(moved)
 
 
 def test_a_lost_optimizer_state_is_outside_the_tolerance():
@@ -259,7 +294,7 @@ def test_a_lost_optimizer_state_is_outside_the_tolerance():
 
 @pytest.mark.vllm
 @pytest.mark.kedro_run
-def test_nan_loss_stops_with_step_and_marks_run_failed(reference, tracking, tmp_path):
+def test_nan_loss_stops_with_step_and_marks_run_failed(project, reference, tracking, tmp_path):
     """A NaN reward at step 3 (through the reward hook) makes the loss NaN: the run stops there."""
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -270,7 +305,7 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(reference, tracking, tmp_
     from qerl_pipeline.tracking import MlflowLogger
 
     mlflow.set_tracking_uri(tracking)
-    base = Path(json.loads(Path(_latest_summary(reference)).read_text())["base_dir"])
+    base = Path(json.loads(_latest_summary(project, reference).read_text())["base_dir"])
     records = [
         {"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
         for i in range(1, 9)
@@ -311,12 +346,34 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(reference, tracking, tmp_
     assert not (tmp_path / "qerl" / "final_adapter").exists()
 
 
-def _latest_summary(out: Path) -> Path:
+def _latest_summary(project: Path, out: Path) -> Path:
     """The train_summary written by the reference run (its base_dir is the smoke base)."""
-    root = Path(__file__).parents[1] / "data/08_reporting/smoke/train_summary.json"
+    root = project / "data/08_reporting/smoke/train_summary.json"
     versions = sorted(root.iterdir())
     for v in reversed(versions):
         path = v / "train_summary.json"
         if json.loads(path.read_text()).get("run_dir") == str(out / "qerl"):
             return path
     raise AssertionError(f"no train_summary for {out}")
+
+
+@pytest.mark.vllm
+@pytest.mark.kedro_run
+def test_a_second_train_run_leaves_the_base_untouched_and_says_so(project, reference, resumed):
+    """The reference run quantized ``base_nvfp4`` in the project copy; the two later ``kedro run
+    --pipeline=train`` of ``resumed`` (same model and quantize settings) reused it: every file
+    is older than the reference run's end, and their log says so."""
+    from qerl_pipeline.quantization.store import read_stamp
+
+    base = project / "data" / "06_models" / "smoke" / "base_nvfp4"
+    assert read_stamp(base) is not None
+    ended = (reference / "qerl" / "final_adapter" / "adapter_model.safetensors").stat().st_mtime_ns
+    files = [p for p in base.rglob("*") if p.is_file()]
+    assert files and all(p.stat().st_mtime_ns < ended for p in files)
+    out, _, _, log = resumed
+    assert "base_nvfp4 reused: " in log and "base_nvfp4 quantized into" not in log
+    assert "base_nvfp4 reused: " in _log(out).read_text()  # both runs of the fixture
+    assert _log(out).read_text().count("base_nvfp4 reused: ") == 2
+    # the trained adapter is a dataset: the copy the evaluate pipeline reads, with its run's id
+    meta = json.loads((project / "data/06_models/smoke/adapters/qerl/qerl_adapter.json").read_text())
+    assert meta["method"] == "qerl" and meta["steps"] == STEPS

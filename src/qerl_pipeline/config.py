@@ -53,6 +53,11 @@ class ModelConfig(Section):
         "`name` is SmolLM2-135M-Instruct and the Hub is unreachable. gguf: `gguf_file`. "
         "random: a random model shaped by `random_init` (smoke runs).",
     )
+    revision: str | None = Field(
+        None,
+        description="Hub revision (branch, tag or commit) of `name` for source hub/auto; None = the Hub's default "
+        "branch. Part of the base fingerprint (quantize reuses a base only for the same model and revision).",
+    )
     gguf_file: str = Field(
         "bundled",
         description="GGUF file for source=gguf (and the auto fallback); 'bundled' = the "
@@ -171,6 +176,11 @@ class QuantizeConfig(Section):
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules left unquantized.")
     nf4_blocksize: int = Field(64, gt=0, description="NF4 block size (bitsandbytes default 64).")
     nf4_double_quant: bool = Field(False, description="Quantize the NF4 absmax scales too (QLoRA's double quantization).")
+    force: bool = Field(
+        False,
+        description="Re-quantize even when the base folder already holds a base with the same fingerprint (model "
+        "identity and revision, these quantize settings, serving dtype, codec version). false = reuse it and say so.",
+    )
 
 
 class LoraConfig(Section):
@@ -207,6 +217,12 @@ class RolloutConfig(Section):
     )
     gpu_memory_utilization: float = Field(0.35, gt=0, le=1, description="CUDA only: fraction of GPU memory vLLM may take.")
     sleep_between_steps: bool = Field(True, description="CUDA only: sleep the engine during the update when colocated.")
+    shared_engines: int | None = Field(
+        None, ge=1,
+        description="compare only: engines kept alive across the branches' nodes (rollout/pool.py), one per served base. "
+        "None = auto: 1 on CUDA (two engines do not share a GPU), 3 on CPU (one per base format, each ~2.5 GB with "
+        "VLLM_CPU_KVCACHE_SPACE=2), which makes a compare start each base's engine once instead of once per phase.",
+    )
     enforce_eager: bool = Field(True, description="Skip CUDA graph capture (faster start, slower decode).")
     startup_timeout_s: float = Field(600.0, gt=0, description="Give up if the engine process is not ready by then.")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
@@ -349,16 +365,42 @@ class EvaluateConfig(Section):
     seed: int = Field(0, description="Sampling seed of every evaluation request (same seed, same samples, whatever the batching).")
 
 
-class CompareConfig(Section):
-    """compare: train and evaluate several methods with one config, then report."""
+class CompareBranch(Section):
+    """One method's branch of the compare pipeline (Kedro namespace ``compare.<method>``).
 
-    methods: list[Method] = Field(default_factory=lambda: list(METHODS), description="Methods side by side.")
-    reuse_runs: bool = Field(False, description="Read finished runs from MLflow instead of training again.")
+    Its parameters are what differs between branches; every other section is shared, so
+    config and seeds are equal by construction. The learning rate differs through
+    ``optim.lr``'s per-method mapping (the paper's 2:1 ratio), not here.
+    """
+
+    method: Method = Field(description="The method this branch trains; must be the branch's own name.")
+
+
+class CompareConfig(Section):
+    """compare: one branch per method (train + evaluate, pipelines/compare/pipeline.py), then the report."""
+
+    methods: list[Method] = Field(
+        default_factory=lambda: list(METHODS),
+        description="Methods in the report, in this order (every branch still runs in `kedro run --pipelines=compare`; "
+        "run a subset with `--namespaces=compare.<method>,...`).",
+    )
     reuse_group: str | None = Field(
-        None, description="With reuse_runs: the compare group (the compare run's id) whose runs to read; None = the newest "
-        "finished run of each method that has evaluation metrics."
+        None, description="compare_report pipeline only: the compare run id whose branch runs to report; None = the "
+        "newest finished run of each method that has evaluation metrics."
     )
     report_dir: str = Field("data/08_reporting/compare", description="Folder of the report (PNGs, CSVs, report.html).")
+    qerl: CompareBranch = Field(default_factory=lambda: CompareBranch(method="qerl"))
+    qerl_noaqn: CompareBranch = Field(default_factory=lambda: CompareBranch(method="qerl_noaqn"))
+    qlora: CompareBranch = Field(default_factory=lambda: CompareBranch(method="qlora"))
+    lora: CompareBranch = Field(default_factory=lambda: CompareBranch(method="lora"))
+
+    @model_validator(mode="after")
+    def _branches_are_their_methods(self) -> CompareConfig:
+        for name in METHODS:
+            got = getattr(self, name).method
+            if got != name:
+                raise ValueError(f"{name}.method: the branch compare.{name} trains {name!r}, got {got!r}")
+        return self
 
 
 class BenchmarkConfig(Section):

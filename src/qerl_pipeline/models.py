@@ -29,7 +29,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -74,18 +73,23 @@ def _gguf_file(cfg: ModelConfig) -> Path:
 
 
 @functools.lru_cache(maxsize=16)
-def _hub_reachable(name: str) -> bool:
-    """Whether ``name`` can be had from the Hub now (asked once per process)."""
+def _hub_reachable(name: str, revision: str | None = None) -> bool:
+    """Whether ``name`` (at ``revision``) can be had from the Hub now (asked once per process)."""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
     try:
         from huggingface_hub import model_info
 
-        model_info(name, timeout=10)
+        model_info(name, revision=revision, timeout=10)
         return True
     except Exception as err:  # offline, DNS failure, 404, auth: all mean "not from the Hub"
         log.info("Hub not usable for %s: %s", name, type(err).__name__)
         return False
+
+
+def _hub_revision(cfg: ModelConfig, kind: str) -> dict[str, str]:
+    """``{"revision": ...}`` for a Hub load with ``model.revision`` set, else nothing (local folders have none)."""
+    return {"revision": cfg.revision} if kind == "hub" and cfg.revision else {}
 
 
 def resolve_source(cfg: ModelConfig) -> tuple[str, str]:
@@ -103,7 +107,7 @@ def resolve_source(cfg: ModelConfig) -> tuple[str, str]:
     # auto
     if Path(cfg.name).is_dir():
         return "local", cfg.name
-    if _hub_reachable(cfg.name):
+    if _hub_reachable(cfg.name, cfg.revision):
         return "hub", cfg.name
     if cfg.name == BUNDLED_MODEL:
         log.warning("Hub unreachable: using the bundled GGUF of %s (Q4_1 weights, dequantized)", cfg.name)
@@ -136,7 +140,7 @@ def load_tokenizer(cfg: ModelConfig):
         tok = _gguf_tokenizer(str(_gguf_file(cfg)))
         tok = _copy_tokenizer(tok)
     else:
-        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code, **_hub_revision(cfg, kind))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -197,7 +201,8 @@ def load_base_model(cfg: ModelConfig, dtype: torch.dtype | None = None):
             model.generation_config.pad_token_id = tok.pad_token_id
         model.config.name_or_path = BUNDLED_MODEL
     else:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                                     **_hub_revision(cfg, kind))
     return model.eval(), tok
 
 
@@ -212,10 +217,11 @@ def _detach_gguf_quantizer(model) -> None:
 
 
 def save_model_folder(model, tokenizer, out_dir: Path | str) -> Path:
-    """Save a Hugging Face model folder atomically: write beside, then swap in."""
+    """Save a Hugging Face model folder atomically: write beside, then swap in (``atomic.py``)."""
+    from qerl_pipeline.atomic import replace_dir, staging_dir
+
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = staging_dir(out_dir)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
@@ -225,17 +231,6 @@ def save_model_folder(model, tokenizer, out_dir: Path | str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move folder ``src`` to ``dst``, replacing an existing ``dst`` with one rename each."""
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
 
 
 def tiny_model_folder(out_dir: Path | str, **shape) -> Path:

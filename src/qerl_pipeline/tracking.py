@@ -187,3 +187,57 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return sha + ("-dirty" if dirty else "")
     except Exception:
         return "unknown"
+
+
+# ------------------------------------------------------------------ run names, groups
+#: Tag of a compare run's children: the id of the compare run (``evaluation/report.py`` reads it).
+GROUP_TAG = "qerl.compare_group"
+#: Tag saying what a run is: train, evaluate, compare, quantize, benchmark.
+ROLE_TAG = "qerl.role"
+
+
+def model_label(model: dict[str, Any] | Any) -> str:
+    """A short model name for run names: the Hub id's last part, a folder's name, or ``random``."""
+    get = model.get if isinstance(model, dict) else (lambda k, d=None: getattr(model, k, d))
+    if get("source", "auto") == "random":
+        return "random"
+    return Path(str(get("name", "model"))).name
+
+
+def run_name(role: str, method: str | None, model: dict[str, Any] | Any, seed: int | None) -> str:
+    """``"train qerl · SmolLM2-135M-Instruct · seed 0"``: what a run is, at a glance in the MLflow UI."""
+    parts = [f"{role} {method}" if method else role, model_label(model)]
+    if seed is not None:
+        parts.append(f"seed {seed}")
+    return " · ".join(parts)
+
+
+def name_run(run_id: str, name: str, role: str, client=None) -> None:
+    """Set a run's display name and role tag."""
+    from mlflow.tracking import MlflowClient
+
+    client = client or MlflowClient()
+    client.set_tag(run_id, "mlflow.runName", name)
+    client.set_tag(run_id, ROLE_TAG, role)
+
+
+def child_run(parent_id: str, name: str, tags: dict[str, str] | None = None) -> str:
+    """A new run in the parent's experiment, nested under it in the UI (``mlflow.parentRunId``) and grouped."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    parent = client.get_run(parent_id)
+    run = client.create_run(
+        parent.info.experiment_id, run_name=name,
+        tags={**(tags or {}), GROUP_TAG: parent_id, "mlflow.parentRunId": parent_id},
+    )
+    return run.info.run_id
+
+
+def regroup(run_id: str, parent_id: str) -> None:
+    """Nest an existing run (a compare branch finished by an earlier, killed compare) under ``parent_id``."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    client.set_tag(run_id, GROUP_TAG, parent_id)
+    client.set_tag(run_id, "mlflow.parentRunId", parent_id)

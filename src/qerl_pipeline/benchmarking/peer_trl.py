@@ -32,7 +32,10 @@ in a fresh interpreter (``training.run_isolated``), so TRL's peak memory is its 
 nothing TRL sets up (accelerate state, vLLM) touches the Kedro process.
 
 TRL is a benchmark-only extra (``pip install -e ".[bench]"``); without it the peer is
-skipped with the reason logged.
+skipped with the reason logged. ``measure_peer(bases, cfg, bcfg)`` is the benchmark's
+entry: the step on the bf16 base, or ``{"skipped": True, "reason": ...}`` when
+``benchmark.include_trl`` is off or TRL is absent. Peak memory is
+``memory.peak_memory_bytes``; the child writes its result with ``atomic.write_atomic``.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from qerl_pipeline.config import QerlConfig
+from qerl_pipeline.atomic import write_atomic
+from qerl_pipeline.config import BenchmarkConfig, QerlConfig
 
 log = logging.getLogger(__name__)
 
@@ -268,15 +272,28 @@ def measure_trl_isolated(model_dir: str | Path, cfg: QerlConfig, *, generation: 
     return {**result, "skipped": False, "generation_note": note}
 
 
+def measure_peer(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkConfig) -> dict[str, Any]:
+    """One TRL GRPOTrainer step (after a warm-up) on the bf16 base, or the reason it was skipped."""
+    if not bcfg.include_trl:
+        log.info("TRL peer skipped: benchmark.include_trl is false")
+        return {"skipped": True, "reason": "benchmark.include_trl is false"}
+    result = measure_trl_isolated(
+        bases["bf16"], cfg, generation=bcfg.trl_generation, timeout_s=bcfg.timeout_s, num_prompts=bcfg.train_prompts,
+        prompt_len=bcfg.prompt_len, completion_len=bcfg.completion_len, steps=bcfg.train_steps,
+    )
+    if not result.get("skipped"):
+        log.info("TRL %s step: %.2f s (generation %.2f s, %s)", result["trl_version"], result["step_time_s"],
+                 result["generation_s"], result["generation"])
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     """Child entry point: ``python -m qerl_pipeline.benchmarking.peer_trl spec.json result.json``."""
     spec_path, out_path = (argv or sys.argv[1:])[:2]
     spec = json.loads(Path(spec_path).read_text())
     cfg = QerlConfig.model_validate(spec.pop("config"))
     result = measure_trl_step(spec.pop("model_dir"), cfg, **spec)
-    tmp = Path(out_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out_path)
+    write_atomic(out_path, json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -14,23 +14,37 @@ temperature 1, as in RL rollouts.
   trainer's ``save_pretrained`` is not included (both paths would pay a comparable write).
 * ``merge``: ``W + scale * B @ A`` computed from the clean base weights plus
   ``load_dense_weights`` (transfer, in-place write, kernel repack on CPU, prefix-cache
-  reset). Only possible on a dense served base; on a quantized one it is reported as
-  unsupported with the engine's reason.
+  reset). Only possible on a dense served base (``ServedModel.dense``): on a quantized one
+  (packed NVFP4 or bitsandbytes NF4 on CUDA) no merge is attempted and it is reported as
+  unsupported, with the reason; an engine error during a merge is reported the same way.
 
 Merge also removes LoRA's decode overhead (about 3x in tokens/s on CPU), so the per-step
 decision (``recommend_sync``) weighs the sync time together with the rollout time of
 each path.
+
+``rollout_benchmark(bases, cfg, bcfg)`` runs all of it per compared base format: one engine
+per format, started by ``rollout.serving.open_engine`` (the one place engines are built)
+for what ``served_model`` decides, so it runs at ``engine_dtype(model)`` with the trainer's
+norm dtype (``model.norm_dtype``) and ``rollout.seed``; LoRA adapters of the configured shape with distinct weights
+stand in for successive training steps (:func:`lora_adapters`). Every row carries
+``format``, ``engine_start_s``, ``is_train_batch``, ``served_format`` and ``served_dtype``.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from qerl_pipeline.config import BenchmarkConfig, LoraConfig, QerlConfig
 from qerl_pipeline.rollout.engine import EngineError, RolloutEngine, lora_deltas, merged_weights
+
+log = logging.getLogger(__name__)
 
 #: Token ids used for synthetic prompts: below 1000, valid in any real vocabulary.
 _ID_LOW, _ID_HIGH = 100, 1000
@@ -93,12 +107,15 @@ def measure_sync(
     adapter_dirs: list[str | Path] | None = None,
     *,
     tensors: list[dict[str, torch.Tensor]] | None = None,
+    dense: bool = True,
 ) -> dict:
     """Per-step sync seconds for ``adapter`` and ``merge`` (one step per adapter folder).
 
     ``adapter_dirs``: PEFT folders, one per simulated step (distinct contents, as after each
     optimizer step). ``tensors``: alternatively, ready merged dense weights per step (merge
-    timing only). The served weights are restored to their clean values afterwards.
+    timing only). ``dense``: whether the engine serves dense linears (``ServedModel.dense``);
+    when not, merge is reported unsupported without being tried. The served weights are
+    restored to their clean values afterwards.
     """
     if not adapter_dirs and not tensors:
         raise ValueError("measure_sync needs adapter_dirs or tensors")
@@ -110,6 +127,11 @@ def measure_sync(
             report.update(adapter_supported=True, adapter_sync_s=statistics.mean(times), adapter_sync_all_s=times)
         except EngineError as err:
             report.update(adapter_supported=False, adapter_sync_s=None, adapter_error=str(err).splitlines()[0])
+    if not dense:
+        report.update(merge_supported=False, merge_sync_s=None, merge_error=(
+            "the served base is quantized: a merge writes dense weights, which only a dense served base takes "
+            "(rollout.sync: adapter)"))
+        return report
     names = sorted(lora_deltas(dirs[0])) if dirs else sorted(tensors[0])
     try:
         clean = engine.read_weights(names)
@@ -139,3 +161,74 @@ def recommend_sync(sync: dict, adapter_tokens_per_s: float, merged_tokens_per_s:
     merge_total = sync["merge_sync_s"] + tokens_per_step / merged_tokens_per_s
     choice = "merge" if merge_total < adapter_total else "adapter"
     return {"sync": choice, "adapter_step_s": adapter_total, "merge_step_s": merge_total}
+
+
+# ------------------------------------------------------------------------- the whole measurement
+def lora_adapters(base_dir: Path, fmt: str, lcfg: LoraConfig, out_dir: Path, count: int) -> list[Path]:
+    """``count`` LoRA adapters of the configured shape with distinct weights (one per simulated step)."""
+    from qerl_pipeline.quantization.policy import build_policy
+
+    policy = build_policy(base_dir, fmt, lcfg, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    folders = []
+    for k in range(count):
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:  # PEFT starts B at zero; a trained adapter is not
+                    p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+        folder = out_dir / f"step-{k}"
+        policy.save_pretrained(str(folder))
+        folders.append(folder)
+    return folders
+
+
+def train_batch_size(cfg: QerlConfig, bcfg: BenchmarkConfig) -> int:
+    """Sequences in the training batch: ``benchmark.train_prompts x grpo.num_generations``."""
+    return bcfg.train_prompts * cfg.grpo.num_generations
+
+
+def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkConfig) -> dict[str, Any]:
+    """Rollout tokens/s per compared format and batch size, with and without LoRA; sync time per step.
+
+    ``cfg`` supplies ``model`` (engine dtype, norm dtype), ``lora`` (adapter shape, vLLM
+    rank), ``rollout`` (engine settings, ``sync``) and ``grpo`` (group size). The result:
+    ``rows`` (one per format, batch size and LoRA on/off), ``sync`` (per format: the
+    measured sync, configured and recommended mode), ``train_batch`` and ``served`` (per
+    format: path, served_format, dense, the engine's dtype).
+    """
+    from qerl_pipeline.benchmarking.bases import method_formats
+    from qerl_pipeline.rollout.serving import open_engine, served_model, served_tags
+
+    lcfg, rcfg = cfg.lora, cfg.rollout
+    train_batch = train_batch_size(cfg, bcfg)
+    sizes = sorted(set(bcfg.batch_sizes) | {train_batch})
+    rows, sync, served_info = [], {}, {}
+    for fmt in method_formats(bcfg):
+        base = Path(bases[fmt])
+        served = served_model(base)
+        with tempfile.TemporaryDirectory(prefix="qerl-bench-lora-") as tmp:
+            adapters = lora_adapters(base, fmt, lcfg, Path(tmp), bcfg.sync_steps + 1)
+            t0 = time.perf_counter()
+            with open_engine(served, cfg.model, rollout=rcfg, lora_rank=lcfg.rank,
+                             max_model_len=bcfg.prompt_len + bcfg.completion_len + 16) as engine:
+                start_s = time.perf_counter() - t0
+                tags = served_tags(served, engine)
+                served_info[fmt] = {"path": str(served.path), "served_format": served.served_format,
+                                    "dense": served.dense, "dtype": tags["rollout.served_dtype"]}
+                for lora_path in (adapters[0], None):
+                    for row in measure_rollout(engine, sizes, bcfg.prompt_len, bcfg.completion_len, lora_path=lora_path):
+                        rows.append({**row, "format": fmt, "engine_start_s": start_s,
+                                     "is_train_batch": int(row["batch_size"]) == train_batch,
+                                     "served_format": served.served_format, "served_dtype": tags["rollout.served_dtype"]})
+                s = measure_sync(engine, adapters[1:], dense=served.dense)
+        with_lora = {r["batch_size"]: r for r in rows if r["format"] == fmt and r["lora"]}
+        merged = {r["batch_size"]: r for r in rows if r["format"] == fmt and not r["lora"]}
+        rec = recommend_sync(s, with_lora[train_batch]["tokens_per_s"], merged[train_batch]["tokens_per_s"],
+                             train_batch * bcfg.completion_len)
+        sync[fmt] = {**{k: v for k, v in s.items() if not isinstance(v, list)},
+                     "configured": rcfg.sync, "recommended": rec["sync"],
+                     "adapter_step_s": rec["adapter_step_s"], "merge_step_s": rec["merge_step_s"]}
+        log.info("rollout %s: %s; adapter sync %.3f s", fmt, ", ".join(
+            f"b{r['batch_size']}={r['tokens_per_s']:.0f}" for r in with_lora.values()),
+            sync[fmt].get("adapter_sync_s") or float("nan"))
+    return {"rows": rows, "sync": sync, "train_batch": train_batch, "served": served_info}

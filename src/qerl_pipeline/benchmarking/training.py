@@ -16,10 +16,14 @@ plain bf16 base, with PEFT LoRA), makes one fixed GRPO batch, and times optimize
   figure is their median. With ``grpo.updates_per_rollout = u`` one call does u optimizer
   steps and the time per optimizer step is divided by u.
 * Memory: ``parameter_bytes(policy)`` (packed base, LoRA, other) and the optimiser state
-  bytes after a step; peak process memory is the process's RSS high-water mark (CPU) or
-  ``torch.cuda.max_memory_allocated`` (CUDA). A process's high-water mark only grows, so each
-  method runs in a fresh interpreter (:func:`run_isolated`): one method's peak never
-  leaks into another's, and the Kedro process stays small.
+  bytes after a step; peak process memory is ``memory.peak_memory_bytes`` (the one home:
+  the RSS high-water mark on CPU, ``torch.cuda.max_memory_allocated`` on CUDA). A process's
+  high-water mark only grows, so each method runs in a fresh interpreter
+  (:func:`run_isolated`): one method's peak never leaks into another's, and the Kedro
+  process stays small. The child writes its result with ``atomic.write_atomic``.
+
+``measure_methods(bases, cfg, bcfg)``: every ``benchmark.methods`` entry on its format's
+base, each isolated, one result row per method.
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ from typing import Any
 
 import torch
 
+from qerl_pipeline.atomic import write_atomic
 from qerl_pipeline.benchmarking import hardware
-from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
-from qerl_pipeline.memory import limit_heap_fragmentation, peak_memory_bytes  # noqa: F401 (peak_memory_bytes: public here too)
+from qerl_pipeline.config import METHOD_FORMAT, BenchmarkConfig, QerlConfig
+from qerl_pipeline.memory import limit_heap_fragmentation, peak_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -244,15 +249,27 @@ def measure_training_isolated(base_dir: str | Path, method: str, cfg: QerlConfig
     return run_isolated(__name__, spec, timeout_s=timeout_s, label=f"training benchmark ({method})")
 
 
+def measure_methods(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkConfig) -> list[dict[str, Any]]:
+    """One :func:`measure_training_isolated` row per ``benchmark.methods`` entry, on its format's base."""
+    rows = []
+    for method in bcfg.methods:
+        row = measure_training_isolated(
+            bases[METHOD_FORMAT[method]], method, cfg, timeout_s=bcfg.timeout_s, num_prompts=bcfg.train_prompts,
+            prompt_len=bcfg.prompt_len, completion_len=bcfg.completion_len, steps=bcfg.train_steps,
+        )
+        log.info("training %s: %.2f s/step, %.0f tok/s, peak %.0f MiB", method, row["step_time_s"],
+                 row["tokens_per_s"], row["peak_memory_bytes"] / 2**20)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     """Child entry point: ``python -m qerl_pipeline.benchmarking.training spec.json result.json``."""
     spec_path, out_path = (argv or sys.argv[1:])[:2]
     spec = json.loads(Path(spec_path).read_text())
     cfg = QerlConfig.model_validate(spec.pop("config"))
     result = measure_training(spec.pop("base_dir"), spec.pop("method"), cfg, **spec)
-    tmp = Path(out_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out_path)
+    write_atomic(out_path, json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -18,14 +18,18 @@ Every write goes to a temporary sibling of its destination first and is swapped 
 With ``versioned: true`` each save goes to ``<filepath>/<version>/<name>``, Kedro's layout.
 
 ``load()`` returns the folder's ``Path`` (for a mapping save, the parent folder); readers
-pick what they need (``from_pretrained(path)``, ``path / "base_nvfp4"``).
+pick what they need (``from_pretrained(path)``, ``path / "base_nvfp4"``). A missing folder
+is an error, unless ``missing_ok: true``: then ``load()`` returns the path all the same.
+That is how a node is handed the folder it will update in place (the quantize node gets
+``existing_base_models``, the same path as its output ``base_models``, and reuses or
+rewrites ``base_<format>`` there through ``quantization.store``). Saving a folder onto
+itself (the node returns the path it was given) changes nothing on disk.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -34,24 +38,22 @@ from kedro.io.core import AbstractVersionedDataset, DatasetError, Version
 
 
 def _place(src: Path, dst: Path, move: bool) -> None:
-    """Put folder ``src`` at ``dst`` atomically (replacing an existing ``dst``)."""
+    """Put folder ``src`` at ``dst`` atomically (replacing an existing ``dst``; ``atomic.py``)."""
+    from qerl_pipeline.atomic import replace_dir, staging_dir
+
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise DatasetError(f"HFModelFolderDataset: {src} is not a folder")
     if src.resolve() == dst.resolve():
         return
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp = staging_dir(dst)
     staged = tmp / "folder"
     try:
         if move:
             shutil.move(str(src), str(staged))
         else:
             shutil.copytree(src, staged)
-        if dst.exists():
-            old = tmp / "old"
-            os.replace(dst, old)
-        os.replace(staged, dst)
+        replace_dir(staged, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -67,15 +69,20 @@ class HFModelFolderDataset(AbstractVersionedDataset[Any, Path]):
           versioned: false
     """
 
-    def __init__(self, filepath: str, version: Version | None = None, move: bool = True,
+    def __init__(self, filepath: str, version: Version | None = None, move: bool = True, missing_ok: bool = False,
                  metadata: dict[str, Any] | None = None) -> None:
         super().__init__(PurePosixPath(Path(filepath).as_posix()), version)
+        if missing_ok and version is not None:
+            raise DatasetError(f"HFModelFolderDataset {filepath}: missing_ok is for unversioned folders (versioned: false)")
         self._move = move
+        self._missing_ok = missing_ok
         self.metadata = metadata
 
     def load(self) -> Path:
         path = Path(self._get_load_path().as_posix())
         if not path.is_dir():
+            if self._missing_ok:
+                return path
             raise DatasetError(f"HFModelFolderDataset: {path} does not exist; run the pipeline that writes it first")
         return path
 
@@ -101,7 +108,8 @@ class HFModelFolderDataset(AbstractVersionedDataset[Any, Path]):
             return False
 
     def _describe(self) -> dict[str, Any]:
-        return {"filepath": str(self._filepath), "version": self._version, "move": self._move}
+        return {"filepath": str(self._filepath), "version": self._version, "move": self._move,
+                "missing_ok": self._missing_ok}
 
 
 def folder_of(base: Any) -> Path:

@@ -49,7 +49,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,7 +180,7 @@ def applied_adapter(engine, adapter_dir: str | Path | None, mode: str) -> Iterat
         return
     from safetensors.torch import load_file
 
-    from qerl_pipeline.rl.trainer import NORMS_FILE
+    from qerl_pipeline.adapter import NORMS_FILE
     from qerl_pipeline.rollout.engine import add_deltas, lora_deltas
 
     adapter_dir = Path(adapter_dir)
@@ -308,49 +308,48 @@ def evaluate_policies(
     reward_cfg: RewardConfig,
     policies: dict[str, str | Path | None],
     *,
-    max_model_len: int,
+    model_cfg: Any,
     rollout_cfg: RolloutConfig | None = None,
     tokenizer=None,
     show_progress: bool = True,
-    dtype: str = "auto",
-    norm_dtype: str | None = "float32",
+    engine=None,
 ) -> EvalResult:
     """Start one engine and evaluate each policy (name -> adapter folder or None) on it.
 
-    ``norm_dtype``: ``RolloutEngine``'s (``"float32"``: RMSNorm weights in fp32, so trained
-    norms written for a policy's turn are served as trained, also in a bf16 engine).
-
     ``model``: the ``rollout.serving.ServedModel`` to serve, or a base folder (then
-    ``served_model(model)`` decides what is served). ``dtype``: the engine's compute dtype
-    (``rollout.serving.engine_dtype``; ``auto`` leaves it to the engine process). The
-    result's ``tags`` are the engine's ``rollout.served_format`` / ``rollout.served_dtype``.
+    ``served_model(model)`` decides what is served). ``model_cfg`` (``ModelConfig``): the
+    engine's compute dtype, norm dtype (fp32 RMSNorm weights, so trained norms written for a
+    policy's turn are served as trained, also in a bf16 engine) and ``max_seq_len``; the
+    engine is built by ``serving.open_engine``. The result's ``tags`` are the engine's
+    ``rollout.served_format`` / ``rollout.served_dtype``.
 
     LoRA is enabled in the engine only when some policy has an adapter and the adapter
-    mode is ``lora``, with
-    ``max_lora_rank`` the smallest vLLM rank that fits the largest adapter.
+    mode is ``lora``, with ``max_lora_rank`` the smallest vLLM rank that fits the largest adapter.
+
+    ``engine``: an engine already serving ``model`` (compare's shared one, ``rollout/pool.py``);
+    it is used as it is and left open.
     """
     from transformers import AutoTokenizer
 
+    from qerl_pipeline.config import ModelConfig, parse
     from qerl_pipeline.rewards.math import RewardScorer
-    from qerl_pipeline.rl.trainer import vllm_lora_rank
-    from qerl_pipeline.rollout.engine import RolloutEngine
-    from qerl_pipeline.rollout.serving import ServedModel, served_model, served_tags
+    from qerl_pipeline.rollout.serving import ServedModel, open_engine, served_model, served_tags
 
+    mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
+    max_model_len = mc.max_seq_len
     served = model if isinstance(model, ServedModel) else served_model(Path(model))
     adapters = {name: Path(p) for name, p in policies.items() if p is not None}
     for name, path in adapters.items():
         if not path.is_dir():
             raise FileNotFoundError(f"policy {name!r}: adapter folder {path} does not exist")
     lora_needed = bool(adapters) and resolve_adapter_mode(cfg.adapter_mode, served) == "lora"
-    rank = vllm_lora_rank(max(adapter_rank(p) for p in adapters.values())) if lora_needed else 8
+    rank = max(adapter_rank(p) for p in adapters.values()) if lora_needed else None
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(served.path)
     total = EvalResult(records=[])
     t0 = time.perf_counter()
-    with RolloutEngine(
-        served.path, max_model_len=max_model_len, enable_lora=lora_needed, max_lora_rank=rank, seed=cfg.seed,
-        rollout=rollout_cfg, dtype=dtype, extra_engine_args=served.engine_args, norm_dtype=norm_dtype,
-    ) as engine, RewardScorer(reward_cfg) as scorer:
-        total.timings["engine_start_s"] = engine.start_seconds
+    started = engine is None and open_engine(served, mc, rollout=rollout_cfg, lora_rank=rank, seed=cfg.seed)
+    with (started or nullcontext(engine)) as engine, RewardScorer(reward_cfg) as scorer:
+        total.timings["engine_start_s"] = engine.start_seconds if started else 0.0  # 0: a shared engine, started before
         total.tags = served_tags(served, engine)
         log.info("evaluate: serving %s as %s (%s)", served.path, served.served_format, total.tags["rollout.served_dtype"])
         for name, path in policies.items():
@@ -364,3 +363,70 @@ def evaluate_policies(
                 total.timings[f"{name}/{key}"] = value
     total.timings["total_s"] = time.perf_counter() - t0
     return total
+
+
+def evaluation_metrics(result: EvalResult, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The MLflow metrics of one evaluation: ``eval/<policy>/<benchmark>/<name>`` (``metrics.metric_dict``),
+    ``eval/<timing>``, ``base/weight_mib`` and ``eval/skipped_prompts``: the same names in a
+    separate evaluation run and in a compare branch's run, so the report reads both."""
+    from qerl_pipeline.evaluation import metrics as M
+
+    out = M.metric_dict(rows)
+    for key, value in result.timings.items():
+        out[key if key.startswith("base/") else f"eval/{key}"] = float(value)
+    out["eval/skipped_prompts"] = float(len(result.skipped))
+    return out
+
+
+def log_evaluation(logger, result: EvalResult, rows: list[dict[str, Any]], key: str | None = None) -> None:
+    """Log one evaluation into a run (compare branches: the training run): metrics, tags, the
+    ``eval/accuracy.json`` and ``eval/records.json`` tables and, with ``key``
+    (``evaluation_key``), the whole result (``eval/result.json``) for ``logged_evaluation``."""
+    logger.set_tags(result.tags)
+    logger.log_metrics(evaluation_metrics(result, rows), step=0)
+    logger.log_table(rows, "eval/accuracy.json")
+    logger.log_table(result.records, "eval/records.json")
+    if key is not None:
+        payload = {"records": result.records, "skipped": result.skipped, "timings": result.timings, "tags": result.tags}
+        logger.log_text(json.dumps(payload, default=str), RESULT_ARTIFACT)
+        logger.set_tags({EVALUATED_TAG: key})
+
+
+#: Tag of a run whose evaluation was logged by ``log_evaluation(..., key=...)``: what was evaluated.
+EVALUATED_TAG = "qerl.evaluation_key"
+RESULT_ARTIFACT = "eval/result.json"
+
+
+def evaluation_key(adapter_dir: str | Path | None, cfg: EvaluateConfig, records: Sequence[dict[str, Any]], served=None) -> str:
+    """A digest of what an evaluation depends on: the adapter's files, the evaluate settings, the
+    prompt records and what is served. Equal keys: the logged evaluation stands for this one."""
+    h = hashlib.sha256()
+    if adapter_dir is not None:
+        for f in sorted(Path(adapter_dir).iterdir()):
+            if f.is_file() and f.suffix in (".safetensors", ".json") and f.name != "qerl_adapter.json":
+                h.update(f.name.encode())
+                h.update(f.read_bytes())
+    h.update(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode())
+    h.update(json.dumps([[r.get("id"), r.get("source"), r.get("gold")] for r in records], default=str).encode())
+    if served is not None:
+        h.update(f"{served.served_format}|{Path(served.path).name}".encode())
+    return h.hexdigest()[:20]
+
+
+def logged_evaluation(run_id: str, key: str) -> EvalResult | None:
+    """The evaluation logged into ``run_id`` under ``key`` (``log_evaluation``), or None."""
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    if client.get_run(run_id).data.tags.get(EVALUATED_TAG) != key:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(run_id, RESULT_ARTIFACT, tmp)
+        except Exception:  # noqa: BLE001 - no stored result: evaluate again
+            return None
+        data = json.loads(Path(path).read_text())
+    return EvalResult(records=data["records"], skipped=data.get("skipped", []), timings=data.get("timings", {}),
+                      tags=data.get("tags", {}))

@@ -35,9 +35,7 @@ import datetime as _dt
 import html
 import io
 import math
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +46,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from mlflow.tracking import MlflowClient
 
-#: Tag that groups the runs of one compare invocation (value: the compare run's id).
-GROUP_TAG = "qerl.compare_group"
-#: Tag set on the compare pipeline's own (parent) run; such runs are never method rows.
-ROLE_TAG = "qerl.role"
+from qerl_pipeline.atomic import write_atomic  # the one home (re-exported: report.write_atomic)
+
+#: GROUP_TAG groups the runs of one compare invocation (value: the compare run's id); runs with
+#: ROLE_TAG = compare (the compare pipeline's own run) are never method rows. Homes: tracking.py.
+from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG  # noqa: E402
 
 #: Per-step training curves: key -> (title, candidate metric names, first present wins).
 CURVES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -436,22 +435,6 @@ def figures(runs: Sequence[RunData]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ output
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write a report file atomically (temp file beside it, then ``os.replace``); str is UTF-8."""
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is for reading
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def figure_png(fig) -> bytes:
     """A figure as PNG bytes (for files, the HTML page, and ``IPython.display.Image``)."""
     buf = io.BytesIO()
@@ -535,3 +518,20 @@ def log_report(paths: dict[str, Path] | Iterable[Path], logger, artifact_path: s
     """Log the report files to MLflow through a ``tracking.MetricsLogger``."""
     for p in paths.values() if isinstance(paths, dict) else paths:
         logger.log_artifact(str(p), artifact_path)
+
+
+def report_for(selection: dict[str, dict[str, str | None]], compare_cfg, compare_run_id: str) -> tuple[dict, pd.DataFrame, dict]:
+    """Build the report of ``selection`` (``{method: {"run_id", "eval_run_id"}}``) into
+    ``compare_cfg.report_dir``, log it to the compare run; return ``(selection, long accuracy
+    table, summary)`` (summary: run ids, written files, the system numbers per method)."""
+    from qerl_pipeline.tracking import MlflowLogger
+
+    client = MlflowClient()
+    runs = load_selected(selection, client=client)
+    methods = [r.method for r in runs]
+    paths = build_report(runs, compare_cfg.report_dir, title=f"QeRL comparison: {', '.join(methods)}")
+    log_report(paths, MlflowLogger(run_id=compare_run_id))
+    system = system_table(runs).reset_index().to_dict(orient="records")
+    summary = {"compare_run_id": compare_run_id, "runs": selection, "files": {k: str(p) for k, p in paths.items()},
+               "system": system}
+    return selection, accuracy_frame(runs), summary

@@ -56,6 +56,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from qerl_pipeline.atomic import replace_dir, staging_dir
 from qerl_pipeline.quantization import nf4, nvfp4
 
 log = logging.getLogger(__name__)
@@ -581,12 +582,12 @@ def calibrated_nvfp4_base(model, tokenizer, out_dir: Path, *, algorithm: str, te
     finally:
         model.config.name_or_path = old_name
         shutil.rmtree(cfg_dir, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".calib.", dir=Path(out_dir).parent))
+    tmp = staging_dir(out_dir)
     try:
         model.save_pretrained(tmp, save_compressed=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -323,7 +323,10 @@ def _base_model(policy: nn.Module) -> nn.Module:
 
 
 def _hf_name(name: str) -> str:
-    return name.replace(".base_layer", "")
+    """A base-model module name as HF names it (PEFT's ``.base_layer`` dropped; ``adapter.hf_name``)."""
+    from qerl_pipeline.adapter import hf_name
+
+    return hf_name(name, unwrap=True)
 
 
 def dense_state_dict(policy: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -46,6 +46,7 @@ from contextlib import contextmanager
 
 import torch
 
+from qerl_pipeline.adapter import hf_name
 from qerl_pipeline.config import AQNConfig
 
 #: Suffixes of the HF parameter names that receive noise (norms feeding quantized linears).
@@ -148,9 +149,7 @@ def norm_parameters(model: torch.nn.Module, names: Iterable[str]) -> dict[str, t
     wanted = list(names)
     found: dict[str, torch.nn.Parameter] = {}
     for pname, param in model.named_parameters(remove_duplicate=False):
-        plain = pname.replace("base_model.model.", "", 1) if pname.startswith("base_model.model.") else pname
-        plain = plain.replace(".original_module", "").replace(".modules_to_save.default", "")
-        plain = plain.replace(".base_layer", "")
+        plain = hf_name(pname, unwrap=True)
         if plain in wanted and plain not in found:
             found[plain] = param
     missing = [n for n in wanted if n not in found]

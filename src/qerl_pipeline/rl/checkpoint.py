@@ -120,8 +120,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter with ``requires_grad``, by name, detached CPU copies."""
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """Every trainable tensor by its policy name (``policy.trainable_state_dict``), as CPU copies."""
+    from qerl_pipeline.quantization.policy import trainable_state_dict
+
+    return {n: t.cpu().clone() for n, t in trainable_state_dict(model).items()}
 
 
 def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

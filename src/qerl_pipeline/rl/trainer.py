@@ -72,6 +72,9 @@ from qerl_pipeline.rl.step import (  # noqa: F401 - re-exported: the trainer's p
     policy_update,
     tokenize_prompts,
 )
+from qerl_pipeline.atomic import write_atomic
+from qerl_pipeline.adapter import ADAPTER_META, NORMS_FILE, is_adapter, save_adapter, trained_norms  # noqa: F401 - re-exported
+from qerl_pipeline.rollout.serving import VLLM_LORA_RANKS, vllm_lora_rank  # noqa: F401 - re-exported (older imports)
 from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, git_commit
 
 log = logging.getLogger(__name__)
@@ -124,6 +127,8 @@ class TrainResult:
     seconds: float = 0.0
     #: where an earlier run's folder was moved before this fresh run (None: nothing was there, or a resume)
     moved_aside: Path | None = None
+    #: True when the run folder held this run finished already (nothing was trained)
+    reused: bool = False
 
 
 def run_dir_for(cfg: QerlConfig, output_dir: str | Path | None = None) -> Path:
@@ -153,13 +158,39 @@ def open_run_dir(cfg: QerlConfig, output_dir: str | Path | None = None) -> tuple
     """
     run_dir = run_dir_for(cfg, output_dir)
     latest = ckpt.find_latest(run_dir) if cfg.train.resume else None
+    why = "train.resume is false" if not cfg.train.resume else "it holds no complete checkpoint to resume"
+    if latest is not None:
+        stored = ckpt.peek_state(latest).get("config")
+        changed = config_changes(stored, resume_config(cfg)) if stored is not None else []
+        if changed:
+            latest = None
+            shown = ", ".join(changed[:6]) + (f" (+{len(changed) - 6} more)" if len(changed) > 6 else "")
+            why = f"its checkpoint was trained with other settings: {shown}"
     moved = None
     if latest is None and ckpt.has_leftovers(run_dir):
         moved = ckpt.move_aside(run_dir)
-        why = "train.resume is false" if not cfg.train.resume else "it holds no complete checkpoint to resume"
         log.warning("fresh run in %s (%s): the earlier run there was moved aside to %s", run_dir, why, moved)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, latest, moved
+
+
+#: Settings a resume may change: how long to train and how often to save/log, and the
+#: sections training never reads. Any other difference makes the checkpoint another run.
+RESUMABLE_CHANGES = ("train.steps", "train.resume", "train.checkpoint_every", "train.log_completions_every",
+                     "quantize.force", "evaluate", "compare", "benchmark")
+
+
+def resume_config(cfg: QerlConfig) -> dict[str, Any]:
+    """The flattened settings a checkpoint must share with the config that resumes it."""
+    from qerl_pipeline.config import flatten
+
+    flat = flatten(cfg.model_dump(mode="json"))
+    return {k: v for k, v in flat.items() if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)}
+
+
+def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted keys whose value differs between a checkpoint's settings and the current ones."""
+    return sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
 
 
 def prune_adapters(adapters: Path, keep: list[Path]) -> None:
@@ -185,33 +216,6 @@ def _mark_failed(logger: MetricsLogger, message: str) -> None:
         log.warning("could not mark the run failed: %s", exc)
 
 
-#: Trainable norm weights (``lora.train_norms``) next to the PEFT files, under HF names.
-NORMS_FILE = "norms.safetensors"
-
-
-def trained_norms(policy) -> dict[str, torch.Tensor]:
-    """Trainable non-LoRA tensors (the norms with ``lora.train_norms``) under HF names."""
-    out = {}
-    for name, p in policy.named_parameters():
-        if p.requires_grad and "lora_" not in name:
-            plain = name.replace("base_model.model.", "", 1) if name.startswith("base_model.model.") else name
-            out[plain] = p.detach().cpu().contiguous()
-    return out
-
-
-def _save_adapter(policy, folder: Path) -> Path:
-    """PEFT ``save_pretrained`` (+ ``norms.safetensors`` when norms train) into ``folder``, atomically."""
-    from safetensors.torch import save_file
-
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(str(tmp))
-    norms = trained_norms(policy)
-    if norms:
-        save_file(norms, str(tmp / NORMS_FILE))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
 
 
 def train(
@@ -222,6 +226,7 @@ def train(
     output_dir: str | Path | None = None,
     make_logger: Callable[[str | None], MetricsLogger] | None = None,
     engine: Any = None,
+    engine_factory: Callable[[Any], Any] | None = None,
     dataset_name: str | None = None,
     progress: bool = True,
     reward_fn: RewardFn | str | None = None,
@@ -231,7 +236,9 @@ def train(
     ``make_logger(run_id)``: the metrics logger; called with the run id stored in the
     checkpoint when resuming (None for a fresh run). ``engine``: an already started
     ``RolloutEngine`` on the serving folder (tests share one); by default one is started
-    and closed here. ``reward_fn(completions, golds, samples) -> list[dict]`` (or an import
+    and closed here; ``engine_factory(served)`` (instead of ``engine``): called with the
+    ``ServedModel`` when the engine is needed (not for a run that is finished already), its
+    engine is not closed here (compare's shared engine, ``rollout/pool.py``). ``reward_fn(completions, golds, samples) -> list[dict]`` (or an import
     path ``"module:function"``): a custom reward replacing the math ``RewardScorer``, the hook
     for custom rewards (like TRL's ``reward_funcs``); default ``cfg.train.reward_fn``.
     """
@@ -239,7 +246,7 @@ def train(
     from qerl_pipeline.models import resolve_dtype
     from qerl_pipeline.quantization.policy import build_policy
     from qerl_pipeline.rl.norms import check_noise_precision, sigma_effective
-    from qerl_pipeline.rollout.serving import engine_dtype, served_model, served_tags
+    from qerl_pipeline.rollout.serving import open_engine, served_model, served_tags
 
     t_start = time.perf_counter()
     base_dir = Path(base_dir)
@@ -249,6 +256,13 @@ def train(
     make_logger = make_logger or (lambda _run_id: MemoryLogger())
     logger = make_logger(stored.get("run_id"))
     run_id = getattr(logger, "run_id", None)
+    final = run_dir / "final_adapter"
+    if latest is not None and int(stored.get("step", 0)) >= tc.steps and is_adapter(final):
+        # Finished already (a compare or a kedro run resumed after a later step failed): reuse it.
+        log.info("%s: already trained to step %d in %s (MLflow run %s); reusing it (train.resume=false trains anew)",
+                 cfg.method, int(stored["step"]), run_dir, run_id)
+        return TrainResult(run_dir, final, tc.steps, int(stored["step"]), run_id, _full_history(logger),
+                           time.perf_counter() - t_start, None, reused=True)
 
     torch.manual_seed(tc.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -292,15 +306,9 @@ def train(
     if dropped:
         log.warning("%d prompts longer than %d tokens were dropped", dropped, cfg.model.max_seq_len - rc.max_new_tokens)
 
-    own_engine = engine is None
-    if own_engine:
-        from qerl_pipeline.rollout.engine import RolloutEngine
-
-        engine = RolloutEngine(
-            served.path, max_model_len=cfg.model.max_seq_len, enable_lora=True,
-            max_lora_rank=vllm_lora_rank(cfg.lora.rank), dtype=engine_dtype(cfg.model, device, served), seed=rc.seed, rollout=rc,
-            extra_engine_args=served.engine_args, norm_dtype=engine_norm_dtype(cfg),
-        )
+    own_engine = engine is None and engine_factory is None
+    if engine is None:
+        engine = engine_factory(served) if engine_factory else open_engine(served, cfg.model, rollout=rc, lora_rank=cfg.lora.rank)
     scorer = make_scorer(cfg, reward_fn)
     aqn_on = cfg.aqn_enabled()
     engine_norms = engine.norm_weight_names()
@@ -314,7 +322,7 @@ def train(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     adapters = run_dir / "adapters"
     adapters.mkdir(exist_ok=True)
-    adapter_dir = _save_adapter(policy, adapters / f"step-{start_step:06d}")
+    adapter_dir = save_adapter(policy, adapters / f"step-{start_step:06d}")
     written = [adapter_dir]  # the step folders this call wrote, oldest first: prune_adapters keeps the last two
     history: list[dict] = []
     logger.log_metrics({"data/prompts": len(items), "data/dropped_prompts": dropped}, step=start_step)
@@ -343,7 +351,7 @@ def train(
             upd = policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg, step,
                                 ref_norms=ref_norms)
             t_upd = time.perf_counter()
-            adapter_dir = _save_adapter(policy, adapters / f"step-{step + 1:06d}")
+            adapter_dir = save_adapter(policy, adapters / f"step-{step + 1:06d}")
             written = [*written[-1:], adapter_dir]
             prune_adapters(adapters, written)
 
@@ -365,7 +373,8 @@ def train(
             if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
                 ckpt.save_checkpoint(
                     run_dir, step + 1, policy=policy, optimizer=optimizer, scheduler=scheduler,
-                    state={"step": step + 1, "sampler": sampler.state(), "aqn_stage": stage, "aqn_sigma": sigma, "run_id": run_id},
+                    state={"step": step + 1, "sampler": sampler.state(), "aqn_stage": stage, "aqn_sigma": sigma, "run_id": run_id,
+                           "config": resume_config(cfg)},
                 )
             if bar is not None:
                 bar.advance(metrics)
@@ -384,8 +393,10 @@ def train(
         if own_engine:
             engine.close()
 
-    final = run_dir / "final_adapter"
-    _save_adapter(policy, final)
+    save_adapter(policy, final, meta={
+        "method": cfg.method, "model": cfg.model.name, "seed": tc.seed, "steps": tc.steps, "mlflow_run_id": run_id,
+        "base_dir": str(base_dir), "run_dir": str(run_dir),
+    })
     logger.log_artifact(final, artifact_path="final_adapter")
     _log_curves(logger, run_dir, cfg.method)
     seconds = time.perf_counter() - t_start
@@ -395,7 +406,7 @@ def train(
 
 def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:
     """``<run_dir>/train_curves.png`` (every step, also those before a resume) -> MLflow ``plots/``."""
-    from qerl_pipeline.evaluation.report import figure_png, plot_training, write_atomic
+    from qerl_pipeline.evaluation.report import figure_png, plot_training
 
     history = _full_history(logger)
     if not history:
@@ -423,23 +434,6 @@ def _full_history(logger: MetricsLogger) -> list[dict]:
             if step and step > 0:
                 rows.setdefault(step, {"step": step})[name] = value
     return [rows[s] for s in sorted(rows)]
-
-
-#: vLLM accepts only these max_lora_rank values; a smaller adapter rank fits under the next one.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def engine_norm_dtype(cfg: QerlConfig) -> str | None:
-    """``RolloutEngine(norm_dtype=...)`` for ``model.norm_dtype`` (rl/norms.py)."""
-    return "float32" if cfg.model.norm_dtype == "float32" else None
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
-    for r in VLLM_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise ValueError(f"lora.rank {rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
 
 
 def _tokenizer(base_dir: Path, cfg: QerlConfig):

@@ -22,6 +22,12 @@ Behaviour:
 * ``close()`` always ends the child (polite ``close`` op, then SIGTERM, then SIGKILL to its
   whole process group, which includes vLLM's engine-core process); the context manager
   and an ``atexit`` hook call it, also on errors.
+* No orphans: whatever kills the owner (this process; SIGKILL included, where neither
+  ``close()`` nor ``atexit`` runs), every engine process ends within about a second, also
+  when the server is killed with it. ``start_engine_process`` passes this process's pid
+  (and whether it starts the engine from its main thread) to the child, which arms a
+  parent-death guard in itself and in each of vLLM's processes; the design and why are in
+  rollout/server.py's docstring.
 * An error inside the child is raised here as ``EngineError`` carrying the child's
   traceback; the engine stays usable. A dead child raises ``EngineError`` with its exit
   code and log tail.
@@ -57,8 +63,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from qerl_pipeline.adapter import hf_name
 from qerl_pipeline.config import RolloutConfig
 from qerl_pipeline.profile import engine_env
+from qerl_pipeline.rollout.server import GROUP_ENV, PARENT_MAIN_THREAD_ENV, PARENT_PID_ENV
 from qerl_pipeline.rollout.vllm_plugin import ENV as NORM_DTYPE_ENV
 
 
@@ -100,6 +108,26 @@ def adapter_version(path: Path) -> tuple:
     if not any(p.name.startswith("adapter_model") for p in files):
         raise FileNotFoundError(f"{path}: not a PEFT adapter folder (no adapter_model.*)")
     return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+
+
+def start_engine_process(cmd: list[str], env: dict[str, str], log) -> subprocess.Popen:
+    """Start an engine process: its own session (so ``close()`` can kill its whole group) and
+    the guard's environment (owner pid, main thread or not; see rollout/server.py), so that
+    it and its children die with this process. ``log``: a file for its stdout and stderr."""
+    env = dict(env)
+    env[PARENT_PID_ENV] = str(os.getpid())
+    # The kernel's parent-death signal fires when the *thread* that started the child exits:
+    # safe only from the main thread; from another thread the child polls for us instead.
+    env[PARENT_MAIN_THREAD_ENV] = "1" if threading.current_thread() is threading.main_thread() else "0"
+    env.pop(GROUP_ENV, None)  # the child leads a new group
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # own process group: close() kills vLLM's children too
+    )
 
 
 class RolloutEngine:
@@ -170,14 +198,7 @@ class RolloutEngine:
         env["QERL_ENGINE_AUTHKEY"] = authkey.hex()
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "qerl_pipeline.rollout.server"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: close() kills vLLM's children too
-            )
+            self._proc = start_engine_process([sys.executable, "-m", "qerl_pipeline.rollout.server"], env, log)
         accepted: dict = {}
 
         def _accept() -> None:
@@ -409,9 +430,7 @@ def lora_deltas(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
         if ".lora_A." not in key:
             continue
         b = weights[key.replace(".lora_A.", ".lora_B.")]
-        name = key.replace(".lora_A", "")
-        if name.startswith("base_model.model."):
-            name = name[len("base_model.model.") :]
+        name = hf_name(key.replace(".lora_A", ""))
         deltas[name] = (b.float() @ a.float()) * scale
     if not deltas:
         raise ValueError(f"{adapter_dir}: no lora_A/lora_B tensors found")

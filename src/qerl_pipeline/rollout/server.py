@@ -17,17 +17,175 @@ log file the parent chose, so vLLM's logging never mixes with the protocol.
 Sleep mode (CUDA only): ``sleep`` offloads weights to CPU and frees the KV cache (level
 1), so a colocated trainer gets the GPU during its update; any later request wakes the
 engine first. vLLM-CPU has no sleep mode; there the ops are no-ops.
+
+No orphans: every process of an engine dies with the process that created it, SIGKILL
+included. The engine is a chain: owner (trainer, ``kedro run``) -> this server -> vLLM's
+EngineCore -> its Worker(s), all started with ``multiprocessing`` (spawn on CPU, where
+vLLM's CPU platform forces it; fork by default on CUDA, spawn once CUDA is initialized).
+EngineCore does not watch its parent: vLLM relies on the server to shut it down (EOF from
+a dead owner does that), and when the server dies alone the owner's ``close()`` kills what
+is left of its process group. Killing the owner and the server together (as killing a run's
+process tree does) therefore orphaned EngineCore and Worker (GBs of RAM; GPU memory on
+CUDA). So each link now guards itself (``guard``):
+
+* Linux's parent-death signal, ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (via ctypes): the
+  kernel kills the process the moment its parent dies, even while its Python is stuck in
+  a long kernel call. The race (the parent dying before ``prctl``) is closed by checking
+  ``getppid()`` against the expected parent right after setting it.
+* The signal fires when the parent *thread* that created the child exits, not only the
+  parent process. It is used only where the creating thread is the parent's main thread
+  (which lives as long as the process): the client says so for the server
+  (``$QERL_ENGINE_PARENT_MAIN_THREAD``), the fork hook knows it for forked children. Elsewhere
+  (an engine started from a worker thread of the owner, a fork from a non-main thread, no
+  prctl) a daemon thread polls ``getppid()`` every ``WATCH_INTERVAL_S`` and, when the
+  parent is gone (the child was re-parented), SIGKILLs the engine's whole process group
+  (``$QERL_ENGINE_PGID``: the server leads its own session, ``start_new_session=True``, and
+  vLLM's processes stay in it; vLLM never calls setsid/setpgid on this path).
+* Where the guard is armed: (1) here, at import of this module as ``__main__`` (the
+  server; the client passes its pid in ``$QERL_ENGINE_PARENT_PID``); (2) in every child
+  forked by a guarded process (``os.register_at_fork(after_in_child=...)``, inherited down
+  fork chains); (3) in every child *spawned* by ``multiprocessing`` from a guarded
+  process (EngineCore and Worker on CPU): spawn re-imports the parent's main module
+  in the child under the name ``__mp_main__`` before running the target (documented
+  multiprocessing behaviour, "safe importing of main module"), so this module's import
+  arms the guard there too, before vLLM's code runs. Each guarded process writes its own
+  pid into ``$QERL_ENGINE_PARENT_PID`` for its children. Spawned children are assumed to
+  be started from their parent's main thread (vLLM 0.32 starts EngineCore from the thread
+  that builds ``LLM``, here the server's main thread, and workers from EngineCore's main
+  thread); if a future vLLM broke that, the engine would die loudly ("engine process
+  died"), never leak.
+* Also when only the owner dies: the server used to notice it only at its next ``recv``
+  (EOF), i.e. after finishing the request at hand (a long ``generate``); now it ends at once.
+
+Not covered by the chain: processes that vLLM or torch start with ``subprocess`` (not
+``multiprocessing``), e.g. torch inductor's compile workers, which watch their parent
+themselves (``--parent``); and multiprocessing's resource tracker, which exits when the
+last process holding its pipe does. vLLM itself is not patched.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Client
 
 WORKER_EXTENSION = "qerl_pipeline.rollout.worker_ext.QerlWorkerExtension"
+
+# ------------------------------------------------------------------ no orphans (see above)
+PARENT_PID_ENV = "QERL_ENGINE_PARENT_PID"  # pid of the process that created this one
+PARENT_MAIN_THREAD_ENV = "QERL_ENGINE_PARENT_MAIN_THREAD"  # "1": created from its main thread
+GROUP_ENV = "QERL_ENGINE_PGID"  # the engine's process group (the server's pid)
+WATCH_INTERVAL_S = 0.2
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+_armed_pid: int | None = None  # the pid whose guard is armed (a forked child sees its parent's)
+_main_ident: int | None = None  # ident of the armed process's main thread (read in forked children)
+_fork_hook = False
+guard_means: str | None = None  # "pdeathsig" | "watchdog" once armed (tests read it)
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` for this process; False where unavailable (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _end_engine(reason: str) -> None:
+    """SIGKILL the engine's whole process group when this process is in it, else this process."""
+    try:
+        os.write(2, f"[qerl engine guard] pid {os.getpid()}: {reason}; killing the engine\n".encode())
+    except OSError:
+        pass
+    group = os.environ.get(GROUP_ENV)
+    try:
+        if group and int(group) == os.getpgrp():
+            os.killpg(int(group), signal.SIGKILL)
+    finally:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _gone(pid: int, direct: bool) -> bool:
+    """Is ``pid`` dead? ``direct``: it is our parent, so its death re-parents us (no pid reuse issue)."""
+    if direct:
+        return os.getppid() != pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:  # a zombie is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _watch(parent: int, direct: bool) -> None:
+    def loop() -> None:
+        while not _gone(parent, direct):
+            time.sleep(WATCH_INTERVAL_S)
+        _end_engine(f"parent {parent} is gone")
+
+    threading.Thread(target=loop, name="qerl-engine-guard", daemon=True).start()
+
+
+def guard(parent: int, parent_main_thread: bool) -> str:
+    """Make this process (and, on the watchdog path, its engine group) die with ``parent``.
+
+    ``parent``: the pid of the process that created this one; ``parent_main_thread``: it was
+    created from that process's main thread (only then is the parent-death signal safe).
+    Also arms the guard of this process's future children. Returns "pdeathsig" or "watchdog".
+    """
+    global _armed_pid, _main_ident, _fork_hook, guard_means
+    _armed_pid = os.getpid()
+    _main_ident = threading.main_thread().ident
+    if GROUP_ENV not in os.environ and os.getpgrp() == os.getpid():
+        os.environ[GROUP_ENV] = str(os.getpid())  # the first guarded group leader: the server
+    direct = os.getppid() == parent
+    means = "watchdog"
+    if direct and parent_main_thread and set_parent_death_signal(signal.SIGKILL):
+        means = "pdeathsig"
+    if _gone(parent, direct):  # died before (or while) we armed: the signal will never come
+        _end_engine(f"parent {parent} was gone before the guard was armed")
+    if means == "watchdog":
+        _watch(parent, direct)
+    guard_means = means
+    try:  # one line per engine process in the engine log (tests read it)
+        os.write(2, f"[qerl engine guard] pid {os.getpid()} parent {parent}: {means}\n".encode())
+    except OSError:
+        pass
+    os.environ[PARENT_PID_ENV] = str(os.getpid())
+    os.environ[PARENT_MAIN_THREAD_ENV] = "1"  # for spawned children (see the module docstring)
+    if not _fork_hook:  # inherited by forked children; a spawned child registers its own
+        os.register_at_fork(after_in_child=_guard_forked_child)
+        _fork_hook = True
+    return means
+
+
+def _guard_forked_child() -> None:
+    if _armed_pid is None or _armed_pid == os.getpid():
+        return
+    # The child runs in (a copy of) the thread that forked; pthread idents survive fork.
+    guard(_armed_pid, threading.get_ident() == _main_ident)
+
+
+def arm_from_environment() -> str | None:
+    """Arm ``guard`` from ``$QERL_ENGINE_PARENT_PID`` (set by the client / the parent engine process)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or _armed_pid == os.getpid():
+        return guard_means
+    return guard(int(parent), os.environ.get(PARENT_MAIN_THREAD_ENV) == "1")
 
 
 class Server:
@@ -225,6 +383,11 @@ def main() -> int:
     sys.stderr.flush()
     os._exit(0)
 
+
+# The server itself (``__main__``) and every multiprocessing child spawned from an engine
+# process (``__mp_main__``, see the module docstring) arm their guard before anything else runs.
+if __name__ in ("__main__", "__mp_main__"):
+    arm_from_environment()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -237,3 +237,42 @@ def served_tags(served: ServedModel, engine: Any) -> dict[str, str]:
     """
     info = getattr(engine, "info", None) or {}
     return {"rollout.served_format": served.served_format, "rollout.served_dtype": str(info.get("dtype", "unknown"))}
+
+
+#: vLLM accepts only these max_lora_rank values; a smaller adapter rank fits under the next one.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"lora.rank {rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
+
+
+def engine_norm_dtype(model_cfg: Any) -> str | None:
+    """``RolloutEngine(norm_dtype=...)`` for ``model.norm_dtype`` (rl/norms.py): "float32", or None (the model's)."""
+    value = model_cfg.get("norm_dtype") if isinstance(model_cfg, dict) else getattr(model_cfg, "norm_dtype", "model")
+    return "float32" if value == "float32" else None
+
+
+def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lora_rank: int | None = None,
+                max_model_len: int | None = None, seed: int | None = None, **kwargs: Any):
+    """The one place a ``RolloutEngine`` is built for a served base (trainer, evaluation, compare, benchmark).
+
+    ``served``: ``served_model``'s decision; ``model_cfg``: ``ModelConfig`` (dtype, norm dtype,
+    ``max_seq_len`` unless ``max_model_len``); ``lora_rank``: the adapters' rank (None: LoRA
+    off); ``rollout``: the ``RolloutConfig`` (sampling defaults, seed unless ``seed``). The
+    engine is started (the caller closes it, or uses it as a context manager).
+    """
+    from qerl_pipeline.config import ModelConfig, parse
+    from qerl_pipeline.rollout.engine import RolloutEngine
+
+    mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
+    return RolloutEngine(
+        served.path, max_model_len=max_model_len or mc.max_seq_len, enable_lora=lora_rank is not None,
+        max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else 16,
+        dtype=engine_dtype(mc, served.platform, served), seed=seed if seed is not None else getattr(rollout, "seed", 0),
+        rollout=rollout, extra_engine_args=served.engine_args, norm_dtype=engine_norm_dtype(mc), **kwargs,
+    )

@@ -1,4 +1,4 @@
-"""benchmark: ours vs TRL vs the hardware limit, in one run (see nodes.py).
+"""benchmark: ours vs TRL vs the hardware limit, in one run (nodes.py; logic in ``qerl_pipeline.benchmarking``).
 
 Datasets (conf/base/catalog_benchmark.yml; the smoke env writes under ``.../smoke/``):
 ``benchmark_summary`` (JSON: where the report went, the MLflow run, every logged figure).
@@ -30,8 +30,8 @@ def create_pipeline(**kwargs) -> Pipeline:
             Node(measure_hardware_limits, "params:benchmark", "benchmark_hardware", name="measure_hardware_limits"),
             Node(prepare_bases, ["params:model", "params:quantize", "params:benchmark"], "benchmark_bases",
                  name="prepare_benchmark_bases"),
-            Node(benchmark_rollout, ["benchmark_bases", "params:lora", "params:rollout", "params:grpo", "params:benchmark"],
-                 "benchmark_rollout", name="benchmark_rollout"),
+            Node(benchmark_rollout, ["benchmark_bases", "params:model", "params:lora", "params:rollout", "params:grpo",
+                                     "params:benchmark"], "benchmark_rollout", name="benchmark_rollout"),
             Node(benchmark_training, ["benchmark_bases", *_TRAIN_PARAMS], "benchmark_training",
                  name="benchmark_training"),
             Node(benchmark_trl, ["benchmark_bases", *_TRAIN_PARAMS], "benchmark_trl", name="benchmark_trl"),

@@ -1,25 +1,93 @@
-"""compare: train and evaluate ``compare.methods`` on one config, then the comparison report.
+"""compare: every method trained and evaluated on one config, one branch per method, then one report.
 
-``kedro run --pipeline=compare`` = data_prep, then ``run_methods`` (bases, training and
-evaluation of every method, one MLflow run each; or the existing runs with
-``compare.reuse_runs``), then ``build_comparison_report`` (PNGs, CSVs and one HTML page in
-``compare.report_dir``, also logged to the compare run). See nodes.py for the design.
+Declared, so ``kedro viz`` shows the experiment:
+
+* data_prep (prompts and eval sets, shared);
+* ``open_compare_run`` -> ``compare_group`` (the compare's MLflow run, parent of the branches');
+* one quantize node per base format, ``quantize_<fmt>`` -> ``base_<fmt>``, shared by the methods
+  on it (qerl and qerl_noaqn share ``base_nvfp4``), reused when its fingerprint matches;
+* per method a branch in Kedro namespace ``compare.<method>``: the train pipeline's template
+  (``compare.<method>.train_policy`` -> ``compare.<method>.trained_adapters``,
+  ``compare.<method>.train_summary``) and the evaluate pipeline's template
+  (``compare.<method>.evaluate_policies`` -> ``...eval_records``, ``...eval_accuracy``). Every
+  parameter section is shared; the branch's own parameter is ``compare.<method>.method``;
+* ``build_comparison_report``, joining the branches.
+
+Run one branch alone with Kedro's selection options, e.g. ``kedro run --pipelines=compare
+--namespaces=compare.qlora`` (its inputs, the prompts, ``compare_group`` and its base, are
+persisted by an earlier compare run), then ``--nodes=build_comparison_report``.
+
+Resume: a compare that was killed is resumed by running it again with the same config.
+Each branch's trainer resumes its own run folder (``<train.output_dir>/compare/<method>``):
+a finished branch is reused as it is (no training; its evaluation is read back from its
+run when the adapter is the one evaluated), the interrupted one resumes from its newest
+checkpoint into its own MLflow run, the others start. Bases are reused by fingerprint.
+
+``compare_report`` (registered separately) rebuilds the report from runs already in MLflow.
 """
 
-from kedro.pipeline import Node, Pipeline
+import warnings
 
-from qerl_pipeline.pipelines.compare.nodes import build_report, run_methods
+from kedro.pipeline import Node, Pipeline, pipeline
+
+from qerl_pipeline.config import METHOD_FORMAT, METHODS
+from qerl_pipeline.pipelines.compare.nodes import build_report, open_compare, report_from_mlflow
+from qerl_pipeline.pipelines.evaluate.pipeline import evaluation_nodes
+from qerl_pipeline.pipelines.quantize.pipeline import format_nodes
+from qerl_pipeline.pipelines.train.pipeline import SECTIONS
+
+#: Parameter sections every branch shares (everything but ``params:method``).
+SHARED_PARAMS = sorted({f"params:{s}" for s in SECTIONS} | {"params:evaluate"})
+OUTPUTS = ["compare_runs", "compare_accuracy", "compare_summary"]
+
+
+def namespace(method: str) -> str:
+    """The Kedro namespace of a method's branch."""
+    return f"compare.{method}"
+
+
+def _group() -> Pipeline:
+    return Pipeline([Node(open_compare, ["params:compare", "params:model", "params:train"], "compare_group",
+                          name="open_compare_run")])
+
+
+def branch(method: str) -> Pipeline:
+    """The train + evaluate templates for ``method`` in its namespace, on its format's shared base."""
+    from qerl_pipeline.pipelines.train.pipeline import training_nodes
+
+    return pipeline(
+        training_nodes(in_compare=True) + evaluation_nodes(in_compare=True),
+        namespace=namespace(method),
+        inputs={"train_prompts": "train_prompts", "eval_prompts": "eval_prompts", "compare_group": "compare_group",
+                "data_prep_report": "data_prep_report",
+                "base_model": f"base_{METHOD_FORMAT[method]}"},
+        parameters={p: p for p in SHARED_PARAMS},
+        tags=["compare", method],
+    )
 
 
 def create_pipeline(**kwargs) -> Pipeline:
-    """data_prep + the two compare nodes."""
+    """data_prep + the compare run + a base per format + a branch per method + the report."""
     from qerl_pipeline.pipelines.data_prep.pipeline import create_pipeline as data_prep
 
-    compare = Pipeline(
-        [
-            Node(run_methods, ["train_prompts", "eval_prompts", "parameters"], "compare_runs", name="run_methods"),
-            Node(build_report, ["compare_runs", "params:compare"], ["compare_accuracy", "compare_summary"], name="build_comparison_report"),
-        ],
-        tags="compare",
-    )
-    return data_prep() + compare
+    bases = format_nodes(sorted({METHOD_FORMAT[m] for m in METHODS}))
+    branches = sum((branch(m) for m in METHODS), Pipeline([]))
+    report_inputs = {"compare_group": "compare_group", "compare": "params:compare"}
+    for m in METHODS:
+        report_inputs[f"{m}_summary"] = f"{namespace(m)}.train_summary"
+        report_inputs[f"{m}_accuracy"] = f"{namespace(m)}.eval_accuracy"
+    with warnings.catch_warnings():  # the branches' dataset names are namespaced (dotted) by design
+        warnings.filterwarnings("ignore", message="One or more dataset names contain")
+        report = Pipeline([Node(build_report, report_inputs, OUTPUTS, name="build_comparison_report")], tags="compare")
+    return data_prep() + _group() + bases + branches + report
+
+
+def create_report_pipeline() -> Pipeline:
+    """``compare_report``: the report of finished runs in MLflow (``compare.reuse_group`` or the newest).
+
+    Its own run (``report_run``, in memory) is opened like a compare's; ``compare_group`` (the
+    last compare's run, which a ``--namespaces`` rerun nests under) is left as it is."""
+    return Pipeline([
+        Node(open_compare, ["params:compare", "params:model", "params:train"], "report_run", name="open_report_run"),
+        Node(report_from_mlflow, ["report_run", "params:compare"], OUTPUTS, name="report_from_mlflow"),
+    ], tags="compare")

@@ -28,7 +28,7 @@ from typing import Any
 
 import pandas as pd
 
-from qerl_pipeline.config import EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig, parse
+from qerl_pipeline.config import EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig, parse
 from qerl_pipeline.evaluation import metrics as M
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.evaluation.evaluator import EvalResult, evaluate_policies
@@ -46,14 +46,15 @@ def flatten_prompts(eval_prompts: dict[str, list[dict[str, Any]]] | list[dict[st
     return out
 
 
-def adapter_dir(method: str, train: dict[str, Any] | TrainConfig) -> Path:
-    """Where the train pipeline leaves the final adapter: ``<train.output_dir>/<method>/final_adapter``."""
-    tc: TrainConfig = parse(TrainConfig, train, "train")
-    path = Path(tc.output_dir) / method / "final_adapter"
-    if not (path / "adapter_config.json").is_file():
+def adapter_dir(method: str, trained_adapters: Any) -> Path:
+    """The adapter of ``method`` in the ``trained_adapters`` dataset's folder (``<folder>/<method>``)."""
+    from qerl_pipeline.adapter import is_adapter
+
+    path = folder_of(trained_adapters) / method
+    if not is_adapter(path):
         raise FileNotFoundError(
-            f"no trained adapter for method {method!r} at {path} (train.output_dir={tc.output_dir!r}); "
-            f"run `kedro run --pipeline=train --params method={method}` first (same --env)"
+            f"no trained adapter for method {method!r} at {path}; "
+            f"run `kedro run --pipelines=train --params method={method}` first (same --env)"
         )
     return path
 
@@ -68,37 +69,60 @@ def base_weight_mib(base_dir: str | Path) -> float:
 def run_evaluation(
     eval_prompts: dict[str, list[dict[str, Any]]],
     base_dir: Any,
+    trained_adapters: Any,
     method: str,
     evaluate: dict[str, Any],
     reward: dict[str, Any],
     model: dict[str, Any],
     rollout: dict[str, Any],
-    train: dict[str, Any],
+    compare_group: dict | None = None,
 ) -> EvalResult:
-    """Evaluate ``trained`` (base + adapter of ``method``) and, if configured, ``base`` in one engine.
+    """Evaluate ``trained`` (base + the adapter of ``method``) and, if configured, ``base`` in one engine.
 
-    The engine serves ``served_model(base_dir)`` at ``engine_dtype(model)``; its
-    ``rollout.served_format`` / ``rollout.served_dtype`` tags go to the active MLflow run.
+    The engine serves ``served_model(base_dir)`` at ``engine_dtype(model)``. Its
+    ``rollout.served_format`` / ``rollout.served_dtype`` tags go to the active MLflow run (a
+    separate evaluation run, named and tagged with the training run it evaluates), or, in a
+    compare branch (``compare_group``), the evaluation is logged into the training run itself.
     """
-    from qerl_pipeline.rollout.serving import engine_dtype, served_model
-    from qerl_pipeline.tracking import MlflowLogger
+    from qerl_pipeline.adapter import adapter_meta
+    from qerl_pipeline.evaluation.evaluator import log_evaluation
+    from qerl_pipeline.rollout.serving import served_model
+    from qerl_pipeline.tracking import MlflowLogger, name_run, run_name
 
     cfg: EvaluateConfig = parse(EvaluateConfig, evaluate, "evaluate")
     mc: ModelConfig = parse(ModelConfig, model, "model")
-    policies: dict[str, Path | None] = {"trained": adapter_dir(method, train)}
+    adapter = adapter_dir(method, trained_adapters)
+    meta = adapter_meta(adapter)
+    policies: dict[str, Path | None] = {"trained": adapter}
     if cfg.include_base:
         policies["base"] = None
     records = flatten_prompts(eval_prompts)
     base_dir = folder_of(base_dir)
     log.info("evaluate %s on %s (limit %s, k=%d, greedy=%s)", method, ", ".join(cfg.benchmarks), cfg.limit, cfg.samples_k, cfg.greedy)
     served = served_model(base_dir)
-    result = evaluate_policies(
-        served, records, cfg, parse(RewardConfig, reward, "reward"), policies,
-        max_model_len=mc.max_seq_len, rollout_cfg=parse(RolloutConfig, rollout, "rollout"),
-        dtype=engine_dtype(mc, served.platform, served), norm_dtype="float32" if mc.norm_dtype == "float32" else None,
-    )
+    rc = parse(RolloutConfig, rollout, "rollout")
+    trained_run = meta.get("mlflow_run_id")
+    engine, key = None, None
+    if compare_group and trained_run:
+        from qerl_pipeline.evaluation.evaluator import adapter_rank, evaluation_key, logged_evaluation
+        from qerl_pipeline.rollout.pool import shared_engine
+
+        key = evaluation_key(adapter, cfg, records, served)
+        prior = logged_evaluation(trained_run, key)
+        if prior is not None:
+            log.info("evaluate %s: run %s already holds this evaluation (same adapter, settings and prompts); reused",
+                     method, trained_run)
+            return prior
+        engine = shared_engine(served, mc, rollout=rc, lora_rank=adapter_rank(adapter))
+    result = evaluate_policies(served, records, cfg, parse(RewardConfig, reward, "reward"), policies,
+                               model_cfg=mc, rollout_cfg=rc, engine=engine)
     result.timings["base/weight_mib"] = base_weight_mib(base_dir)
-    MlflowLogger().set_tags(result.tags)
+    if compare_group and trained_run:
+        log_evaluation(MlflowLogger(run_id=trained_run), result, accuracy_rows(result.records), key=key)
+    else:
+        logger = MlflowLogger()
+        logger.set_tags({**result.tags, "method": method, **({"qerl.trained_run_id": trained_run} if trained_run else {})})
+        name_run(logger.run_id, run_name("evaluate", method, mc, meta.get("seed")), "evaluate")
     return result
 
 
@@ -111,11 +135,9 @@ def accuracy_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def eval_outputs(result: EvalResult) -> tuple[list[dict[str, Any]], pd.DataFrame, dict[str, dict[str, float]]]:
     """Per-problem records, the accuracy table and the MLflow metrics of one evaluation."""
+    from qerl_pipeline.evaluation.evaluator import evaluation_metrics
+
     rows = accuracy_rows(result.records)
-    metrics = M.metric_dict(rows)
-    for key, value in result.timings.items():
-        name = key if key.startswith("base/") else f"eval/{key}"
-        metrics[name] = float(value)
-    metrics["eval/skipped_prompts"] = float(len(result.skipped))
+    metrics = evaluation_metrics(result, rows)
     table = pd.DataFrame(rows).drop(columns=["source"])
     return result.records, table, {k: {"value": v, "step": 0} for k, v in metrics.items()}

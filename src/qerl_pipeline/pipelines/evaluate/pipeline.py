@@ -1,14 +1,19 @@
 """evaluate: the trained policy (base + adapter of ``params:method``) and the base alone on the benchmarks.
 
-``kedro run --pipeline=evaluate`` after ``train`` (same ``--env`` and ``method``). It includes
+``kedro run --pipelines=evaluate`` after ``train`` (same ``--env`` and ``method``). It includes
 the cheap upstream it needs: data_prep's ``prepare_eval_prompts`` (the benchmark prompt
 records, from the current config) and quantize's ``select_base`` (the method's existing
-base folder, never re-quantized). The adapter is read from
-``<train.output_dir>/<method>/final_adapter``.
+base folder, never re-quantized). The adapter is the train pipeline's ``trained_adapters``
+dataset (its ``<method>/`` folder), so the lineage runs train -> adapter -> evaluate.
 
 Outputs (conf/base/catalog_evaluate.yml): ``eval_records`` (per problem), ``eval_accuracy``
 (per policy and benchmark, with 95% intervals), ``eval_metrics`` (MLflow metrics), all
-logged to the run's MLflow run.
+logged to the run's MLflow run (named ``evaluate <method> · <model> · seed <n>``, tagged
+``qerl.trained_run_id``).
+
+``evaluation_nodes(in_compare=...)`` is the template compare instantiates per method
+(namespace ``compare.<method>``); there the evaluation is logged into the branch's
+training run.
 """
 
 from kedro.pipeline import Node, Pipeline
@@ -18,6 +23,7 @@ from qerl_pipeline.pipelines.evaluate.nodes import eval_outputs, run_evaluation
 PROMPTS_DATASET = "eval_prompts"
 #: The quantize pipeline's dataset holding the base folder of ``params:method``.
 BASE_DATASET = "base_model"
+ADAPTERS_DATASET = "trained_adapters"
 
 
 def _upstream() -> Pipeline:
@@ -27,19 +33,22 @@ def _upstream() -> Pipeline:
     return data_prep().to_outputs(PROMPTS_DATASET) + quantize().only_nodes("select_base")
 
 
-def create_pipeline(**kwargs) -> Pipeline:
-    """Upstream (prompts, base folder) + evaluate (engine + scoring) + outputs."""
-    evaluation = Pipeline(
+def evaluation_nodes(in_compare: bool = False) -> Pipeline:
+    """Engine + scoring -> ``eval_result`` -> ``eval_records``, ``eval_accuracy``, ``eval_metrics``."""
+    inputs = {"eval_prompts": PROMPTS_DATASET, "base_dir": BASE_DATASET, "trained_adapters": ADAPTERS_DATASET,
+              "method": "params:method", "evaluate": "params:evaluate", "reward": "params:reward",
+              "model": "params:model", "rollout": "params:rollout"}
+    if in_compare:
+        inputs["compare_group"] = "compare_group"
+    return Pipeline(
         [
-            Node(
-                run_evaluation,
-                [PROMPTS_DATASET, BASE_DATASET, "params:method", "params:evaluate", "params:reward", "params:model",
-                 "params:rollout", "params:train"],
-                "eval_result",
-                name="evaluate_policies",
-            ),
+            Node(run_evaluation, inputs, "eval_result", name="evaluate_policies"),
             Node(eval_outputs, "eval_result", ["eval_records", "eval_accuracy", "eval_metrics"], name="evaluation_outputs"),
         ],
         tags="evaluate",
     )
-    return _upstream() + evaluation
+
+
+def create_pipeline(**kwargs) -> Pipeline:
+    """Upstream (prompts, base folder) + evaluate (engine + scoring) + outputs."""
+    return _upstream() + evaluation_nodes()

@@ -1,14 +1,21 @@
 """quantize nodes: base model -> the method's base folder (NVFP4 / NF4 / BF16 + serving copy) -> MLflow.
 
 ``params:method`` picks the format (``config.METHOD_FORMAT``: qerl, qerl_noaqn -> nvfp4;
-qlora -> nf4; lora -> bf16). The quantize node writes the folder to a fresh temporary
-directory and returns ``{"base_<format>": path}``; the ``base_models`` dataset
-(``HFModelFolderDataset``) moves it atomically into ``data/06_models/base_<format>``.
+qlora -> nf4; lora -> bf16). The base is made, or reused, by ``quantization.store.ensure_base``
+in place: the node is given the existing folder of bases (``existing_base_models``: the same
+path as its output ``base_models``, loaded with ``missing_ok``), so ``base_<format>`` there is
+kept untouched when its fingerprint (model identity and revision, the settings that matter to
+the format, codec version) matches, and else rewritten atomically (``quantize.force: true``
+always rewrites). The node returns ``{"base_<format>": that folder}``; saving a folder onto
+itself is a no-op of ``HFModelFolderDataset``, so a reuse writes no file.
+
+``quantize_format`` is the same per format (no method), for pipelines that need several
+formats (compare): its output is wired to a ``base_<format>`` dataset at
+``<existing_base_models>/base_<format>``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 import time
@@ -18,10 +25,12 @@ from typing import Any
 import torch
 
 from qerl_pipeline.config import METHOD_FORMAT, LoraConfig, ModelConfig, QuantizeConfig, parse
+from qerl_pipeline.quantization.store import calibration_texts, ensure_base
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_FIELDS = ("text", "prompt", "question", "problem")
+__all__ = ["calibration_texts", "log_quantize", "measure_policy", "method_format", "quantize_base", "quantize_format",
+           "select_base"]
 
 
 def method_format(method: str) -> str:
@@ -31,74 +40,45 @@ def method_format(method: str) -> str:
     return METHOD_FORMAT[method]
 
 
-def calibration_texts(path: str | Path, n: int) -> list[str]:
-    """The first ``n`` texts of a JSONL file (field text / prompt / question / problem)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"quantize.calibration_path: {path} does not exist")
-    texts = []
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            field = next((f for f in CALIBRATION_FIELDS if isinstance(row.get(f), str)), None)
-            if field is None:
-                raise ValueError(f"{path}:{lineno}: no text field (one of {CALIBRATION_FIELDS})")
-            texts.append(row[field])
-            if len(texts) >= n:
-                break
-    return texts
+def _ensure(model: dict[str, Any], quantize: dict[str, Any], fmt: str, existing_base_models: Any) -> tuple[Path, dict[str, Any]]:
+    """The ``fmt`` base under ``existing_base_models`` (reused or written); None: a fresh temporary root."""
+    from qerl_pipeline.quantization.checkpoint import base_dir_for
+
+    mcfg = parse(ModelConfig, model, "model")
+    qcfg = parse(QuantizeConfig, quantize, "quantize")
+    root = Path(tempfile.mkdtemp(prefix=f"qerl_base_{fmt}_")) if existing_base_models is None else Path(existing_base_models)
+    folder, report, _ = ensure_base(mcfg, qcfg, fmt, base_dir_for(root, fmt), force=qcfg.force)
+    return folder, report
 
 
-def quantize_base(model: dict[str, Any], quantize: dict[str, Any], method: str) -> tuple[dict[str, str], dict[str, Any]]:
-    """Load the base, quantize it for ``method``, write it (+ ``serving/``) to a temporary folder.
+def quantize_base(model: dict[str, Any], quantize: dict[str, Any], method: str,
+                  existing_base_models: Path | str | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """The method's base in ``existing_base_models/base_<format>``, reused when its fingerprint matches.
 
     Returns ``({"base_<format>": folder}, report)``; the report holds the format, timings,
     the bytes of the quantized linears vs bf16, file sizes and one row per linear layer
     (relative reconstruction error ``||W - W_hat|| / ||W||`` against the bf16 weights, so
-    0 for the bf16 base).
+    0 for the bf16 base), ``reused`` and the ``fingerprint`` digest; on reuse it is the
+    report stored with the base. Without ``existing_base_models`` the base is written to a
+    fresh temporary folder (callers outside Kedro that move it themselves).
     """
-    from qerl_pipeline.models import load_base_model, resolve_dtype
-    from qerl_pipeline.quantization import checkpoint
-
-    mcfg = parse(ModelConfig, model, "model")
-    qcfg = parse(QuantizeConfig, quantize, "quantize")
     fmt = method_format(method)
-    if fmt == "nf4" and qcfg.nf4_double_quant:
-        raise ValueError("quantize.nf4_double_quant: double quantization is not implemented (see quantization/nf4.py)")
-    t0 = time.perf_counter()
-    # bf16 is the base's master precision (checkpoint.BASE_DTYPE): loading in it halves the
-    # memory of a float32 load, and the reported errors are those of the 4-bit format alone.
-    base, tokenizer = load_base_model(mcfg, dtype=checkpoint.BASE_DTYPE)
-    t_load = time.perf_counter() - t0
-    serving_dtype = resolve_dtype(mcfg)
-    out = Path(tempfile.mkdtemp(prefix=f"qerl_base_{fmt}_")) / f"base_{fmt}"
-    t1 = time.perf_counter()
-    if fmt == "nvfp4" and qcfg.nvfp4_algorithm != "rtn":
-        texts = calibration_texts(qcfg.calibration_path, qcfg.calibration_samples)
-        report = checkpoint.calibrated_nvfp4_base(
-            base, tokenizer, out, algorithm=qcfg.nvfp4_algorithm, texts=texts, ignore=list(qcfg.ignore),
-            max_seq_len=mcfg.max_seq_len, serving_dtype=serving_dtype,
-        )
-    else:
-        report = checkpoint.write_base(
-            base, tokenizer, fmt, out, ignore=qcfg.ignore, nf4_blocksize=qcfg.nf4_blocksize,
-            serving_dtype=serving_dtype, progress=True,
-        )
-    report.update(
-        method=method,
-        algorithm=qcfg.nvfp4_algorithm if fmt == "nvfp4" else "rtn",
-        model=mcfg.name if mcfg.source != "random" else "random",
-        load_seconds=t_load,
-        quantize_seconds=time.perf_counter() - t1,
-        serving_dtype=str(serving_dtype).removeprefix("torch."),
-    )
-    log.info(
-        "base_%s: %d linears, ratio %.4f vs bf16, mean rel. error %.4f, %.1f s",
-        fmt, report["n_quantized_linears"], report["linear_bytes_ratio"], report["rel_error_mean"], report["quantize_seconds"],
-    )
-    return {f"base_{fmt}": str(out)}, report
+    folder, report = _ensure(model, quantize, fmt, existing_base_models)
+    return {f"base_{fmt}": str(folder)}, {**report, "method": method}
+
+
+def quantize_format(model: dict[str, Any], quantize: dict[str, Any], existing_base_models: Path | str, *,
+                    fmt: str) -> tuple[str, dict[str, Any]]:
+    """``(folder, report)`` of the ``fmt`` base in ``existing_base_models/base_<fmt>``, reused when it matches.
+
+    For a ``base_<fmt>`` dataset at that same folder, e.g.
+    ``Node(partial(quantize_format, fmt="nvfp4"), ["params:model", "params:quantize", "existing_base_models"],
+    ["base_nvfp4", "quantize_report_nvfp4"])``.
+    """
+    if existing_base_models is None:
+        raise ValueError("quantize_format: existing_base_models is None; wire the existing_base_models dataset")
+    folder, report = _ensure(model, quantize, fmt, existing_base_models)
+    return str(folder), report
 
 
 def select_base(base_models: Path, method: str) -> Path:
@@ -146,7 +126,8 @@ def log_quantize(report: dict[str, Any], policy_memory: dict[str, Any]) -> dict[
     for i, row in enumerate(report["layers"]):
         logger.log_metrics({"quantize.layer_rel_error": row["rel_error"]}, step=i)
     logger.log_table(report["layers"], "quantize/layers.json")
-    logger.set_tags({"quantize.format": report["format"], "quantize.algorithm": report["algorithm"]})
+    logger.set_tags({"quantize.format": report["format"], "quantize.algorithm": report["algorithm"],
+                     "quantize.reused": str(bool(report.get("reused", False))).lower()})
     summary = {k: v for k, v in report.items() if k != "layers"}
     summary["policy"] = policy_memory
     return summary

@@ -1,14 +1,20 @@
 """train: (the method's quantized base, the training prompts) -> GRPO/DAPO training -> adapter + summary.
 
-``kedro run --pipeline=train`` must work on a fresh checkout, so this pipeline includes
+``kedro run --pipelines=train`` must work on a fresh checkout, so this pipeline includes
 what it needs upstream: data_prep's nodes up to ``train_prompts`` and the quantize nodes
-up to ``base_model`` (the base folder of ``params:method``). Kedro skips nothing by
-itself; the upstream nodes are cheap next to training (seconds on the default model).
+up to ``base_model`` (the base folder of ``params:method``; reused, not rewritten, when
+its fingerprint matches: ``quantization/store.py``).
 
-Outputs (conf/base/catalog_train.yml): ``train_summary`` (JSON: adapter folder, run id,
-per-step metrics). The adapter itself is written by the trainer to
-``<train.output_dir>/<method>/final_adapter`` (evaluate reads it there) and logged to
-MLflow.
+Datasets (conf/base/catalog_train.yml):
+
+* ``trained_adapters``: the folder of trained adapters, one ``<method>/`` each (PEFT files,
+  trained norms, ``qerl_adapter.json`` naming the training's MLflow run); the evaluate
+  pipeline reads it, so the lineage runs train -> adapter -> evaluate.
+* ``train_summary``: JSON (adapter folder, run id, per-step metrics).
+
+``training_nodes(in_compare=...)`` is the template compare instantiates once per method
+(Kedro namespace ``compare.<method>``); there the node also takes ``compare_group`` (the
+compare run) and trains in a child MLflow run.
 """
 
 from kedro.pipeline import Node, Pipeline
@@ -18,27 +24,31 @@ from qerl_pipeline.pipelines.train.nodes import train_policy
 #: Upstream datasets the train node consumes.
 PROMPTS_DATASET = "train_prompts"
 BASE_DATASET = "base_model"
+#: data_prep's report (counts, dropped rows): logged into the training run with the base's quantize report.
+DATA_REPORT = "data_prep_report"
+#: Parameter sections the train node reads (besides ``params:method``).
+SECTIONS = ("model", "lora", "rollout", "grpo", "aqn", "optim", "train", "reward", "data")
 
 
 def _upstream() -> Pipeline:
     from qerl_pipeline.pipelines.data_prep.pipeline import create_pipeline as data_prep
     from qerl_pipeline.pipelines.quantize.pipeline import create_pipeline as quantize
 
-    return data_prep().to_outputs(PROMPTS_DATASET) + quantize().to_outputs(BASE_DATASET)
+    return data_prep().to_outputs(PROMPTS_DATASET, DATA_REPORT) + quantize().to_outputs(BASE_DATASET)
+
+
+def training_nodes(in_compare: bool = False) -> Pipeline:
+    """The training node: prompts + base + parameters -> ``trained_adapters``, ``train_summary``."""
+    inputs = {"train_prompts": PROMPTS_DATASET, "base_model": BASE_DATASET, "data_report": DATA_REPORT, "method": "params:method",
+              **{s: f"params:{s}" for s in SECTIONS}}
+    if in_compare:
+        inputs["compare_group"] = "compare_group"
+    return Pipeline(
+        [Node(train_policy, inputs, ["trained_adapters", "train_summary"], name="train_policy")],
+        tags="train",
+    )
 
 
 def create_pipeline(**kwargs) -> Pipeline:
     """Upstream (prompts, base) + the training node."""
-    training = Pipeline(
-        [
-            Node(
-                train_policy,
-                [PROMPTS_DATASET, BASE_DATASET, "params:method", "params:model", "params:lora", "params:rollout",
-                 "params:grpo", "params:aqn", "params:optim", "params:train", "params:reward", "params:data"],
-                "train_summary",
-                name="train_policy",
-            )
-        ],
-        tags="train",
-    )
-    return _upstream() + training
+    return _upstream() + training_nodes()

@@ -1,0 +1,78 @@
+"""Trained adapters: the one home for what an adapter folder is and for PEFT <-> HF names.
+
+An adapter folder (``final_adapter/``, each ``adapters/step-*``, the ``trained_adapters``
+dataset's ``<method>/``) is PEFT's ``save_pretrained`` output (``adapter_config.json``,
+``adapter_model.safetensors``) plus, when ``lora.train_norms`` is on, ``norms.safetensors``
+(the trained RMSNorm weights under HF names), plus for a final adapter ``qerl_adapter.json``
+(method, model, seed, steps, the training's MLflow run id, base and run folders), which is
+how the evaluate pipeline and compare's report find the training run that made it.
+
+PEFT names a parameter ``base_model.model.<HF name>``; ``hf_name`` strips that (and PEFT's
+wrappers), so the engine, AQN and the trainer speak the HF names vLLM loads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+#: Trainable norm weights (``lora.train_norms``) next to the PEFT files, under HF names.
+NORMS_FILE = "norms.safetensors"
+#: What a final adapter is (method, model, seed, steps, its MLflow run, base and run folders).
+ADAPTER_META = "qerl_adapter.json"
+PEFT_PREFIX = "base_model.model."
+
+
+def hf_name(peft_name: str, *, unwrap: bool = False) -> str:
+    """A PEFT parameter name as the HF model names it (``base_model.model.`` stripped).
+
+    ``unwrap``: also drop PEFT's wrapper parts (``.original_module``,
+    ``.modules_to_save.default``, ``.base_layer``) of trainable or adapted modules.
+    """
+    name = peft_name[len(PEFT_PREFIX):] if peft_name.startswith(PEFT_PREFIX) else peft_name
+    if unwrap:
+        name = name.replace(".original_module", "").replace(".modules_to_save.default", "").replace(".base_layer", "")
+    return name
+
+
+def trained_norms(policy) -> dict[str, Any]:
+    """Trainable non-LoRA tensors (the norms with ``lora.train_norms``) under HF names, CPU copies."""
+    return {
+        hf_name(name): p.detach().cpu().contiguous()
+        for name, p in policy.named_parameters()
+        if p.requires_grad and "lora_" not in name
+    }
+
+
+def save_adapter(policy, folder: str | Path, meta: dict[str, Any] | None = None) -> Path:
+    """PEFT ``save_pretrained`` (+ ``norms.safetensors`` when norms train, + ``meta``) into ``folder``, atomically."""
+    from safetensors.torch import save_file
+
+    from qerl_pipeline.atomic import replace_dir, staging_dir, write_atomic
+
+    folder = Path(folder)
+    tmp = staging_dir(folder)
+    try:
+        policy.save_pretrained(str(tmp))
+        norms = trained_norms(policy)
+        if norms:
+            save_file(norms, str(tmp / NORMS_FILE))
+        if meta is not None:
+            write_atomic(tmp / ADAPTER_META, meta, as_json=True)
+        replace_dir(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def adapter_meta(folder: str | Path) -> dict[str, Any]:
+    """``qerl_adapter.json`` of an adapter folder ({} for one written before it existed)."""
+    path = Path(folder) / ADAPTER_META
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def is_adapter(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a complete PEFT adapter."""
+    return (Path(folder) / "adapter_config.json").is_file()

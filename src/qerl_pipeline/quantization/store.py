@@ -1,0 +1,380 @@
+"""The base store: the one home for "a base folder of format fmt for this model and these settings".
+
+A base folder (``quantization/checkpoint.py`` layout: config.json, weights, ``serving/``) is
+expensive to write and deterministic given its inputs, so it is written once and reused:
+
+* ``base_fingerprint(model, quantize, fmt)``: a JSON-able description of everything that
+  decides the folder's bytes, and a short ``digest`` (sha256 of its canonical JSON):
+
+  - the model's identity: ``name``, configured ``source`` and the source it resolves to
+    (``auto`` may give a local folder, the Hub or the bundled GGUF: different weights),
+    ``revision``, ``trust_remote_code``; for a local folder the identity of its files
+    (sha256 of every small file such as config.json and the tokenizer, name and size of
+    each weight file), so an edited local model is not reused; for a GGUF its file name and
+    size; for ``source: random`` its ``random_init`` shape and seed, ``max_seq_len``
+    (written as ``max_position_embeddings``) and the GGUF the tokenizer comes from;
+  - the dtypes the folder is written in (``checkpoint.BASE_DTYPE`` for the base, the
+    serving dtype ``models.resolve_dtype(model)`` for ``serving/``);
+  - only the quantize settings that change this format's bytes: nvfp4 ``ignore`` and
+    ``nvfp4_algorithm`` (+ for awq/gptq the calibration texts' sha256, their count, the
+    truncation length ``max_seq_len`` and llmcompressor's version); nf4 ``ignore``,
+    ``nf4_blocksize``, ``nf4_double_quant``; bf16 none (every linear stays dense). So
+    ``nf4_blocksize`` does not invalidate an NVFP4 base, nor a moved calibration file with
+    the same rows an AWQ one;
+  - ``CODEC_VERSION[fmt]``: bumped by hand whenever the code writes different bytes for the
+    same inputs (a codec fix, a layout change), so old folders are rewritten, not reused.
+
+  A Hub model without ``revision`` is identified by its name only (the Hub's default branch
+  as of the first quantize): pin ``model.revision`` to a commit, or set ``quantize.force``,
+  to pick up upstream changes.
+* ``STAMP`` (``<folder>/qerl_base.json``): the fingerprint, the size of every file written
+  and the quantize report. ``stored_fingerprint(folder)`` / ``read_stamp(folder)`` read it.
+* ``ensure_base(model, quantize, fmt, folder, force=...)``: reuse the folder when its
+  stamp's digest equals the new one and every file it lists is there with its size (no file
+  is opened for writing: mtimes and inodes stay as they were); else load the model,
+  quantize it into a staging folder beside ``folder`` (``atomic.staging_dir``), write the
+  stamp last and swap the folder in (``atomic.replace_dir``). Either way one INFO line says
+  which and why (no base / no stamp / the differing fingerprint keys / incomplete /
+  ``quantize.force``). Files added later by readers (``nf4/bnb/``, written on demand for
+  CUDA serving) are allowed: only the listed files are checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qerl_pipeline.atomic import replace_dir, staging_dir, write_atomic
+from qerl_pipeline.config import ModelConfig, QuantizeConfig, parse
+
+log = logging.getLogger(__name__)
+
+#: Version of the bytes each format's writer produces for given inputs; bump on any change
+#: of ``checkpoint.write_base`` / ``calibrated_nvfp4_base`` / the nvfp4 and nf4 codecs that
+#: changes what is written, so stored bases of the old version are rewritten.
+CODEC_VERSION: dict[str, int] = {"nvfp4": 1, "nf4": 1, "bf16": 1}
+#: The fingerprint file inside a base folder (written last).
+STAMP = "qerl_base.json"
+STAMP_SCHEMA = 1
+#: Files of a local model folder identified by name and size (hashing them would cost a
+#: full read of the weights per run); every other top-level file is hashed.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+HASH_LIMIT_BYTES = 64 * 2**20
+CALIBRATION_FIELDS = ("text", "prompt", "question", "problem")
+
+
+# ------------------------------------------------------------------------------ inputs
+def calibration_texts(path: str | Path, n: int) -> list[str]:
+    """The first ``n`` texts of a JSONL file (field text / prompt / question / problem)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"quantize.calibration_path: {path} does not exist")
+    texts = []
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            field = next((f for f in CALIBRATION_FIELDS if isinstance(row.get(f), str)), None)
+            if field is None:
+                raise ValueError(f"{path}:{lineno}: no text field (one of {CALIBRATION_FIELDS})")
+            texts.append(row[field])
+            if len(texts) >= n:
+                break
+    return texts
+
+
+def _typed(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any]) -> tuple[ModelConfig, QuantizeConfig]:
+    mcfg = model if isinstance(model, ModelConfig) else parse(ModelConfig, model, "model")
+    qcfg = quantize if isinstance(quantize, QuantizeConfig) else parse(QuantizeConfig, quantize, "quantize")
+    return mcfg, qcfg
+
+
+def _check_format(fmt: str) -> None:
+    from qerl_pipeline.quantization.checkpoint import FORMATS
+
+    if fmt not in FORMATS:
+        raise ValueError(f"base format {fmt!r} unknown; expected one of {', '.join(FORMATS)}")
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_identity(path: Path) -> dict[str, Any]:
+    """``{size}`` for weights and large files, ``{sha256}`` for the rest (config, tokenizer)."""
+    size = path.stat().st_size
+    if path.name.endswith(WEIGHT_SUFFIXES) or size > HASH_LIMIT_BYTES:
+        return {"size": size}
+    return {"sha256": _sha256_file(path)}
+
+
+def local_model_identity(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """The identity of a local HF model folder's top-level files (what ``from_pretrained`` reads)."""
+    folder = Path(folder)
+    return {p.name: _file_identity(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")}
+
+
+def _model_identity(mcfg: ModelConfig) -> dict[str, Any]:
+    from qerl_pipeline.models import _gguf_file, resolve_source
+
+    kind, where = resolve_source(mcfg)
+    ident: dict[str, Any] = {"source": mcfg.source, "resolved": kind}
+    if kind == "random":
+        gguf = _gguf_file(mcfg)
+        ident.update(random_init=mcfg.random_init.model_dump(mode="json"), max_seq_len=mcfg.max_seq_len,
+                     tokenizer_gguf={"name": gguf.name, "size": gguf.stat().st_size})
+        return ident
+    ident.update(name=mcfg.name, revision=mcfg.revision)
+    if kind == "gguf":
+        p = Path(where)
+        ident["gguf"] = {"name": p.name, "size": p.stat().st_size}
+    else:
+        ident["trust_remote_code"] = mcfg.trust_remote_code
+    if kind == "local":
+        ident["files"] = local_model_identity(where)
+    return ident
+
+
+def _quantize_identity(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str) -> dict[str, Any]:
+    if fmt == "bf16":
+        return {}
+    ident: dict[str, Any] = {"ignore": sorted(set(qcfg.ignore))}
+    if fmt == "nf4":
+        ident.update(nf4_blocksize=qcfg.nf4_blocksize, nf4_double_quant=qcfg.nf4_double_quant)
+        return ident
+    ident["nvfp4_algorithm"] = qcfg.nvfp4_algorithm
+    if qcfg.nvfp4_algorithm != "rtn":
+        from importlib.metadata import PackageNotFoundError, version
+
+        texts = calibration_texts(qcfg.calibration_path, qcfg.calibration_samples)
+        try:
+            llmc = version("llmcompressor")
+        except PackageNotFoundError:
+            llmc = None
+        ident.update(
+            calibration_texts_sha256=_sha256_bytes(json.dumps(texts, ensure_ascii=False).encode("utf-8")),
+            calibration_count=len(texts), calibration_max_seq_len=mcfg.max_seq_len, llmcompressor=llmc,
+        )
+    return ident
+
+
+def _digest(fingerprint: dict[str, Any]) -> str:
+    body = {k: v for k, v in fingerprint.items() if k != "digest"}
+    return _sha256_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
+
+
+def base_fingerprint(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str) -> dict[str, Any]:
+    """Everything that decides the bytes of a ``fmt`` base of ``model`` under ``quantize``, + its ``digest``."""
+    from qerl_pipeline.models import resolve_dtype
+    from qerl_pipeline.quantization.checkpoint import BASE_DTYPE
+
+    _check_format(fmt)
+    mcfg, qcfg = _typed(model, quantize)
+    fp = {
+        "format": fmt,
+        "codec_version": CODEC_VERSION[fmt],
+        "model": _model_identity(mcfg),
+        "base_dtype": str(BASE_DTYPE).removeprefix("torch."),
+        "serving_dtype": str(resolve_dtype(mcfg)).removeprefix("torch."),
+        "quantize": _quantize_identity(mcfg, qcfg, fmt),
+    }
+    fp["digest"] = _digest(fp)
+    return fp
+
+
+# ------------------------------------------------------------------------------ the stamp
+def read_stamp(folder: str | Path) -> dict[str, Any] | None:
+    """The whole stamp of a base folder (fingerprint, files, report), or None when there is none."""
+    path = Path(folder) / STAMP
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if not isinstance(record, dict) or not isinstance(record.get("fingerprint"), dict):
+        raise ValueError(f"{path}: not a base stamp (no 'fingerprint' object)")
+    return record
+
+
+def stored_fingerprint(folder: str | Path) -> dict[str, Any] | None:
+    """The fingerprint a base folder was written with, or None (no stamp: unfinished or pre-fingerprint)."""
+    record = read_stamp(folder)
+    return None if record is None else record["fingerprint"]
+
+
+def _listed_files(folder: Path) -> dict[str, int]:
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != STAMP}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and d:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): d}
+
+
+_ABSENT = object()
+
+
+def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for each dotted key whose value differs (digest left out)."""
+    a = _flatten({k: v for k, v in old.items() if k != "digest"})
+    b = _flatten({k: v for k, v in new.items() if k != "digest"})
+
+    def short(v: Any) -> str:
+        s = "(absent)" if v is _ABSENT else repr(v)
+        return s if len(s) <= 60 else s[:57] + "..."
+
+    return [f"{k}: {short(a.get(k, _ABSENT))} -> {short(b.get(k, _ABSENT))}"
+            for k in sorted(set(a) | set(b)) if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
+
+
+
+def _incomplete(folder: Path, record: dict[str, Any]) -> str | None:
+    """Why the folder is not the one its stamp describes, or None when every listed file is there."""
+    from qerl_pipeline.quantization.checkpoint import SERVING_SUBDIR
+
+    files = record.get("files")
+    if not isinstance(files, dict) or not files:
+        return "its stamp lists no files"
+    for need in ("config.json", f"{SERVING_SUBDIR}/config.json"):
+        if need not in files:
+            return f"its stamp does not list {need}"
+    if not any(n.endswith(".safetensors") and "/" not in n for n in files):
+        return "its stamp lists no weights"
+    for name, size in files.items():
+        p = folder / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != size:
+            return f"{name} has {p.stat().st_size} bytes, {size} when written"
+    return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``ensure_base`` will do with a folder: reuse it (``reason`` None) or write it (why)."""
+
+    fingerprint: dict[str, Any]
+    record: dict[str, Any] | None
+    reason: str | None
+
+    @property
+    def reuse(self) -> bool:
+        return self.reason is None
+
+
+def check_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str,
+               folder: str | Path, *, force: bool = False) -> Decision:
+    """Whether ``folder`` holds the ``fmt`` base for these settings (``force`` or ``quantize.force``: never)."""
+    mcfg, qcfg = _typed(model, quantize)
+    fp = base_fingerprint(mcfg, qcfg, fmt)
+    record, why = _why_not_reusable(Path(folder), fp)
+    if force or qcfg.force:
+        why = "quantize.force=true" if why is None else f"{why} (and quantize.force=true)"
+    return Decision(fp, record, why)
+
+
+def _why_not_reusable(folder: Path, fp: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        record = read_stamp(folder)
+    except (ValueError, OSError) as err:  # unreadable / not ours: rewrite it, saying so
+        return None, f"its stamp is unreadable ({err})"
+    if record is None:
+        if not folder.exists():
+            return None, "no base there yet"
+        return None, f"no fingerprint file ({STAMP}): unfinished or written before fingerprints"
+    old = record["fingerprint"]
+    if old.get("digest") != fp["digest"]:
+        diff = fingerprint_diff(old, fp) or ["stored digest does not match its content"]
+        return record, "different fingerprint: " + "; ".join(diff)
+    why = _incomplete(folder, record)
+    if why is not None:
+        return record, f"incomplete folder: {why}"
+    if not isinstance(record.get("report"), dict):
+        return record, "its stamp holds no quantize report"
+    return record, None
+
+
+# ------------------------------------------------------------------------------ writing
+def write_new_base(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str, out: Path) -> dict[str, Any]:
+    """Load the model and write its ``fmt`` base to ``out`` (must not exist); the quantize report."""
+    from qerl_pipeline.models import load_base_model, resolve_dtype
+    from qerl_pipeline.quantization import checkpoint
+
+    t0 = time.perf_counter()
+    # bf16 is the base's master precision (checkpoint.BASE_DTYPE): loading in it halves the
+    # memory of a float32 load, and the reported errors are those of the 4-bit format alone.
+    base, tokenizer = load_base_model(mcfg, dtype=checkpoint.BASE_DTYPE)
+    t_load = time.perf_counter() - t0
+    serving_dtype = resolve_dtype(mcfg)
+    t1 = time.perf_counter()
+    if fmt == "nvfp4" and qcfg.nvfp4_algorithm != "rtn":
+        texts = calibration_texts(qcfg.calibration_path, qcfg.calibration_samples)
+        report = checkpoint.calibrated_nvfp4_base(
+            base, tokenizer, out, algorithm=qcfg.nvfp4_algorithm, texts=texts, ignore=list(qcfg.ignore),
+            max_seq_len=mcfg.max_seq_len, serving_dtype=serving_dtype,
+        )
+    else:
+        report = checkpoint.write_base(
+            base, tokenizer, fmt, out, ignore=qcfg.ignore, nf4_blocksize=qcfg.nf4_blocksize,
+            serving_dtype=serving_dtype, progress=True,
+        )
+    report.update(
+        algorithm=qcfg.nvfp4_algorithm if fmt == "nvfp4" else "rtn",
+        model=mcfg.name if mcfg.source != "random" else "random",
+        load_seconds=t_load,
+        quantize_seconds=time.perf_counter() - t1,
+        serving_dtype=str(serving_dtype).removeprefix("torch."),
+    )
+    return report
+
+
+def ensure_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str,
+                folder: str | Path, *, force: bool = False) -> tuple[Path, dict[str, Any], bool]:
+    """``(folder, report, reused)``: the ``fmt`` base at ``folder``, reused when its fingerprint matches.
+
+    ``force`` (or ``quantize.force``) rewrites it regardless. The report is the stored one on
+    reuse; it carries ``reused`` and ``fingerprint`` (the digest) either way.
+    """
+    _check_format(fmt)
+    mcfg, qcfg = _typed(model, quantize)
+    if fmt == "nf4" and qcfg.nf4_double_quant:
+        raise ValueError("quantize.nf4_double_quant: double quantization is not implemented (see quantization/nf4.py)")
+    folder = Path(folder)
+    decision = check_base(mcfg, qcfg, fmt, folder, force=force)
+    digest = decision.fingerprint["digest"]
+    if decision.reuse:
+        log.info("base_%s reused: %s (fingerprint %s, same model and quantize settings; quantize.force=true redoes it)",
+                 fmt, folder, digest[:12])
+        return folder, {**decision.record["report"], "reused": True, "fingerprint": digest}, True
+    log.info("base_%s quantized into %s: %s (fingerprint %s)", fmt, folder, decision.reason, digest[:12])
+    stage = staging_dir(folder)
+    try:
+        out = stage / "base"
+        report = write_new_base(mcfg, qcfg, fmt, out)
+        record = {"schema": STAMP_SCHEMA, "fingerprint": decision.fingerprint, "files": _listed_files(out),
+                  "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "report": report}
+        write_atomic(out / STAMP, record, as_json=True)  # last: a folder without it is never reused
+        replace_dir(out, folder)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    log.info("base_%s: %d linears, ratio %.4f vs bf16, mean rel. error %.4f, %.1f s", fmt, report["n_quantized_linears"],
+             report["linear_bytes_ratio"], report["rel_error_mean"], report["quantize_seconds"])
+    return folder, {**report, "reused": False, "fingerprint": digest}, False

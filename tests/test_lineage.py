@@ -1,0 +1,90 @@
+"""Lineage you can browse: the adapter is a dataset from train to evaluate; compare is one branch per method.
+
+Fast tier: the pipeline objects themselves (no Kedro session). Integration tier: the graph
+``kedro viz build`` writes (build/api/pipelines/*), which is what a user browses.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qerl_pipeline.config import METHOD_FORMAT, METHODS, QerlConfig, validate
+from tests.conftest import project_copy, run_kedro
+
+
+def _producer(pipe, dataset):
+    (node,) = [n for n in pipe.nodes if dataset in n.outputs]
+    return node
+
+
+def _consumers(pipe, dataset):
+    return [n for n in pipe.nodes if dataset in n.inputs]
+
+
+def test_train_writes_the_adapter_dataset_that_evaluate_reads():
+    from qerl_pipeline.pipelines.evaluate.pipeline import create_pipeline as evaluate
+    from qerl_pipeline.pipelines.train.pipeline import create_pipeline as train
+
+    assert _producer(train(), "trained_adapters").name == "train_policy"
+    assert [n.name for n in _consumers(evaluate(), "trained_adapters")] == ["evaluate_policies"]
+    # and the base: quantize's dataset, read by both
+    assert _producer(train(), "base_model").name == "select_base"
+    assert "base_model" in _consumers(evaluate(), "base_model")[0].inputs
+
+
+def test_compare_has_one_branch_per_method_on_shared_bases():
+    from qerl_pipeline.pipelines.compare.pipeline import create_pipeline
+
+    pipe = create_pipeline()
+    for m in METHODS:
+        ns = f"compare.{m}"
+        mine = [n for n in pipe.nodes if n.namespace == ns]
+        assert sorted(n.name for n in mine) == sorted(f"{ns}.{x}" for x in ("train_policy", "evaluate_policies", "evaluation_outputs"))
+        train = _producer(pipe, f"{ns}.trained_adapters")
+        assert train.name == f"{ns}.train_policy"
+        assert f"base_{METHOD_FORMAT[m]}" in train.inputs and f"params:{ns}.method" in train.inputs
+        assert [n.name for n in _consumers(pipe, f"{ns}.trained_adapters")] == [f"{ns}.evaluate_policies"]
+        assert f"{ns}.eval_accuracy" in _producer(pipe, "compare_runs").inputs
+    # one quantize node per format, shared by the methods on it
+    for fmt in set(METHOD_FORMAT.values()):
+        assert _producer(pipe, f"base_{fmt}").name == f"quantize_{fmt}"
+    users = [n.namespace for n in _consumers(pipe, "base_nvfp4") if n.name.endswith("train_policy")]
+    assert sorted(users) == ["compare.qerl", "compare.qerl_noaqn"]
+    # every branch parameter the pipeline reads is part of the validated config
+    cfg = validate({}, QerlConfig)
+    for m in METHODS:
+        assert getattr(cfg.compare, m).method == m
+
+
+def test_a_branch_that_names_another_method_is_refused():
+    from qerl_pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"compare\.qlora\.method|qlora\.method"):
+        validate({"compare": {"qlora": {"method": "lora"}}}, QerlConfig)
+
+
+@pytest.mark.kedro_run
+def test_kedro_viz_graph(tmp_path):
+    """``kedro viz build``: train -> trained_adapters -> evaluate; one train and one evaluate node per method."""
+    root = project_copy(tmp_path / "project")
+    run_kedro(root, "viz", "build", timeout=300)
+
+    def graph(name):
+        data = json.loads((root / "build" / "api" / "pipelines" / name).read_text())
+        return {n["id"]: n for n in data["nodes"]}, data["edges"]
+
+    nodes, edges = graph("train")
+    (adapters,) = [i for i, n in nodes.items() if n["name"] == "trained_adapters" and n["type"] == "data"]
+    (train,) = [i for i, n in nodes.items() if n["name"] == "train_policy" and n["type"] == "task"]
+    assert {"source": train, "target": adapters} in edges
+    enodes, eedges = graph("evaluate")
+    (evaluate,) = [i for i, n in enodes.items() if n["name"] == "evaluate_policies" and n["type"] == "task"]
+    assert {"source": adapters, "target": evaluate} in eedges  # the same dataset id in both graphs
+
+    cnodes, _ = graph("compare")
+    tasks = [n for n in cnodes.values() if n["type"] == "task"]
+    for kind in ("train_policy", "evaluate_policies"):
+        spaces = sorted(ns for n in tasks if n["name"] == kind for ns in (n.get("modular_pipelines") or []) if ns.count(".") == 1)
+        assert spaces == sorted(f"compare.{m}" for m in METHODS), (kind, spaces)

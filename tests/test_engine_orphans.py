@@ -197,6 +197,21 @@ def _kill_all(procs: list[psutil.Process]) -> None:
             pass
 
 
+def _kill_and_check(owner, server, who: str, procs) -> float:
+    """Kill ``who`` (owner, server or both) and assert every process of ``procs`` ends in time."""
+    _kill(owner, server, who)
+    alive, seconds = _wait_ended(procs)
+    assert not alive, f"orphans after {DEADLINE_S} s: {[(p.pid, p.cmdline()) for p in alive]}"
+    return seconds
+
+
+def _cleanup(owner, procs) -> None:
+    if owner.poll() is None:
+        owner.kill()
+        owner.wait()
+    _kill_all(procs)
+
+
 def _kill(owner: subprocess.Popen, server: psutil.Process, who: str) -> None:
     os.kill(owner.pid, signal.SIGKILL)
     if who == "together":
@@ -234,15 +249,10 @@ def test_every_process_of_a_stand_in_engine_ends_with_its_owner(tmp_path, mode, 
         expected["server"] = "pdeathsig" if mode == "main" else "watchdog"
         assert {role: r["means"] for role, (_, r) in roles.items()} == expected
 
-        _kill(owner, server, who)
-        alive, seconds = _wait_ended(procs)
-        assert not alive, f"orphans after {DEADLINE_S} s: {[(p.pid, p.cmdline()) for p in alive]}"
+        seconds = _kill_and_check(owner, server, who, procs)
         print(f"mode={mode} kill={who}: {len(procs)} processes ended {seconds:.2f} s after the kill")
     finally:
-        if owner.poll() is None:
-            owner.kill()
-            owner.wait()
-        _kill_all(procs)
+        _cleanup(owner, procs)
 
 
 def test_a_guard_armed_after_its_parent_died_ends_the_process(tmp_path):
@@ -269,7 +279,10 @@ def test_a_guard_armed_after_its_parent_died_ends_the_process(tmp_path):
 def test_killing_the_owner_and_the_server_together_leaves_no_vllm_process(tmp_path, tiny_model_dir):
     pytest.importorskip("vllm")
     log = tmp_path / "engine.log"
-    owner = subprocess.Popen([sys.executable, "-c", ENGINE_OWNER, str(tiny_model_dir), str(log)], stdout=subprocess.PIPE)
+    # vLLM's process chain (EngineCore, Worker), as on CUDA: on CPU the engine runs it in the server otherwise
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    owner = subprocess.Popen([sys.executable, "-c", ENGINE_OWNER, str(tiny_model_dir), str(log)], stdout=subprocess.PIPE,
+                             env=env)
     procs: list[psutil.Process] = []
     try:
         server = psutil.Process(_read_pid(owner, 600, log))
@@ -281,15 +294,10 @@ def test_killing_the_owner_and_the_server_together_leaves_no_vllm_process(tmp_pa
         unguarded = _unguarded(procs, text)
         assert not unguarded, f"engine processes without a guard: {unguarded}\n{names}"
 
-        _kill(owner, server, "together")
-        alive, seconds = _wait_ended(procs)
-        assert not alive, f"orphans after {DEADLINE_S} s: {[(p.pid, p.name()) for p in alive]}"
+        seconds = _kill_and_check(owner, server, "together", procs)
         print(f"{len(procs)} engine processes ({', '.join(p.name() for p in procs)}) ended {seconds:.2f} s after the kill")
     finally:
-        if owner.poll() is None:
-            owner.kill()
-            owner.wait()
-        _kill_all(procs)
+        _cleanup(owner, procs)
 
 
 # ----------------------------------------------------------------------------- kedro_run tier
@@ -315,7 +323,7 @@ def test_sigkill_of_a_training_run_and_its_engine_server_leaves_no_engine_proces
         # which leads a session of its own. 10 steps: killed in step 2, far from the end.
         run = start_kedro(root, "run", "--pipeline=train", "--env=smoke",
                           "--params", f"train.steps=10,train.checkpoint_every=10,train.output_dir={out}",
-                          log=log, env={"TMPDIR": str(scratch)})
+                          log=log, env={"TMPDIR": str(scratch), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
 
         # Training is underway: step 1's adapter is saved (step 2's rollout has begun) and the
         # engine server runs below kedro with vLLM's processes below it.

@@ -99,3 +99,15 @@ def test_restore_refuses_an_engine_that_does_not_take_the_values(tmp_path):
     engine.read_weights = lambda names: {n: torch.zeros(4) for n in names}
     with pytest.raises(RuntimeError, match="differ from the clean ones"):
         pool.restore_norms(engine, {"model.norm.weight": torch.ones(4)})
+
+
+@pytest.mark.parametrize("cuda, env, expected", [(False, {}, True), (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, False),
+                                                 (True, {}, False), (True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False)])
+def test_engine_core_in_the_server_process_on_cpu_only(cuda, env, expected):
+    """rollout/server.py: on CPU vLLM's EngineCore and worker run in the server (no re-imports); CUDA keeps vLLM's chain."""
+    from qerl_pipeline.rollout.server import in_process_engine
+
+    environ = dict(env)
+    assert in_process_engine(cuda, environ) is expected
+    if not cuda and not env:
+        assert environ == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # set before vLLM reads it

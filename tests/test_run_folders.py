@@ -200,3 +200,30 @@ def test_checkpoint_cleanup_never_deletes_the_one_just_written(tmp_path):
     for s in (1, 2, 3):
         ckpt.save_checkpoint(other, s, policy=policy, optimizer=opt, scheduler=None, state={"step": s})
     assert [s for s, _ in ckpt.list_checkpoints(other)] == [2, 3]
+
+
+def _checkpoint_with_config(run_dir: Path, step: int, cfg: QerlConfig) -> None:
+    folder = _fake_checkpoint(run_dir, step)
+    torch.save({"trainer": {"step": step, "run_id": "r", "config": trainer.resume_config(cfg)}}, folder / "state.pt")
+
+
+def test_a_checkpoint_of_other_settings_is_never_resumed(tmp_path, caplog):
+    """Resume only what this config would have trained: another lr (or model, data, ...) is another
+    run, so its folder goes aside, named in the log with the keys that differ."""
+    run_dir = tmp_path / "qerl"
+    other = QerlConfig.model_validate({"method": "qerl", "train": {"output_dir": str(tmp_path)}, "optim": {"lr": {"qerl": 1e-3}}})
+    _checkpoint_with_config(run_dir, 2, other)
+    with caplog.at_level(logging.WARNING, logger="qerl_pipeline.rl.trainer"):
+        _, latest, moved = trainer.open_run_dir(_cfg(tmp_path, resume=True))
+    assert latest is None and moved is not None and (moved / "checkpoints" / "step-000002").is_dir()
+    assert "optim.lr.qerl" in caplog.text and "other settings" in caplog.text
+
+
+def test_a_checkpoint_of_the_same_settings_resumes_with_more_steps_or_another_folder(tmp_path):
+    """What a resume may change: the step count, the save/log intervals, where the folder lives."""
+    run_dir = tmp_path / "qerl"
+    before = QerlConfig.model_validate({"method": "qerl", "train": {"output_dir": "/elsewhere", "steps": 5,
+                                                                    "checkpoint_every": 1}})
+    _checkpoint_with_config(run_dir, 2, before)
+    got, latest, moved = trainer.open_run_dir(_cfg(tmp_path, resume=True))
+    assert latest == run_dir / "checkpoints" / "step-000002" and moved is None

@@ -16,6 +16,7 @@ The tracking store defaults to the embedded SQLite file ``mlflow.db`` at the pro
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -241,3 +243,45 @@ def regroup(run_id: str, parent_id: str) -> None:
     client = MlflowClient()
     client.set_tag(run_id, GROUP_TAG, parent_id)
     client.set_tag(run_id, "mlflow.parentRunId", parent_id)
+
+
+def training_loggers(name: str, method: str, params: dict[str, Any], compare_parent: str | None = None):
+    """``(make_logger, used)`` for ``rl.trainer.train``: which MLflow run a training logs to.
+
+    ``make_logger(stored_run_id)`` is called with the run id of the checkpoint it resumes
+    (None for a fresh run). Standalone (``compare_parent`` None): the active run (the one
+    kedro-mlflow opened for this ``kedro run``); a resume logs into the checkpoint's run and
+    tags the active one ``qerl.resumed_run_id``. In a compare branch: a fresh run is a new
+    child of ``compare_parent`` named ``name`` with ``params`` logged; a resumed one keeps its
+    run, re-nested under ``compare_parent``. ``used`` records ``active`` and ``run`` (the logger).
+    """
+    used: dict[str, Any] = {}
+
+    def standalone(run_id: str | None):
+        logger = MlflowLogger()  # the active run (kedro-mlflow's), or a new one outside Kedro
+        used["active"] = logger.run_id
+        if run_id and run_id != logger.run_id:
+            logger.set_tags({"qerl.resumed_run_id": run_id})
+            try:
+                logger.client.get_run(run_id)
+            except Exception:  # noqa: BLE001 - e.g. a different tracking store: keep the new run
+                log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
+                used["run"] = logger
+                return logger
+            logger = MlflowLogger(run_id=run_id)
+        used["run"] = logger
+        return logger
+
+    def branch(run_id: str | None):
+        if run_id:
+            regroup(run_id, compare_parent)
+            logger = MlflowLogger(run_id=run_id)
+        else:
+            rid = child_run(compare_parent, name, tags={"method": method})
+            name_run(rid, name, "train")
+            logger = MlflowLogger(run_id=rid)
+            logger.log_params(params)
+        used["run"] = logger
+        return logger
+
+    return (branch if compare_parent else standalone), used

@@ -2,7 +2,7 @@
 
 Inputs are MLflow runs only (read with ``MlflowClient``), so the same report can be
 rebuilt at any time from the tracking store: by the compare pipeline right after it
-trained and evaluated the methods, by ``compare.reuse_runs``, or by
+trained and evaluated the methods, by the ``compare_report`` pipeline, or by
 ``notebooks/compare_runs.ipynb``, which imports the functions below and draws the same
 figures.
 

@@ -177,7 +177,8 @@ def open_run_dir(cfg: QerlConfig, output_dir: str | Path | None = None) -> tuple
 #: Settings a resume may change: how long to train and how often to save/log, and the
 #: sections training never reads. Any other difference makes the checkpoint another run.
 RESUMABLE_CHANGES = ("train.steps", "train.resume", "train.checkpoint_every", "train.log_completions_every",
-                     "quantize.force", "evaluate", "compare", "benchmark")
+                     "train.output_dir", "quantize.force", "rollout.shared_engines", "rollout.gpu_memory_utilization",
+                     "rollout.sleep_between_steps", "reward.max_workers", "evaluate", "compare", "benchmark")
 
 
 def resume_config(cfg: QerlConfig) -> dict[str, Any]:
@@ -191,6 +192,23 @@ def resume_config(cfg: QerlConfig) -> dict[str, Any]:
 def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Dotted keys whose value differs between a checkpoint's settings and the current ones."""
     return sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
+
+
+def log_inputs(logger: MetricsLogger, base_dir: Path, data_report: dict | None) -> None:
+    """A training run's record of its inputs: the data report and the base's stored quantize report."""
+    import json
+
+    from qerl_pipeline.quantization.store import read_stamp
+
+    stamp = read_stamp(base_dir) or {}
+    report = stamp.get("report") or {}
+    logger.log_metrics({f"quantize/{k}": float(v) for k, v in report.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)}, step=0)
+    if report:
+        logger.log_text(json.dumps(report, indent=1, default=str), "quantize/report.json")
+        logger.log_text(json.dumps(stamp.get("fingerprint", {}), indent=1, default=str), "quantize/fingerprint.json")
+    if data_report:
+        logger.log_text(json.dumps(data_report, indent=1, default=str), "data/report.json")
 
 
 def prune_adapters(adapters: Path, keep: list[Path]) -> None:
@@ -230,6 +248,7 @@ def train(
     dataset_name: str | None = None,
     progress: bool = True,
     reward_fn: RewardFn | str | None = None,
+    data_report: dict | None = None,
 ) -> TrainResult:
     """Train ``cfg.method`` on ``records`` (prompt records) over the base in ``base_dir``.
 
@@ -241,6 +260,9 @@ def train(
     engine is not closed here (compare's shared engine, ``rollout/pool.py``). ``reward_fn(completions, golds, samples) -> list[dict]`` (or an import
     path ``"module:function"``): a custom reward replacing the math ``RewardScorer``, the hook
     for custom rewards (like TRL's ``reward_funcs``); default ``cfg.train.reward_fn``.
+    A fresh run logs what it trains on: ``data_report`` (data_prep's) as ``data/report.json``
+    and the base's quantize report and fingerprint (stored with the base) as
+    ``quantize/report.json``, ``quantize/fingerprint.json`` and ``quantize/<name>`` metrics.
     """
     from qerl_pipeline.memory import limit_heap_fragmentation
     from qerl_pipeline.models import resolve_dtype
@@ -301,6 +323,7 @@ def train(
             "git_commit": git_commit(), "optimizer": opt_note,
         })
         logger.log_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config/resolved_config.yaml")
+        log_inputs(logger, base_dir, data_report)
         if moved_aside is not None:
             logger.set_tags({"qerl.previous_run_dir": str(moved_aside)})
     if dropped:

@@ -57,6 +57,16 @@ CUDA). So each link now guards itself (``guard``):
 * Also when only the owner dies: the server used to notice it only at its next ``recv``
   (EOF), i.e. after finishing the request at hand (a long ``generate``); now it ends at once.
 
+One process on CPU: there vLLM's EngineCore and its worker run inside this server
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``distributed_executor_backend="uni"``, set
+before vLLM is imported, ``in_process_engine``): each spawned vLLM process re-imports
+vLLM and torch (~10-15 s each on 2 cores), which made an engine start ~47 s for a tiny
+model; in one process it is ~24 s (measured 2026-12-01, same machine and load). The server
+is still its own process (Flask inside ``kedro run`` must never see vLLM), and the guard
+above covers it. ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment (or engine_env)
+keeps vLLM's process chain on CPU too (the orphan tests use it to exercise the chain
+CUDA always has). CUDA keeps vLLM's default (EngineCore in its own process).
+
 Not covered by the chain: processes that vLLM or torch start with ``subprocess`` (not
 ``multiprocessing``), e.g. torch inductor's compile workers, which watch their parent
 themselves (``--parent``); and multiprocessing's resource tracker, which exits when the
@@ -75,6 +85,18 @@ import traceback
 from multiprocessing.connection import Client
 
 WORKER_EXTENSION = "qerl_pipeline.rollout.worker_ext.QerlWorkerExtension"
+#: vLLM's switch for running EngineCore in its own process (see "One process on CPU" above).
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def in_process_engine(cuda: bool, environ=os.environ) -> bool:
+    """Whether vLLM's EngineCore and worker run in this process: on CPU unless
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` says otherwise; never on CUDA. Sets the variable
+    (before vLLM reads it) when it decides so."""
+    if cuda:
+        return False
+    environ.setdefault(MULTIPROCESSING_ENV, "0")
+    return environ[MULTIPROCESSING_ENV] == "0"
 
 # ------------------------------------------------------------------ no orphans (see above)
 PARENT_PID_ENV = "QERL_ENGINE_PARENT_PID"  # pid of the process that created this one
@@ -192,6 +214,9 @@ class Server:
     """Owns the ``vllm.LLM`` and answers requests."""
 
     def __init__(self, spec: dict):
+        import torch
+
+        one_process = in_process_engine(torch.cuda.is_available())
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -225,6 +250,8 @@ class Server:
             # no prompt is split across steps; every prompt fits one step's budget.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(spec["max_model_len"], 4096)
+        if one_process:
+            kwargs["distributed_executor_backend"] = "uni"
         if self.is_cuda:
             kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
             kwargs["enable_sleep_mode"] = spec["sleep_between_steps"]
@@ -353,7 +380,9 @@ def main() -> int:
     spec = conn.recv()
     try:
         server = Server(spec)
-    except BaseException as exc:  # report why the engine did not start, then exit
+    except BaseException as exc:  # report why the engine did not start (to the owner and the log), then exit
+        traceback.print_exc()
+        sys.stderr.flush()
         _reply_error(conn, exc)
         conn.close()
         return 1

@@ -40,6 +40,11 @@ class MetricsLogger(Protocol):
     def log_table(self, rows: list[dict], artifact_file: str) -> None: ...
 
 
+def scalar_metrics(values: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numbers of a report dict (ints and floats, not bools) as metrics ``<prefix><name>``."""
+    return {f"{prefix}{k}": float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def _finite(metrics: dict[str, Any]) -> dict[str, float]:
     """Numbers only; NaN/Inf are kept out of the store (they break MLflow's plots)."""
     out = {}

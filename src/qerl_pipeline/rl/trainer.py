@@ -75,7 +75,7 @@ from qerl_pipeline.rl.step import (  # noqa: F401 - re-exported: the trainer's p
 from qerl_pipeline.atomic import write_atomic
 from qerl_pipeline.adapter import ADAPTER_META, NORMS_FILE, is_adapter, save_adapter, trained_norms  # noqa: F401 - re-exported
 from qerl_pipeline.rollout.serving import VLLM_LORA_RANKS, vllm_lora_rank  # noqa: F401 - re-exported (older imports)
-from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, git_commit
+from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, git_commit, scalar_metrics
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +202,7 @@ def log_inputs(logger: MetricsLogger, base_dir: Path, data_report: dict | None) 
 
     stamp = read_stamp(base_dir) or {}
     report = stamp.get("report") or {}
-    logger.log_metrics({f"quantize/{k}": float(v) for k, v in report.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)}, step=0)
+    logger.log_metrics(scalar_metrics(report, "quantize/"), step=0)
     if report:
         logger.log_text(json.dumps(report, indent=1, default=str), "quantize/report.json")
         logger.log_text(json.dumps(stamp.get("fingerprint", {}), indent=1, default=str), "quantize/fingerprint.json")

@@ -117,11 +117,10 @@ def measure_policy(base_model: Path, method: str, lora: dict[str, Any], model: d
 
 def log_quantize(report: dict[str, Any], policy_memory: dict[str, Any]) -> dict[str, Any]:
     """Log the report and the policy memory to the active MLflow run; return the summary (no per-layer rows)."""
-    from qerl_pipeline.tracking import MlflowLogger
+    from qerl_pipeline.tracking import MlflowLogger, scalar_metrics
 
     logger = MlflowLogger()
-    numeric = {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    logger.log_metrics({f"quantize.{k}": v for k, v in numeric.items()})
+    logger.log_metrics(scalar_metrics(report, "quantize."))
     logger.log_metrics({f"policy.{k}": v for k, v in policy_memory.items() if isinstance(v, (int, float))})
     for i, row in enumerate(report["layers"]):
         logger.log_metrics({"quantize.layer_rel_error": row["rel_error"]}, step=i)

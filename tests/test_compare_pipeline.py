@@ -1,15 +1,17 @@
 """`kedro run --pipelines=compare` in the smoke env: killed during its third branch, resumed, one report.
 
-One compare for the whole module (the slowest test here: a few minutes). It is SIGKILLed
-(its process group; its engines end with it, rollout/server.py) right after the third
-branch's training wrote its step-2 checkpoint, then started again with the same command.
-Every assertion reads what the two runs left: the logs, the report files, the MLflow runs,
-and the notebook executed headless against the same runs.
+One compare for the whole module (the slowest test here: a few minutes): 5 methods x the smoke
+env's ``compare.seeds: [0, 1]``, 10 trainings. It is SIGKILLed (its process group; its engines
+end with it, rollout/server.py) right after the third branch's first seed wrote its step-2
+checkpoint, then started again with the same command. Every assertion reads what the two runs
+left: the logs, the report files, the MLflow runs, and the notebook executed headless against
+the same runs.
 
 What the resume must show (issue "Reuse, never redo"): the first two branches keep their
-MLflow runs and are not trained again, the interrupted one resumes from its checkpoint
-into its own run, the fourth starts; the bases are reused (same fingerprint); the report
-holds all four methods.
+MLflow runs (both seeds) and are not trained again, the interrupted (method, seed) resumes
+from its checkpoint into its own run, the others start; the bases are reused (same
+fingerprint); the report holds all five methods with intervals over the two seeds and the
+paper's three claims stated (issue 12).
 """
 
 from __future__ import annotations
@@ -26,20 +28,25 @@ from tests.conftest import PROJECT, project_copy, run_kedro, start_kedro, stop_k
 
 pytestmark = [pytest.mark.kedro_run, pytest.mark.vllm]
 
-METHODS = ["qerl", "qerl_noaqn", "qlora", "lora"]
+METHODS = ["qerl", "qerl_noaqn", "qlora", "lora", "lora_aqn"]
+SEEDS = [0, 1]  # conf/smoke/parameters.yml compare.seeds
 SMOKE_STEPS = 3  # conf/smoke/parameters.yml train.steps
-ARGS = ("run", "--pipelines=compare", "--env=smoke")
-BRANCH = re.compile(r"compare branch (\w+): run folder")
+#: CI time: sampled pass@1 only (greedy decoding is the evaluate pipeline's test's); 10 trainings + 10 evaluations
+#: otherwise add ~1.5 min to the module. Every compare command here passes the same, so evaluations are reused.
+EVAL_PARAMS = "--params=evaluate.greedy=false"
+ARGS = ("run", "--pipelines=compare", "--env=smoke", EVAL_PARAMS)
+BRANCH = re.compile(r"compare branch (\w+) seed (\d+): run folder")
 
 
 def _branches(text: str) -> list[str]:
-    return BRANCH.findall(text)
+    """The methods in the order their branches started (each once, whatever its seeds)."""
+    return list(dict.fromkeys(m for m, _ in BRANCH.findall(text)))
 
 
-def _child_runs(client, parent_id: str) -> dict[str, object]:
+def _child_runs(client, parent_id: str) -> dict[tuple[str, int], object]:
     exp = client.get_experiment_by_name("qerl_pipeline")
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`qerl.compare_group` = '{parent_id}'")
-    return {r.data.tags["method"]: r for r in runs}
+    return {(r.data.tags["method"], int(r.data.tags["seed"])): r for r in runs}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +63,7 @@ def compared(tmp_path_factory):
             names = _branches(text)
             if len(names) >= 3:
                 third = names[2]
-                tail = text[text.rindex(f"compare branch {third}"):]
+                tail = text[text.index(f"compare branch {third} seed {SEEDS[0]}"):]
                 if re.search(rf"step 2/{SMOKE_STEPS} ", tail):
                     break
             if proc.poll() is not None:
@@ -87,26 +94,32 @@ def compared(tmp_path_factory):
 def test_resume_keeps_finished_branches_and_resumes_the_interrupted_one(compared):
     order, before, second = compared["order"], compared["before"], compared["second"]
     first, second_done, third = order[:3]
-    assert set(before) == {first, second_done, third}  # the fourth never started
-    after = {r.data.tags["method"]: r for r in compared["children"]}
-    assert set(after) == set(METHODS)
-    for m in (first, second_done, third):
-        assert after[m].info.run_id == before[m], f"{m}: a new run instead of its own"
+    # both seeds of the first two branches, the third's first seed; the rest never started
+    assert set(before) == {(first, k) for k in SEEDS} | {(second_done, k) for k in SEEDS} | {(third, SEEDS[0])}
+    after = {(r.data.tags["method"], int(r.data.tags["seed"])): r for r in compared["children"]}
+    assert set(after) == {(m, k) for m in METHODS for k in SEEDS}
+    for key in before:
+        assert after[key].info.run_id == before[key], f"{key}: a new run instead of its own"
     for m in (first, second_done):
-        assert re.search(rf"{m}: already trained to step {SMOKE_STEPS} in .* reusing it", second), m
-    assert after[third].data.tags.get("qerl.resumed_at_step") == "2"
-    assert "resuming from" in second and f"compare/{third}/checkpoints/step-000002" in second
+        found = re.findall(rf"{m}: already trained to step {SMOKE_STEPS} in \S*/compare/seed-(\d+)/{m} .* reusing it", second)
+        assert sorted(map(int, found)) == SEEDS, (m, found)
+    assert after[third, SEEDS[0]].data.tags.get("qerl.resumed_at_step") == "2"
+    assert "qerl.resumed_at_step" not in after[third, SEEDS[1]].data.tags  # its second seed started afresh
+    assert "resuming from" in second and f"compare/seed-{SEEDS[0]}/{third}/checkpoints/step-000002" in second
     for fmt in ("nvfp4", "nf4", "bf16"):
         assert re.search(rf"base_{fmt} reused", second), fmt
 
 
-def test_one_finished_run_per_method_with_curves_and_eval(compared):
+def test_one_finished_run_per_method_and_seed_with_curves_and_eval(compared):
     client, children = compared["client"], compared["children"]
-    assert sorted(r.data.tags["method"] for r in children) == sorted(METHODS)
+    assert sorted((r.data.tags["method"], r.data.tags["seed"]) for r in children) == sorted((m, str(k)) for m in METHODS for k in SEEDS)
     for run in children:
         assert run.info.status == "FINISHED"
         assert run.data.params["method"] == run.data.tags["method"]
-        assert run.data.tags["mlflow.runName"] == f"train {run.data.tags['method']} · random · seed 0"
+        seed = run.data.tags["seed"]
+        assert run.data.tags["mlflow.runName"] == f"train {run.data.tags['method']} · random · seed {seed}"
+        # the seed sets the training's three random streams, nothing else
+        assert run.data.params["train.seed"] == run.data.params["rollout.seed"] == run.data.params["aqn.seed"] == seed
         rewards = client.get_metric_history(run.info.run_id, "reward/mean")
         assert sorted(m.step for m in rewards) == list(range(1, SMOKE_STEPS + 1))
         assert len(client.get_metric_history(run.info.run_id, "policy/entropy")) == SMOKE_STEPS
@@ -123,11 +136,13 @@ def test_one_finished_run_per_method_with_curves_and_eval(compared):
         assert {"config", "data", "quantize", "final_adapter", "completions", "plots"} <= top, top
         assert {"quantize/report.json", "quantize/fingerprint.json"} <= {a.path for a in client.list_artifacts(run.info.run_id, "quantize")}
         assert "data/report.json" in {a.path for a in client.list_artifacts(run.info.run_id, "data")}
-    # AQN only in qerl: its sigma is positive after stage 0, the others' stays 0
-    sigma = {r.data.tags["method"]: [x.value for x in client.get_metric_history(r.info.run_id, "aqn/sigma")] for r in children}
-    assert max(sigma["qerl"]) > 0 and max(sigma["qerl_noaqn"]) == 0 and max(sigma["lora"]) == 0
-    # same config and seeds: every run logged the same parameters except the method
-    params = [{k: v for k, v in r.data.params.items() if k != "method"} for r in children]
+    # AQN in qerl and lora_aqn (on the bf16 base): sigma positive after stage 0; the others' stays 0
+    for run in children:
+        sigma = max(x.value for x in client.get_metric_history(run.info.run_id, "aqn/sigma"))
+        assert (sigma > 0) == (run.data.tags["method"] in ("qerl", "lora_aqn")), run.data.tags["method"]
+    # same config: every run logged the same parameters except the method and the seeds
+    seeds = {"method", "train.seed", "rollout.seed", "aqn.seed"}
+    params = [{k: v for k, v in r.data.params.items() if k not in seeds} for r in children]
     assert all(p == params[0] for p in params)
 
 
@@ -135,13 +150,16 @@ def test_branch_outputs_are_datasets(compared):
     """Each branch's adapter and evaluation are files of its namespace's datasets."""
     root = compared["root"]
     for m in METHODS:
-        adapter = root / "data/06_models/smoke/adapters/compare" / m
-        meta = json.loads((adapter / "qerl_adapter.json").read_text())
-        run = next(r for r in compared["children"] if r.data.tags["method"] == m)
-        assert meta["method"] == m and meta["mlflow_run_id"] == run.info.run_id
         summary = json.loads((compared["report"] / m / "train_summary.json").read_text())
-        assert summary["mlflow_run_id"] == run.info.run_id
-        assert (compared["report"] / m / "eval_accuracy.csv").read_text().count("\n") == 1 + 2 * 2
+        assert summary["seeds"] == SEEDS
+        for k, entry in zip(SEEDS, summary["runs"], strict=True):
+            adapter = root / "data/06_models/smoke/adapters/compare" / m / f"seed-{k}"
+            meta = json.loads((adapter / "qerl_adapter.json").read_text())
+            run = next(r for r in compared["children"] if r.data.tags["method"] == m and r.data.tags["seed"] == str(k))
+            assert meta["method"] == m and meta["mlflow_run_id"] == run.info.run_id and meta["seed"] == k
+            assert entry["mlflow_run_id"] == run.info.run_id and entry["seed"] == k
+        table = (compared["report"] / m / "eval_accuracy.csv").read_text().splitlines()
+        assert "seed" in table[0].split(",") and len(table) == 1 + len(SEEDS) * 2 * 2  # seeds x policies x benchmarks
 
 
 def test_report_files_contain_every_method(compared):
@@ -154,10 +172,48 @@ def test_report_files_contain_every_method(compared):
     imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert len(imgs) == 4 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in imgs)
     table = (report / "accuracy.csv").read_text().splitlines()
-    assert len(table) == 1 + len(METHODS) * 2 * 2  # methods x policies x benchmarks
+    assert len(table) == 1 + len(METHODS) * len(SEEDS) * 2 * 2  # methods x seeds x policies x benchmarks
     # logged to the compare run too
     names = {Path(a.path).name for a in compared["client"].list_artifacts(compared["parent"].info.run_id, "report")}
-    assert {"report.html", "reward_curves.png", "entropy_curves.png", "accuracy.png", "system.png"} <= names
+    assert {"report.html", "reward_curves.png", "entropy_curves.png", "accuracy.png", "system.png", "claims.json", "claims.csv",
+            "curves.csv", "accuracy_summary.csv"} <= names
+
+
+def test_report_has_intervals_over_seeds_and_states_the_claims(compared):
+    """Issue 12: per-step bands and accuracy intervals over the 2 seeds; claims (a), (b), (c) with their numbers."""
+    import pandas as pd
+
+    report, page = compared["report"], (compared["report"] / "report.html").read_text()
+    curves = pd.read_csv(report / "curves.csv")
+    assert set(curves["curve"]) == {"reward", "entropy"} and set(curves["method"]) == set(METHODS)
+    assert (curves["n_seeds"] == len(SEEDS)).all() and sorted(set(curves["step"])) == list(range(1, SMOKE_STEPS + 1))
+    assert curves["ci_low"].notna().all() and (curves["ci_low"] <= curves["mean"]).all() and (curves["mean"] <= curves["ci_high"]).all()
+    acc = pd.read_csv(report / "accuracy_summary.csv")
+    trained = acc[acc["policy"] == "trained"]
+    assert len(trained) == len(METHODS) * 2 and (trained["n_seeds"] == len(SEEDS)).all()
+    assert (trained["interval_over"] == "seeds+problems").all()
+    assert ((trained["pass1_ci_low"] <= trained["pass1"]) & (trained["pass1"] <= trained["pass1_ci_high"])).all()
+    # the mean over seeds and problems (from the runs' per-problem records) is the mean of the seeds' logged pass@1
+    per_run = pd.read_csv(report / "accuracy.csv")
+    per_run = per_run[per_run["policy"] == "trained"].groupby(["method", "benchmark"])["pass1"].mean()
+    for row in trained.itertuples():
+        assert row.pass1 == pytest.approx(per_run[row.method, row.benchmark]), row
+    claims = json.loads((report / "claims.json").read_text())
+    ids = {c["id"] for c in claims}
+    assert ids == {"a_qerl_entropy_gt_lora", "a_qerl_noaqn_entropy_gt_lora", "a_qlora_entropy_gt_lora",
+                   "b_qerl_ge_qerl_noaqn", "b_qerl_noaqn_ge_lora", "c_lora_aqn_ge_lora"}
+    for c in claims:  # every claim measured on both seeds, its sentence on the page
+        assert c["seeds"] == SEEDS and c["difference"]["n"] == len(SEEDS), c
+        num = r"-?\d+\.\d+(?:e[-+]\d+)?"
+        assert re.fullmatch(rf"(supported|contradicted|cannot tell): difference {num}, 95% interval \[{num}, {num}\], 2 seeds",
+                            c["text"]), c["text"]
+        assert c["text"] in page
+        assert c["verdict"] == c["text"].split(":")[0]
+    assert "first AQN stage" in page
+    parent = compared["client"].get_run(compared["parent"].info.run_id)
+    for cid in ids:
+        assert parent.data.metrics[f"claims/{cid}/n_seeds"] == len(SEEDS)
+        assert parent.data.tags[f"claims.{cid}"] == next(c["text"] for c in claims if c["id"] == cid)
 
 
 def test_notebook_draws_the_smoke_runs(compared, monkeypatch):
@@ -190,10 +246,10 @@ def test_compare_report_rebuilds_the_report_without_training(compared):
 def test_one_branch_alone_reuses_its_training_and_evaluation(compared):
     """``--namespaces=compare.qlora``: Kedro's own selection runs one branch; finished, it redoes nothing."""
     root = compared["root"]
-    proc = run_kedro(root, "run", "--pipelines=compare", "--env=smoke", "--namespaces=compare.qlora", timeout=600)
+    proc = run_kedro(root, *ARGS, "--namespaces=compare.qlora", timeout=600)
     ran = re.findall(r"Running node: ([\w.]+)", proc.stdout)
     assert ran and all(n.startswith("compare.qlora.") or n in {"train_policy", "evaluate_policies", "evaluation_outputs"}
                        for n in ran), ran
-    assert re.search(rf"qlora: already trained to step {SMOKE_STEPS} in .* reusing it", proc.stdout)
-    assert "already holds this evaluation" in proc.stdout
+    assert len(re.findall(rf"qlora: already trained to step {SMOKE_STEPS} in .* reusing it", proc.stdout)) == len(SEEDS)
+    assert len(re.findall(r"evaluate qlora seed \d+: run \w+ already holds this evaluation", proc.stdout)) == len(SEEDS)
     assert "shared engine started" not in proc.stdout  # nothing needed an engine

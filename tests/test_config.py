@@ -49,7 +49,7 @@ def _base() -> dict:
         (lambda p: p["optim"]["lr"].update(qerl=-1e-5), "optim", "lr.qerl must be > 0"),
         (lambda p: p["grpo"].update(num_generations=1), "grpo.num_generations", "greater than or equal to 2"),
         (lambda p: p["aqn"].update(sigma_start=1e-4, sigma_end=1e-2), "aqn", "sigma_end"),
-        (lambda p: p.update(method="qat"), "method", "'qerl', 'qerl_noaqn', 'qlora' or 'lora'"),
+        (lambda p: p.update(method="qat"), "method", "'qerl', 'qerl_noaqn', 'qlora', 'lora' or 'lora_aqn'"),
         (lambda p: p["train"].update(steps="many"), "train.steps", "valid integer"),
         (lambda p: p["rollout"].update(temprature=0.7), "rollout.temprature", "Extra inputs are not permitted"),
         (lambda p: p["grpo"].update(loss_aggregation="mean"), "grpo.loss_aggregation", "'sequence', 'token' or 'dr_grpo'"),
@@ -74,6 +74,8 @@ def test_aqn_enabled_by_method():
     assert validate({**p, "method": "qerl"}).aqn_enabled()
     assert not validate({**p, "method": "qerl_noaqn"}).aqn_enabled()
     assert not validate({**p, "method": "lora"}).aqn_enabled()
+    assert validate({**p, "method": "lora_aqn"}).aqn_enabled()  # BF16 + AQN: the noise-without-quantization arm
+    assert validate({**p, "method": "lora_aqn"}).optim.lr["lora_aqn"] == validate({**p, "method": "lora"}).optim.lr["lora"]
     p["aqn"]["enabled"] = True
     assert validate({**p, "method": "lora"}).aqn_enabled()
     with pytest.raises(ConfigError):

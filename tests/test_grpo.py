@@ -85,21 +85,134 @@ def test_microbatches_sum_to_full_batch():
         assert float(parts) == pytest.approx(float(full), rel=1e-6), how
 
 
-def test_tis_weights_and_mismatch_kl():
+def _is_toy():
+    # token ratios old/roll: row0 [2, 1, 0.25], row1 [0.5, 2, (padding)]; sequence ratios: 0.5 and 1.0
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.1], [0.2, 0.2, 0.3]]))
+    roll = torch.log(torch.tensor([[0.25, 0.9, 0.4], [0.4, 0.1, 0.9]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    return old, roll, mask
+
+
+@pytest.mark.parametrize("mode, cap, lower, weights, masked, clipped", [
+    ("token_truncate", 1.5, None, [[1.5, 1.0, 0.25], [0.5, 1.5]], 0, 2),
+    ("token_truncate", 1.5, 0.4, [[1.5, 1.0, 0.4], [0.5, 1.5]], 0, 3),
+    ("token_mask", 1.5, None, [[0.0, 1.0, 0.25], [0.5, 0.0]], 2, 0),
+    ("token_mask", 1.5, 0.4, [[0.0, 1.0, 0.0], [0.5, 0.0]], 3, 0),
+    ("sequence_truncate", 0.8, None, [[0.5] * 3, [0.8] * 2], 0, 1),
+    ("sequence_truncate", 0.8, 0.6, [[0.6] * 3, [0.8] * 2], 0, 2),
+    ("sequence_mask", 0.8, None, [[0.5] * 3, [0.0] * 2], 1, 0),
+    ("sequence_mask", 0.8, 0.6, [[0.0] * 3, [0.0] * 2], 2, 0),
+    ("token_truncate", None, 0.4, [[2.0, 1.0, 0.4], [0.5, 2.0]], 0, 1),
+])
+def test_is_modes_hand_computed(mode, cap, lower, weights, masked, clipped):
+    old, roll, mask = _is_toy()
+    w, st = grpo.is_weights(old, roll, mask, mode, cap, lower)
+    assert w.shape == mask.shape
+    assert w[0].tolist() == pytest.approx(weights[0], rel=1e-6)
+    assert w[1, :2].tolist() == pytest.approx(weights[1], rel=1e-6)  # [1, 2] is padding
+    n = 5 if mode.startswith("token") else 2  # real tokens, or sequences
+    m = st.metrics()
+    assert st.masked == masked and st.clipped == clipped
+    assert m["mismatch/is_masked_fraction"] == pytest.approx(masked / n)
+    assert m["mismatch/is_clipped_fraction"] == pytest.approx(clipped / n)
+    if mode.startswith("token"):  # raw ratios of the 5 real tokens, before truncation/masking
+        assert (m["mismatch/is_ratio_min"], m["mismatch/is_ratio_max"]) == pytest.approx((0.25, 2.0))
+        assert m["mismatch/is_ratio_mean"] == pytest.approx((2 + 1 + 0.25 + 0.5 + 2) / 5)
+    else:
+        assert (m["mismatch/is_ratio_min"], m["mismatch/is_ratio_mean"], m["mismatch/is_ratio_max"]) == pytest.approx((0.5, 0.75, 1.0))
+
+
+def test_is_none_and_merge_of_micro_batches():
+    old, roll, mask = _is_toy()
+    assert grpo.is_weights(old, roll, mask, "none", 2.0) == (None, None)
+    with pytest.raises(ValueError, match="is_mode"):
+        grpo.is_weights(old, roll, mask, "token_clip", 2.0)
+    whole = grpo.is_weights(old, roll, mask, "token_mask", 1.5)[1]
+    parts = grpo.ISStats.merge([grpo.is_weights(old[i:i + 1], roll[i:i + 1], mask[i:i + 1], "token_mask", 1.5)[1] for i in (0, 1)])
+    assert parts.metrics() == pytest.approx(whole.metrics())
+    # a sequence's product of ratios can overflow exp(): clamped, finite, and masked by any cap
+    huge_old, huge_roll = torch.zeros(1, 200), torch.full((1, 200), -5.0)
+    w, st = grpo.is_weights(huge_old, huge_roll, torch.ones(1, 200), "sequence_mask", 3.0)
+    assert torch.isfinite(st.ratios).all() and float(w.max()) == 0.0
+
+
+def test_mismatch_kl_and_weights_multiply_the_surrogate():
     old = torch.log(torch.tensor([[0.5, 0.9, 0.1]]))
     roll = torch.log(torch.tensor([[0.25, 0.9, 0.4]]))
-    w = grpo.tis_weights(old, roll, cap=1.5)
-    assert w.tolist()[0] == pytest.approx([1.5, 1.0, 0.25])  # 2.0 capped at 1.5
-    assert grpo.tis_weights(old, roll, None) is None
     mask = torch.ones(1, 3)
+    w, _ = grpo.is_weights(old, roll, mask, "token_truncate", 1.5)
     # k3 of KL(roll||train) per token: exp(d) - d - 1, d = old - roll
     d = [math.log(2), 0.0, math.log(0.25)]
     want = sum(math.exp(x) - x - 1 for x in d) / 3
     assert grpo.mismatch_kl(roll, old, mask) == pytest.approx(want, rel=1e-6)
-    # weights multiply the per-token loss
     adv = torch.tensor([1.0])
     lw, _ = grpo.policy_loss(old, old, adv, mask, eps_low=0.2, eps_high=0.28, is_weights=w, aggregation="token")
     assert float(lw) == pytest.approx(-(1.5 + 1.0 + 0.25) / 3)
+    # not the KL term (as TRL): with A = 0 only the KL is left, unweighted
+    ref = old - math.log(2)
+    lk, _ = grpo.policy_loss(old, old, torch.zeros(1), mask, eps_low=0.2, eps_high=0.28, is_weights=w, ref_logp=ref, kl_beta=1.0)
+    assert float(lk) == pytest.approx(0.5 - math.log(0.5) - 1)
+
+
+def test_gspo_sequence_ratio_hand_computed():
+    logp, old, adv, mask = _toy()
+    # row0 token log-ratios [ln 2, 0] (third masked): s0 = exp(ln2 / 2) = sqrt(2) > 1.28 with A>0: clipped
+    # row1 [0, ln .5, 0]: s1 = 0.5^(1/3) = 0.794 < 0.8 with A<0: min(-2 s1, -1.6) = -1.6, clipped
+    for how, want in (("sequence", (-1.28 + 1.6) / 2), ("token", (2 * -1.28 + 3 * 1.6) / 5)):
+        loss, st = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, aggregation=how, level="sequence")
+        assert float(loss) == pytest.approx(want, rel=1e-6), how
+        assert st.clip_fraction == pytest.approx(1.0) and st.clip_high_fraction == pytest.approx(2 / 5)
+    # unclipped (wide range): loss = (1/2) sum_i -s_i A_i, d/dlogp[i, t] = -A_i s_i / (2 |y_i|)
+    lp = logp.clone().requires_grad_(True)
+    loss, _ = grpo.policy_loss(lp, old, adv, mask, eps_low=0.9, eps_high=9.0, aggregation="sequence", level="sequence")
+    s0, s1 = math.sqrt(2), 0.5 ** (1 / 3)
+    assert float(loss) == pytest.approx((-s0 + 2 * s1) / 2, rel=1e-6)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-s0 / 4, -s0 / 4, 0.0], rel=1e-6)
+    assert lp.grad[1].tolist() == pytest.approx([s1 / 3] * 3, rel=1e-6)
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, level="group")
+
+
+def test_kl_bias_correction_hand_computed():
+    logp0 = torch.log(torch.tensor([[0.5, 0.5]]))
+    ref = torch.log(torch.tensor([[0.25, 0.5]]))
+    mask, adv = torch.ones(1, 2), torch.zeros(1)
+    k3_0 = 0.5 - math.log(0.5) - 1  # token 0; token 1 has k3 = 0
+    grads = {}
+    for corr in (False, True):
+        lp = logp0.clone().requires_grad_(True)
+        loss, _ = grpo.policy_loss(lp, logp0, adv, mask, eps_low=0.2, eps_high=0.2, ref_logp=ref, kl_beta=0.1,
+                                   kl_bias_correction=corr)
+        assert float(loss) == pytest.approx(0.1 * k3_0 / 2)  # ratio 1: same value
+        loss.backward()
+        grads[corr] = float(lp.grad[0, 0])
+    # d k3/d logp = 1 - exp(ref - logp) = 0.5; corrected: d (ratio * k3) = k3 + 0.5 at ratio 1
+    assert grads[False] == pytest.approx(0.1 * 0.5 / 2)
+    assert grads[True] == pytest.approx(0.1 * (k3_0 + 0.5) / 2)
+    # off-policy (pi_theta = 2 pi_old): the corrected term is the ratio times k3
+    loss, _ = grpo.policy_loss(logp0, logp0 - math.log(2), adv, mask, eps_low=0.2, eps_high=0.2, ref_logp=ref, kl_beta=0.1,
+                               kl_bias_correction=True)
+    assert float(loss) == pytest.approx(2 * 0.1 * k3_0 / 2)
+
+
+def test_high_entropy_selection_hand_computed():
+    ent = torch.tensor([[0.1, 0.9, 0.5], [0.3, 0.7, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # 5.0 is padding: never selected, not in the quantile
+    sel, thr = grpo.high_entropy_mask(ent, mask, 0.4)
+    # 0.6-quantile of [0.1, 0.3, 0.5, 0.7, 0.9] (linear): position 2.4 -> 0.5 + 0.4 * 0.2 = 0.58
+    assert thr == pytest.approx(0.58)
+    assert sel.tolist() == [[0, 1, 0], [0, 1, 0]]
+    every, _ = grpo.high_entropy_mask(ent, mask, 1.0)
+    assert torch.equal(every, mask)
+    # only selected tokens carry the surrogate; the normaliser still counts all 5 real tokens
+    logp = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, -2.0])
+    loss, _ = grpo.policy_loss(logp, logp, adv, mask, eps_low=0.2, eps_high=0.28, aggregation="token", token_select=sel)
+    assert float(loss) == pytest.approx((-1.0 + 2.0) / 5)
+    lp = logp.clone().requires_grad_(True)
+    grpo.policy_loss(lp, logp, adv, mask, eps_low=0.2, eps_high=0.28, token_select=sel)[0].backward()
+    assert (lp.grad != 0).tolist() == [[False, True, False], [False, True, False]]
 
 
 def test_kl_to_reference_k3():

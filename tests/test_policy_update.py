@@ -38,7 +38,7 @@ def _cfg(**over) -> QerlConfig:
         "method": "qerl",
         "lora": {"rank": 4, "alpha": 8, "train_norms": True},
         "optim": {"lr": {"qerl": LR}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1e9},
-        "grpo": {"num_generations": 2, "kl_beta": 0.1, "log_kl_to_base": True, "tis_cap": 2.0},
+        "grpo": {"num_generations": 2, "kl_beta": 0.1, "log_kl_to_base": True, "is_cap": 2.0},
         "rollout": {"temperature": 0.7, "max_new_tokens": 6},
         "train": {"micro_batch_size": 2},
     }
@@ -144,6 +144,62 @@ def test_missing_rollout_logprob_gets_pi_old_in_every_update(base_dir, monkeypat
         assert first[0, 2] == 1.0 and second[1, 5] == 1.0, f"update {u + 1}: weight of a missing log-prob != 1"
     # the other tokens' weights are real ratios (not all 1)
     assert float((seen[0] - 1).abs().max()) > 1e-3
+
+
+def test_entropy_selection_is_over_the_whole_batch_and_pi_old_unchanged(base_dir, monkeypatch):
+    """top_entropy_quantile 0.5: one threshold over all micro-batches' real tokens, half of them trained on;
+    pi_old from the no-grad pre-pass equals the first update's forward (ratios exactly 1 at update 1)."""
+    cfg = _cfg(grpo={"kl_beta": 0.0, "log_kl_to_base": False, "top_entropy_quantile": 0.5})
+    policy, params, opt, sched, base, names, norm_params = _setup(base_dir, cfg)
+    ids, p_lens, roll, mask, adv = _batch()
+    mask[1, 4:] = 0.0  # padding is never selected nor counted
+    seen = []
+    real = grpo.policy_loss
+
+    def spy(logp, old_logp, *args, **kwargs):
+        seen.append((kwargs["token_select"].clone(), (logp.detach() - old_logp).abs().max()))
+        return real(logp, old_logp, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "policy_loss", spy)
+    out = step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
+    chosen = torch.cat([sel for sel, _ in seen], 0)
+    assert chosen.shape == mask.shape and float((chosen * (1 - mask)).sum()) == 0.0
+    n_real = int(mask.sum())
+    assert int(chosen.sum()) == n_real // 2  # distinct float entropies: exactly half (ties would add)
+    assert out["policy/selected_token_fraction"] == pytest.approx(int(chosen.sum()) / n_real)
+    with torch.no_grad():
+        ent = torch.cat([step.completion_logprobs(policy, ids[s], p_lens[s], 6, 0.7)[1] for s in (slice(0, 2), slice(2, 4))])
+    # selected = the real tokens at or above the batch threshold (not per micro-batch)
+    assert torch.equal(chosen.bool(), (ent >= out["policy/entropy_threshold"] - 1e-6) & mask.bool())
+    assert all(float(d) == 0.0 for _, d in seen)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"])
+def test_each_is_mode_logs_its_ratios_and_fractions(base_dir, mode):
+    """A tight two-sided bound around 1 (the rollout log-probs here are random): masks or clips something."""
+    cfg = _cfg(grpo={"kl_beta": 0.0, "log_kl_to_base": False, "is_mode": mode, "is_cap": 1.05, "is_lower": 0.95})
+    policy, params, opt, sched, base, names, norm_params = _setup(base_dir, cfg)
+    ids, p_lens, roll, mask, adv = _batch()
+    out = step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
+    if mode == "none":
+        assert not any(k.startswith("mismatch/is_") for k in out)
+        return
+    assert out["mismatch/is_ratio_min"] <= out["mismatch/is_ratio_mean"] <= out["mismatch/is_ratio_max"]
+    if mode.endswith("mask"):
+        assert out["mismatch/is_masked_fraction"] > 0 and out["mismatch/is_clipped_fraction"] == 0
+    else:
+        assert out["mismatch/is_clipped_fraction"] > 0 and out["mismatch/is_masked_fraction"] == 0
+
+
+def test_old_tis_cap_name_still_reads():
+    assert QerlConfig.model_validate({"grpo": {"tis_cap": 3.0}}).grpo.is_cap == 3.0
+    assert QerlConfig.model_validate({"grpo": {"tis_cap": None}}).grpo.is_mode == "none"
+    from qerl_pipeline.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="is_lower"):
+        validate({"grpo": {"is_cap": 1.0, "is_lower": 2.0}})
+    with pytest.raises(ConfigError, match="is_mode"):
+        validate({"grpo": {"is_cap": None}})
 
 
 def test_sampling_seeds_are_distinct_and_deterministic():

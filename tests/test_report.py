@@ -1,8 +1,13 @@
-"""The comparison report on fixed MLflow runs in a temporary SQLite store; the notebook runs headless."""
+"""The comparison report on fixed MLflow runs in a temporary SQLite store; the notebook runs headless.
+
+The store holds a compare group of 5 methods x 2 seeds whose curves and evaluations are
+built so that every claim's verdict and numbers can be worked out by hand (see ``_curves``).
+"""
 
 from __future__ import annotations
 
 import base64
+import json
 import re
 from pathlib import Path
 
@@ -11,33 +16,72 @@ from mlflow.tracking import MlflowClient
 
 from qerl_pipeline.evaluation import metrics as M
 from qerl_pipeline.evaluation import report as R
+from qerl_pipeline.evaluation import stats as S
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["qerl", "qerl_noaqn", "qlora", "lora"]
+METHODS = ["qerl", "qerl_noaqn", "qlora", "lora", "lora_aqn"]
+SEEDS = [0, 1]
 EXPERIMENT = "report_test"
+STEPS = range(1, 6)
+#: AQN methods' stage and sigma per step: the first noisy stage (1) is steps 2 and 3
+STAGE = {1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+SIGMA = {0: 0.0, 1: 0.01, 2: 0.005}
 
 
-def _log_method_run(client, exp_id, method, i, group="g1"):
-    """A run as train + evaluate leave it: tagged, per-step curves, eval/... metrics."""
-    run = client.create_run(exp_id, tags={"method": method, "model": "tiny", "dataset": "generator", R.GROUP_TAG: group}, run_name=f"{method}-run")
+def _curves(method, seed, step):
+    """reward and entropy of (method, seed) at a step.
+
+    reward = slope * step + seed term: its area per step span over steps 1..5 is 3 * slope + term.
+    qerl (slope 0.1, term 0.02 seed) vs qerl_noaqn (0.05, 0.01 seed): per-seed differences 0.15, 0.16;
+    qerl_noaqn vs lora (0.05, 0): 0.00, 0.01; lora_aqn equals lora: 0, 0.
+    entropy = 1 outside the first AQN stage; inside it 1 + A + J * seed: differences to lora
+    qerl 0.2, 0.22 (supported), qerl_noaqn -0.3, -0.28 (contradicted), qlora 0, 0.02 (cannot tell).
+    """
+    slope = {"qerl": 0.1}.get(method, 0.05)
+    term = {"qerl": 0.02, "qerl_noaqn": 0.01}.get(method, 0.0) * seed
+    a = {"qerl": 0.2, "qerl_noaqn": -0.3, "lora_aqn": 0.1}.get(method, 0.0)
+    j = 0.02 if method in ("qerl", "qerl_noaqn", "qlora") else 0.0
+    entropy = 1.0 + a + j * seed if STAGE[step] == 1 else 1.0
+    return slope * step + term, entropy
+
+
+def _log_records(client, rid, records):
+    """``eval/records.json`` written by ``MlflowLogger.log_table`` itself (its list cells become text)."""
+    from types import SimpleNamespace
+
+    from qerl_pipeline.tracking import MlflowLogger
+
+    MlflowLogger.log_table(SimpleNamespace(client=client, run_id=rid), records, "eval/records.json")
+
+
+def _log_method_run(client, exp_id, method, i, seed=0, group="g1"):
+    """A run as a compare branch leaves it: tagged (method, seed), per-step curves, eval/... metrics and records."""
+    tags = {"method": method, "model": "tiny", "dataset": "generator", R.GROUP_TAG: group, "seed": str(seed)}
+    run = client.create_run(exp_id, tags=tags, run_name=f"{method}-run-{seed}")
     rid = run.info.run_id
     client.log_param(rid, "method", method)
-    for step in range(5):
-        client.log_metric(rid, R.CURVES["reward"][1][0], 0.1 * step + 0.05 * i, step=step)
-        client.log_metric(rid, R.CURVES["entropy"][1][0], 1.0 - 0.1 * step + 0.01 * i, step=step)
+    client.log_param(rid, "train.seed", seed)
+    aqn = method in ("qerl", "lora_aqn")
+    for step in STEPS:
+        reward, entropy = _curves(method, seed, step)
+        client.log_metric(rid, R.CURVES["reward"][1][0], reward, step=step)
+        client.log_metric(rid, R.CURVES["entropy"][1][0], entropy, step=step)
+        client.log_metric(rid, "aqn/stage", STAGE[step] if aqn else 0, step=step)
+        client.log_metric(rid, "aqn/sigma", SIGMA[STAGE[step]] if aqn else 0.0, step=step)
         client.log_metric(rid, R.SYSTEM["rollout_tokens_per_s"][1][0], 100.0 * (i + 1) + step, step=step)
         client.log_metric(rid, R.SYSTEM["step_time_s"][1][0], 2.0 + i, step=step)
         client.log_metric(rid, R.SYSTEM["peak_memory_gib"][1][0], 1.0 + step * 0.1, step=step)
-    client.log_metric(rid, R.SYSTEM["weight_mib"][1][0], [10.0, 10.0, 12.0, 40.0][i])
-    # evaluation: 4 problems on two benchmarks, method i gets i+1 of 4 right on 'gsm8k'
+    client.log_metric(rid, R.SYSTEM["weight_mib"][1][0], [10.0, 10.0, 12.0, 40.0, 40.0][i])
+    # evaluation: 4 problems on two benchmarks, method i gets i+1 of 4 right on 'gsm8k'; qerl's seed 1 one more
     records = []
     for bench in ("gsm8k", "math500"):
         for p in range(4):
-            ok = p <= i if bench == "gsm8k" else p == 0
+            ok = (p <= i or (method == "qerl" and seed == 1 and p == 1)) if bench == "gsm8k" else p == 0
             records.append({"id": f"{bench}-{p}", "source": bench, "policy": "trained", "correct": [ok, ok], "greedy_correct": ok})
             records.append({"id": f"{bench}-{p}", "source": bench, "policy": "base", "correct": [False, p == 0], "greedy_correct": False})
     for key, value in M.metric_dict(M.aggregate(records)).items():
         client.log_metric(rid, key, value)
+    _log_records(client, rid, records)
     client.set_terminated(rid)
     return rid
 
@@ -52,18 +96,19 @@ def store(tmp_path_factory):
     old = client.create_run(exp_id, tags={"method": "qerl", R.GROUP_TAG: "old"})
     client.log_metric(old.info.run_id, "eval/trained/gsm8k/pass1", 0.99)
     parent = client.create_run(exp_id, tags={R.ROLE_TAG: "compare", "method": "qerl"})
-    ids = {m: _log_method_run(client, exp_id, m, i) for i, m in enumerate(METHODS)}
+    ids = {(m, k): _log_method_run(client, exp_id, m, i, k) for i, m in enumerate(METHODS) for k in SEEDS}
     return {"uri": uri, "client": client, "ids": ids, "old": old.info.run_id, "parent": parent.info.run_id}
 
 
 def test_load_runs_picks_group_and_newest(store):
     runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    assert [r.method for r in runs] == METHODS
-    assert [r.run_id for r in runs] == [store["ids"][m] for m in METHODS]
+    assert [(r.method, r.seed) for r in runs] == [(m, k) for m in METHODS for k in SEEDS]  # one run per method and seed
+    assert [r.run_id for r in runs] == [store["ids"][m, k] for m in METHODS for k in SEEDS]
+    assert runs[0].records and {"id", "source", "policy", "correct"} <= set(runs[0].records[0])
     # without group: newest per method, still never the compare parent run
     runs = R.load_runs(EXPERIMENT, ["qerl"], client=store["client"])
-    assert runs[0].run_id == store["ids"]["qerl"]
-    assert runs[0].curve("reward")[:2] == [(0, pytest.approx(0.0)), (1, pytest.approx(0.1))]
+    assert runs[0].run_id == store["ids"]["qerl", 1]
+    assert runs[0].curve("reward")[:2] == [(1, pytest.approx(0.12)), (2, pytest.approx(0.22))]
     with pytest.raises(ValueError, match="no MLflow run for method.*lora.*group 'old'"):
         R.load_runs(EXPERIMENT, ["qerl", "lora"], client=store["client"], group="old")
     assert [r.method for r in R.load_runs(EXPERIMENT, ["qerl", "lora"], client=store["client"], group="old", require_all=False)] == ["qerl"]
@@ -76,13 +121,63 @@ def test_tables(store):
     # lora (i=3) gets all 4 gsm8k problems right: 1.000 with Wilson interval [z^2... , 1]
     lo, hi = M.wilson_interval(1.0, 4)
     assert table.at["gsm8k", "lora"] == f"1.000 [{lo:.3f}, {hi:.3f}]"
-    assert table.at["gsm8k", "qerl"].startswith("0.250 [")
+    assert table.at["gsm8k", "qerl"].startswith("0.375 [")  # seed 0: 1 of 4, seed 1: 2 of 4
     base = R.accuracy_table(runs, policy="base")
     assert base.at["math500", "qlora"].startswith("0.125 [")  # 1 of 8 samples, 1/2 on one of 4 problems
     sys = R.system_table(runs)
-    assert sys.loc["qlora", "Rollout tokens/s"] == pytest.approx(302.0)  # mean of 300..304
-    assert sys.loc["qerl", "Peak memory (GiB)"] == pytest.approx(1.4)  # max over steps
+    assert sys.loc["qlora", "Rollout tokens/s"] == pytest.approx(303.0)  # mean of 301..305, both seeds
+    assert sys.loc["qerl", "Peak memory (GiB)"] == pytest.approx(1.5)  # max over steps
     assert sys.loc["lora", "Base weight size (MiB)"] == pytest.approx(40.0)
+
+
+def test_accuracy_over_seeds_and_problems(store):
+    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
+    summary = R.accuracy_summary(runs).set_index(["method", "policy", "benchmark"])
+    row = summary.loc[("qerl", "trained", "gsm8k")]
+    expected = S.crossed_interval([[1, 0, 0, 0], [1, 1, 0, 0]])  # seeds x problems, aligned by problem id
+    assert (row["n_seeds"], row["n_problems"], row["interval_over"]) == (2, 4, "seeds+problems")
+    assert (row["pass1"], row["pass1_ci_low"], row["pass1_ci_high"]) == pytest.approx((expected.mean, expected.low, expected.high))
+    assert row["greedy"] == pytest.approx(0.375)
+    # the base is one evaluation for every seed: its interval is over problems only
+    base = summary.loc[("qlora", "base", "math500")]
+    assert base["n_seeds"] == 1 and base["interval_over"] == "problems"
+
+
+def test_curve_bands_over_seeds(store):
+    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
+    bands = R.curve_bands(runs)
+    qerl = bands[(bands["curve"] == "reward") & (bands["method"] == "qerl")].set_index("step")
+    # step 1: rewards 0.10 and 0.12: mean 0.11, half t(1) * 0.01
+    assert qerl.loc[1, "mean"] == pytest.approx(0.11) and qerl.loc[1, "n_seeds"] == 2
+    assert qerl.loc[1, "ci_high"] - qerl.loc[1, "mean"] == pytest.approx(S.t_quantile(1) * 0.01)
+    lora = bands[(bands["curve"] == "entropy") & (bands["method"] == "lora")]
+    assert (lora["ci_low"] == lora["mean"]).all()  # seeds that agree: a zero-width band
+
+
+def test_claims_by_hand(store):
+    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
+    assert R.first_aqn_stage_steps(runs) == [2, 3]
+    found = {c.id: c for c in R.claims(runs)}
+    assert set(found) == {"a_qerl_entropy_gt_lora", "a_qerl_noaqn_entropy_gt_lora", "a_qlora_entropy_gt_lora",
+                          "b_qerl_ge_qerl_noaqn", "b_qerl_noaqn_ge_lora", "c_lora_aqn_ge_lora"}
+    # (a) per-seed entropy differences over steps 2-3: 0.2, 0.22 / -0.3, -0.28 / 0, 0.02; half t(1) * 0.01 = 0.127
+    assert found["a_qerl_entropy_gt_lora"].text == "supported: difference 0.210, 95% interval [0.083, 0.337], 2 seeds"
+    assert found["a_qerl_noaqn_entropy_gt_lora"].text == "contradicted: difference -0.290, 95% interval [-0.417, -0.163], 2 seeds"
+    assert found["a_qlora_entropy_gt_lora"].text == "cannot tell: difference 0.010, 95% interval [-0.117, 0.137], 2 seeds"
+    # (b) areas 3 * slope + seed term: differences 0.15, 0.16 (half t(1) * 0.005 = 0.064) / 0.00, 0.01 / (c) 0, 0
+    assert found["b_qerl_ge_qerl_noaqn"].text == "supported: difference 0.155, 95% interval [0.091, 0.219], 2 seeds"
+    assert found["b_qerl_noaqn_ge_lora"].text == "cannot tell: difference 0.005, 95% interval [-0.059, 0.069], 2 seeds"
+    assert found["c_lora_aqn_ge_lora"].text == "cannot tell: difference 0.000, 95% interval [0.000, 0.000], 2 seeds"
+    # one seed: every claim says the data cannot tell
+    one = {c.id: c for c in R.claims([r for r in runs if r.seed == 0])}
+    assert all(c.verdict == "cannot tell" and "1 seed (no interval" in c.text for c in one.values())
+    # a method not run: the claim says which
+    no_aqn = {c.id: c for c in R.claims([r for r in runs if r.method != "lora_aqn"])}
+    assert no_aqn["c_lora_aqn_ge_lora"].text == "cannot tell: no data for lora_aqn"
+    metrics, tags = R.claim_metrics(found.values())
+    assert metrics["claims/b_qerl_ge_qerl_noaqn/difference"] == pytest.approx(0.155)
+    assert metrics["claims/b_qerl_ge_qerl_noaqn/n_seeds"] == 2
+    assert tags["claims.a_qlora_entropy_gt_lora"].startswith("cannot tell")
 
 
 def test_build_report_writes_pngs_and_self_contained_html(store, tmp_path):
@@ -100,7 +195,13 @@ def test_build_report_writes_pngs_and_self_contained_html(store, tmp_path):
     assert "http" not in page.split("<body>")[1]  # nothing fetched from elsewhere
     assert not list((tmp_path / "report").glob(".*tmp"))  # atomic writes left no temp files
     csv = paths["accuracy_csv"].read_text().splitlines()
-    assert csv[0].startswith("method,policy,benchmark") and len(csv) == 1 + 4 * 2 * 2
+    assert csv[0].startswith("method,seed,policy,benchmark") and len(csv) == 1 + 5 * 2 * 2 * 2  # methods x seeds x policies x benchmarks
+    claims = json.loads(paths["claims_json"].read_text())
+    assert len(claims) == 6 and all(c["text"] in page for c in claims)
+    assert "supported: difference 0.210, 95% interval [0.083, 0.337], 2 seeds" in paths["claims_csv"].read_text()
+    curves = paths["curves_csv"].read_text().splitlines()
+    assert curves[0] == "curve,method,step,mean,ci_low,ci_high,n_seeds" and len(curves) == 1 + 2 * 5 * 5
+    assert paths["accuracy_summary_csv"].read_text().startswith("method,policy,benchmark,n_seeds")
 
 
 def test_log_report_to_mlflow(store, tmp_path):

@@ -155,13 +155,15 @@ def test_answer_region():
 
 
 def test_pathological_completion_costs_at_most_the_time_limit():
-    # A huge anchored LaTeX sum: math-verify needs seconds on it; the limit is 1 s.
-    evil = "The final answer: $" + "1+" * 400_000 + "1$"
+    # A huge LaTeX sum: math-verify needs seconds on it; the limit is 1 s. The cheap checks
+    # reject such a completion before math-verify (tests/test_reward_bounds.py), but golds
+    # are not checked, so as a gold it still shows the time limit at work.
+    evil = "1+" * 400_000 + "1"
     limit = 1.0
     with RewardScorer(RewardConfig(timeout_s=limit, max_workers=2)) as s:
         s.score(["<answer>1</answer>"], ["1"])  # workers ready
         t0 = time.monotonic()
-        results = s.score([evil, f"{TH}<answer>5</answer>", "\\boxed{6}"], ["5", "5", "6"])
+        results = s.score(["\\boxed{5}", f"{TH}<answer>5</answer>", "\\boxed{6}"], [evil, "5", "6"])
         elapsed = time.monotonic() - t0
         after = s.score(["\\boxed{4}"], ["4"])  # a fresh worker replaced the killed one
     print(f"pathological batch took {elapsed:.2f} s with timeout_s={limit}")

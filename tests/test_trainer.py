@@ -377,3 +377,65 @@ def test_a_second_train_run_leaves_the_base_untouched_and_says_so(project, refer
     # the trained adapter is a dataset: the copy the evaluate pipeline reads, with its run's id
     meta = json.loads((project / "data/06_models/smoke/adapters/qerl/qerl_adapter.json").read_text())
     assert meta["method"] == "qerl" and meta["steps"] == STEPS
+
+
+# ------------------------------------------- data-parallel: the reference's config on 2 ranks
+@pytest.fixture(scope="module")
+def two_ranks(project, reference, tmp_path_factory) -> tuple[Path, str]:
+    """``kedro run --pipeline=train --env smoke`` with the reference's parameters and ``train.nproc=2``: two gloo
+    ranks under torchrun (rl/distributed.py), each with its own engine, on the base the reference quantized."""
+    out = tmp_path_factory.mktemp("two_ranks") / "out"
+    params = PARAMS.format(steps=STEPS, out=out) + ",train.nproc=2"
+    proc = start_kedro(project, "run", "--pipeline=train", "--env", "smoke", "--params", params, log=_log(out))
+    return out, wait_kedro(proc, _log(out), timeout=600).stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.kedro_run
+def test_two_ranks_log_one_run_and_train_the_reference_adapter(reference, two_ranks, tracking):
+    """2 ranks x 1 prompt per step = 1 process x 2 prompts (each prompt keeps its global sampling seed): the same
+    adapter up to float summation order; one MLflow run (rank 0's) with dist/world_size 2."""
+    from mlflow.tracking import MlflowClient
+
+    out, log = two_ranks
+    assert "torch.distributed.run" in log and "rank 1: INFO" in log  # launched, and the second rank ran
+    client = MlflowClient(tracking)
+    run = _run_for(client, out)
+    assert run.info.status == "FINISHED" and run.data.metrics["dist/world_size"] == 2
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")) == list(range(1, STEPS + 1))
+    ref_run = _run_for(client, reference)
+    assert "dist/world_size" in ref_run.data.metrics and ref_run.data.metrics["dist/world_size"] == 1
+    # the same completions were sampled: the per-step rewards agree
+    ours = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "reward/mean"), key=lambda m: m.step)]
+    theirs = [m.value for m in sorted(client.get_metric_history(ref_run.info.run_id, "reward/mean"), key=lambda m: m.step)]
+    assert ours == pytest.approx(theirs, abs=1e-6)
+    two, one = _adapter(out / "qerl" / "final_adapter"), _adapter(reference / "qerl" / "final_adapter")
+    assert set(two) == set(one)
+    for name in one:
+        scale = float(one[name].abs().max()) or 1.0
+        assert float((two[name] - one[name]).abs().max()) <= ADAPTER_TOL * scale, name
+    meta = json.loads((out / "qerl" / "final_adapter" / "qerl_adapter.json").read_text())
+    assert meta["world_size"] == 2
+
+
+@pytest.mark.vllm
+@pytest.mark.kedro_run
+def test_a_checkpoint_of_two_ranks_is_not_resumed_by_one(project, two_ranks):
+    """Resuming the 2-rank run's folder with one rank (one more step) stops before any model loads, naming both."""
+    from qerl_pipeline.config import QerlConfig
+    from qerl_pipeline.rl import checkpoint as ckpt
+    from qerl_pipeline.rl import trainer
+
+    out, _ = two_ranks
+    state = ckpt.peek_state(ckpt.find_latest(out / "qerl"))
+    assert state["world_size"] == 2
+    flat = {**state["config"], "train.steps": STEPS + 1, "train.output_dir": str(out), "train.nproc": 1}
+    nested: dict = {}
+    for key, value in flat.items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    with pytest.raises(ValueError, match=r"2 rank\(s\); this run has 1 "):
+        trainer.train(QerlConfig.model_validate(nested), project / "data/06_models/smoke/base_nvfp4", [], progress=False)

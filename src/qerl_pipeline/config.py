@@ -16,10 +16,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-Method = Literal["qerl", "qerl_noaqn", "qlora", "lora"]
-METHODS: tuple[str, ...] = ("qerl", "qerl_noaqn", "qlora", "lora")
+Method = Literal["qerl", "qerl_noaqn", "qlora", "lora", "lora_aqn"]
+METHODS: tuple[str, ...] = ("qerl", "qerl_noaqn", "qlora", "lora", "lora_aqn")
 #: The base-weight format each method trains and rolls out on.
-METHOD_FORMAT: dict[str, str] = {"qerl": "nvfp4", "qerl_noaqn": "nvfp4", "qlora": "nf4", "lora": "bf16"}
+METHOD_FORMAT: dict[str, str] = {"qerl": "nvfp4", "qerl_noaqn": "nvfp4", "qlora": "nf4", "lora": "bf16", "lora_aqn": "bf16"}
+#: Methods whose AQN is on unless ``aqn.enabled`` says otherwise. ``lora_aqn`` (not in the paper) is
+#: the ablation QeRL's users asked for (QeRL issue #11): AQN on a BF16 base, no quantization, so the
+#: effect of the added noise can be told apart from the effect of quantization noise.
+AQN_METHODS: tuple[str, ...] = ("qerl", "lora_aqn")
 
 
 class Section(BaseModel):
@@ -154,8 +158,9 @@ class RewardConfig(Section):
     )
     anchored_plain_answers: bool = Field(
         True, description="Also extract plain (non-LaTeX) numbers after an anchor ('The answer is 18', 'Final answer: "
-        "18'; math-verify ExprExtractionConfig without anchorless fallback): small models rarely write LaTeX. "
-        "False = the paper's LaTeX-only extraction."
+        "18'; math-verify ExprExtractionConfig without anchorless fallback): small models rarely write LaTeX. The text "
+        "after the anchor, to the end of its sentence, is also read as LaTeX ('The answer is \\frac{4}{3}.'; see "
+        "rewards/math.py). False = the paper's LaTeX-only extraction."
     )
     max_workers: int = Field(2, gt=0, description="Worker processes for scoring.")
 
@@ -216,7 +221,36 @@ class RolloutConfig(Section):
         "(the only way on an NVFP4 base); merge = merged into dense served weights; auto = measure both once.",
     )
     gpu_memory_utilization: float = Field(0.35, gt=0, le=1, description="CUDA only: fraction of GPU memory vLLM may take.")
-    sleep_between_steps: bool = Field(True, description="CUDA only: sleep the engine during the update when colocated.")
+    sleep_between_steps: bool = Field(
+        True,
+        description="CUDA only: put the engine to sleep (vLLM sleep mode, `enable_sleep_mode`) during the policy update "
+        "when it shares the trainer's GPU, so the update gets the engine's memory; woken after the new adapter is saved, "
+        "then checked (a greedy probe must give the same tokens as before the sleep) and the next adapter registered "
+        "(rollout/sleep.py). Never on CPU: vLLM-CPU has no sleep mode (enable_sleep_mode raises 'Sleep mode is not "
+        "supported on current platform.'), and there the engine's memory is host RAM anyway.",
+    )
+    sleep_level: Literal[1, 2] = Field(
+        1,
+        description="vLLM sleep level. 1: weights offloaded to CPU RAM, KV cache freed; restored as they were on wake "
+        "(needs host RAM for the weights). 2: weights and KV cache discarded; on wake the weights are reloaded from the "
+        "served folder (`collective_rpc('reload_weights')`) and the in-place updates (AQN/trained norms) re-applied, "
+        "because a level-2 wake alone leaves garbage weights (vLLM docs; ms-swift #7017, verl #3461). Level 2 saves "
+        "the host copy and, for 8B+ models, time (vLLM PR #48337's measurements); level 1 is the safe default.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="GPUs one engine spans (vLLM `tensor_parallel_size`), for models whose served weights + KV cache do "
+        "not fit one GPU. CUDA only: refused on CPU at engine build (serving.tensor_parallel_args), where the engine "
+        "runs in one process. With `engines: per_rank` and more than one training rank it must be 1.",
+    )
+    engines: Literal["per_rank", "shared"] = Field(
+        "per_rank",
+        description="Rollout engines under data-parallel training (serving.engine_plan). per_rank: every rank opens "
+        "its own engine (data-parallel vLLM), on its own GPU (local rank; `tensor_parallel_size` GPUs from local_rank * "
+        "tensor_parallel_size when training on one rank), and rolls out its share of the prompts. shared: one engine "
+        "on GPUs 0..tensor_parallel_size-1 opened by rank 0; handing its rollouts to the other ranks is not built yet, "
+        "so shared is refused with more than one rank (with one rank both are the same).",
+    )
     shared_engines: int | None = Field(
         None, ge=1,
         description="compare only: engines kept alive across the branches' nodes (rollout/pool.py), one per served base. "
@@ -274,16 +308,71 @@ class GRPOConfig(Section):
     )
     updates_per_rollout: int = Field(1, gt=0, description="Policy updates per rollout batch (paper: 4 on GSM8K).")
     mask_truncated: bool = Field(False, description="Exclude completions cut at max_new_tokens from the loss.")
-    tis_cap: float | None = Field(2.0, gt=0, description="Truncated importance sampling cap on pi_train/pi_rollout; None disables.")
+    is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"] = Field(
+        "token_truncate",
+        description="Importance-sampling correction of the rollout/trainer mismatch (vLLM's log-probs are not the "
+        "trainer's; a quantized base widens the gap), TRL 1.x's vllm_importance_sampling_mode names: the ratio "
+        "pi_old_trainer/pi_rollout per token or per sequence (product over its tokens), then truncate = clamp to "
+        "[is_lower, is_cap], mask = weight 0 outside it (IcePop / verl's two-sided masking with is_lower set); none = "
+        "no correction. Default token_truncate with cap 2 (truncated IS, Yao et al. 2025: the project's behaviour "
+        "before this option); TRL's default is sequence_mask with cap 3. Logged per step: mismatch/is_ratio_min/mean/"
+        "max (raw ratio) and mismatch/is_masked_fraction, mismatch/is_clipped_fraction (of tokens or sequences).",
+    )
+    is_cap: float | None = Field(2.0, gt=0, description="Upper bound of the importance ratio (is_mode); None = unbounded above.")
+    is_lower: float | None = Field(
+        None, ge=0, description="Optional lower bound of the importance ratio: truncate modes raise ratios to it, mask "
+        "modes drop tokens/sequences below it (two-sided, IcePop: e.g. 0.5 with cap 2). None = unbounded below."
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="Level of the clipped policy ratio pi_theta/pi_old: token (PPO/GRPO/DAPO) or sequence (GSPO, "
+        "Zheng et al. 2025: exp of the mean token log-ratio, one per sequence, clipped as a whole; TRL's "
+        "importance_sampling_level). GSPO's runs pair it with clip ranges of ~3e-4/4e-4 and loss_aggregation "
+        "'sequence' (then the loss is exactly GSPO's).",
+    )
+    kl_bias_correction: bool = Field(
+        False,
+        description="Multiply the KL term by the policy ratio pi_theta/pi_old (DeepSeek-V3.2's unbiased reverse-KL "
+        "gradient; TRL 1.x's use_bias_correction_kl, default True there). Ours is False by default: GRPO's plain k3 "
+        "penalty (DeepSeekMath); only matters when kl_beta > 0 (the paper trains with kl_beta 0).",
+    )
+    top_entropy_quantile: float = Field(
+        1.0, gt=0, le=1,
+        description="Entropy-based token selection (Wang et al. 2025, 'Beyond the 80/20 rule'): train only on the "
+        "tokens whose policy entropy is in the top q of each rollout batch (0.2 = the paper's 20%); the others get no "
+        "policy gradient (the KL term still applies), the normaliser is unchanged (TRL's top_entropy_quantile, same "
+        "rule; TRL takes the quantile per device micro-batch, ours over the whole rollout batch: one extra no-grad "
+        "forward per step when q < 1). 1.0 = every token.",
+    )
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and refill.")
     max_refill_rounds: int = Field(3, ge=0, description="Extra rollout rounds dynamic sampling may spend per step.")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tis_cap_is_is_cap(cls, data: Any) -> Any:
+        """``tis_cap`` (the name before ``is_mode``) still reads: its value is ``is_cap`` of ``token_truncate``, None = ``none``."""
+        if isinstance(data, dict) and "tis_cap" in data:
+            data = dict(data)
+            cap = data.pop("tis_cap")
+            if "is_cap" in data or "is_mode" in data:
+                raise ValueError("tis_cap is the old name of is_cap (with is_mode token_truncate): give is_mode/is_cap only")
+            data["is_mode"], data["is_cap"] = ("none", 2.0) if cap is None else ("token_truncate", cap)
+        return data
+
+    @model_validator(mode="after")
+    def _is_bounds(self) -> GRPOConfig:
+        if self.is_cap is not None and self.is_lower is not None and self.is_lower >= self.is_cap:
+            raise ValueError(f"is_lower ({self.is_lower}) must be below is_cap ({self.is_cap})")
+        if self.is_mode != "none" and self.is_cap is None and self.is_lower is None:
+            raise ValueError(f"is_mode {self.is_mode!r} needs is_cap or is_lower (or is_mode: none for no correction)")
+        return self
 
 
 class AQNConfig(Section):
     """Adaptive Quantization Noise on RMSNorm weights."""
 
-    enabled: bool | None = Field(None, description="None: on for method qerl, off otherwise.")
+    enabled: bool | None = Field(None, description="None: on for methods qerl and lora_aqn, off otherwise.")
     sigma_start: float = Field(1e-2, ge=0, description="Sigma of stage 1 (paper Table 4: 1e-2).")
     sigma_end: float = Field(5e-4, ge=0, description="Sigma of the last stage (paper: 5e-4).")
     num_stages: int = Field(10, ge=2, description="K stages over the total steps; stage 0 has sigma 0.")
@@ -304,8 +393,9 @@ class OptimConfig(Section):
 
     name: Literal["adamw", "adamw_8bit"] = Field("adamw", description="adamw_8bit uses bitsandbytes where it runs (CUDA).")
     lr: dict[str, float] = Field(
-        default_factory=lambda: {"qerl": 1e-5, "qerl_noaqn": 1e-5, "qlora": 1e-5, "lora": 5e-6},
-        description="Learning rate per method (paper: 1e-5 for QeRL and QLoRA, 5e-6 for LoRA).",
+        default_factory=lambda: {"qerl": 1e-5, "qerl_noaqn": 1e-5, "qlora": 1e-5, "lora": 5e-6, "lora_aqn": 5e-6},
+        description="Learning rate per method (paper: 1e-5 for QeRL and QLoRA, 5e-6 for LoRA; lora_aqn, not in the "
+        "paper, takes LoRA's: it is the BF16 LoRA arm with AQN added, so only the noise differs).",
     )
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.99))
@@ -334,6 +424,18 @@ class TrainConfig(Section):
     output_dir: str = Field("data/06_models/train", description="Checkpoints and the final adapter go under <output_dir>/<method>.")
     resume: bool = Field(True, description="Resume from the newest checkpoint in output_dir when there is one.")
     seed: int = Field(0, description="Seed of data order, dropout and everything else in the trainer.")
+    nproc: int = Field(
+        1, ge=1,
+        description="Data-parallel ranks (per node): > 1 launches torchrun (torch.distributed.run) from the train node "
+        "and follows it; gloo on CPU, NCCL on CUDA (one GPU per rank); each rank holds the base and the LoRA, owns a "
+        "rollout engine and rolls out its share of the step's prompts_per_step prompt groups (which must split "
+        "evenly); gradients are summed over the ranks; rank 0 writes MLflow, checkpoints and adapters "
+        "(rl/distributed.py). The result does not depend on nproc (up to float summation order).",
+    )
+    nnodes: int = Field(1, ge=1, description="Nodes of a multi-node run (the same kedro run on each, with its node_rank).")
+    node_rank: int = Field(0, ge=0, description="This node's index in a multi-node run (0 writes MLflow and files).")
+    master_addr: str = Field("127.0.0.1", description="Rendezvous host of a multi-node run (node 0's address).")
+    master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port of a multi-node run.")
     reward_fn: str | None = Field(
         None,
         description="Custom reward instead of the math reward (the library hook, as TRL's reward_funcs): an import "
@@ -389,10 +491,22 @@ class CompareConfig(Section):
         "newest finished run of each method that has evaluation metrics."
     )
     report_dir: str = Field("data/08_reporting/compare", description="Folder of the report (PNGs, CSVs, report.html).")
+    seeds: list[int] = Field(
+        default_factory=lambda: [0], min_length=1,
+        description="Training seeds: every branch trains and evaluates each (run folder "
+        "`<train.output_dir>/compare/seed-<k>/<method>`, one child MLflow run per method and seed, tagged `seed`). "
+        "A seed sets train.seed (data order, dropout, torch), rollout.seed (sampling) and aqn.seed (noise draws) of "
+        "its training; the base model, the data and evaluate.seed stay as configured, so seeds differ only in the "
+        "training's randomness. The report gives means and 95% intervals over them (evaluation/stats.py); with one "
+        "seed every claim reads 'cannot tell'. The paper reports single runs per method; issue 12 of this project asks "
+        "for seeds. `kedro run --params` splits its value on commas, so give a list in an env's parameters.yml "
+        "(conf/smoke sets [0, 1]) or a `kedro run --config` file.",
+    )
     qerl: CompareBranch = Field(default_factory=lambda: CompareBranch(method="qerl"))
     qerl_noaqn: CompareBranch = Field(default_factory=lambda: CompareBranch(method="qerl_noaqn"))
     qlora: CompareBranch = Field(default_factory=lambda: CompareBranch(method="qlora"))
     lora: CompareBranch = Field(default_factory=lambda: CompareBranch(method="lora"))
+    lora_aqn: CompareBranch = Field(default_factory=lambda: CompareBranch(method="lora_aqn"))
 
     @model_validator(mode="after")
     def _branches_are_their_methods(self) -> CompareConfig:
@@ -400,6 +514,8 @@ class CompareConfig(Section):
             got = getattr(self, name).method
             if got != name:
                 raise ValueError(f"{name}.method: the branch compare.{name} trains {name!r}, got {got!r}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds: each seed once, got {self.seeds}")
         return self
 
 
@@ -432,7 +548,10 @@ class BenchmarkConfig(Section):
 class QerlConfig(Section):
     """Every parameter of the project; mirrors conf/base/parameters.yml."""
 
-    method: Method = Field("qerl", description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA.")
+    method: Method = Field(
+        "qerl", description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA; "
+        "lora_aqn = BF16+LoRA+AQN (not in the paper: noise without quantization, QeRL issue #11's ablation)."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -456,9 +575,27 @@ class QerlConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _data_parallel(self) -> QerlConfig:
+        tc = self.train
+        if tc.nproc * tc.nnodes > 1:
+            world = tc.nproc * tc.nnodes
+            if tc.prompts_per_step % world:
+                raise ValueError(f"train.prompts_per_step ({tc.prompts_per_step}) must split evenly over the "
+                                 f"{world} ranks of train.nproc={tc.nproc} x train.nnodes={tc.nnodes}")
+            if self.rollout.engines == "shared":
+                raise ValueError("rollout.engines: 'shared' (one engine serving every rank) is not built yet for more than "
+                                 "one rank; use per_rank (each rank its own engine)")
+            if self.grpo.dynamic_sampling:
+                raise ValueError("grpo.dynamic_sampling is not supported with train.nproc > 1 (its refill rounds need a "
+                                 "global decision per round); use one rank or turn it off")
+        if tc.node_rank >= tc.nnodes:
+            raise ValueError(f"train.node_rank ({tc.node_rank}) must be below train.nnodes ({tc.nnodes})")
+        return self
+
     def aqn_enabled(self) -> bool:
-        """Whether AQN runs: explicit `aqn.enabled`, else only for method qerl."""
-        return self.method == "qerl" if self.aqn.enabled is None else bool(self.aqn.enabled)
+        """Whether AQN runs: explicit `aqn.enabled`, else for the methods in ``AQN_METHODS`` (qerl, lora_aqn)."""
+        return self.method in AQN_METHODS if self.aqn.enabled is None else bool(self.aqn.enabled)
 
 
 class ConfigError(ValueError):

@@ -250,7 +250,8 @@ def regroup(run_id: str, parent_id: str) -> None:
     client.set_tag(run_id, "mlflow.parentRunId", parent_id)
 
 
-def training_loggers(name: str, method: str, params: dict[str, Any], compare_parent: str | None = None):
+def training_loggers(name: str, method: str, params: dict[str, Any], compare_parent: str | None = None,
+                     active_run_id: str | None = None):
     """``(make_logger, used)`` for ``rl.trainer.train``: which MLflow run a training logs to.
 
     ``make_logger(stored_run_id)`` is called with the run id of the checkpoint it resumes
@@ -259,11 +260,13 @@ def training_loggers(name: str, method: str, params: dict[str, Any], compare_par
     tags the active one ``qerl.resumed_run_id``. In a compare branch: a fresh run is a new
     child of ``compare_parent`` named ``name`` with ``params`` logged; a resumed one keeps its
     run, re-nested under ``compare_parent``. ``used`` records ``active`` and ``run`` (the logger).
+    ``active_run_id``: the run that stands for "the active run" (rank 0 of a distributed
+    training logs into the run its launching ``kedro run`` holds; rl/distributed.py).
     """
     used: dict[str, Any] = {}
 
     def standalone(run_id: str | None):
-        logger = MlflowLogger()  # the active run (kedro-mlflow's), or a new one outside Kedro
+        logger = MlflowLogger(active_run_id)  # the active run (kedro-mlflow's), or a new one outside Kedro
         used["active"] = logger.run_id
         if run_id and run_id != logger.run_id:
             logger.set_tags({"qerl.resumed_run_id": run_id})

@@ -14,7 +14,9 @@ Same work on both sides:
   generation, ``ignore_eos`` for vLLM), one optimizer step for the whole batch;
 * the loss settings: our clip range, KL weight, loss aggregation (token -> ``dapo``,
   sequence -> ``grpo``, dr_grpo -> ``dr_grpo``), reward scaling, updates per rollout,
-  learning rate, gradient clipping, gradient checkpointing;
+  learning rate, gradient clipping, gradient checkpointing, ratio level (GSPO), KL bias
+  correction, entropy selection, and the vLLM importance correction (our ``grpo.is_mode``
+  and bounds under TRL's names; it acts only where TRL generates with vLLM);
 * a cheap deterministic reward (a hash of the completion): rewards are not what is timed.
 
 Generation. ``trl_generation: auto`` uses TRL's vLLM colocate mode on CUDA and its own
@@ -151,6 +153,14 @@ def measure_trl_step(
         epsilon=g.clip_eps_low,
         epsilon_high=g.clip_eps_high,
         loss_type=LOSS_TYPE[g.loss_aggregation],
+        importance_sampling_level=g.importance_sampling_level,
+        use_bias_correction_kl=g.kl_bias_correction,
+        top_entropy_quantile=g.top_entropy_quantile,
+        # the vLLM importance correction (only where TRL generates with vLLM): our mode and bounds, TRL's names
+        vllm_importance_sampling_correction=g.is_mode != "none",
+        vllm_importance_sampling_mode=g.is_mode if g.is_mode != "none" else "sequence_mask",
+        vllm_importance_sampling_clip_max=g.is_cap,
+        vllm_importance_sampling_clip_min=g.is_lower,
         scale_rewards=g.advantage_scale,
         num_iterations=g.updates_per_rollout,
         mask_truncated_completions=g.mask_truncated,

@@ -16,10 +16,36 @@ completion tokens, with a float ``mask`` (1 = token counts in the loss).
   sequence's tokens, then over sequences: GRPO), ``token`` (sum over all tokens / number of
   tokens: DAPO / BNPO), ``dr_grpo`` (sum / (num_sequences * max_new_tokens)). The counts are
   passed in so that micro-batches of one batch add up exactly to the full-batch loss.
-- ``tis_weights``: truncated importance sampling for the rollout/trainer mismatch (vLLM
-  log-probs differ from the trainer's): ``w = min(pi_old_trainer / pi_rollout, cap)``,
-  detached. ``mismatch_kl``: k3 estimate of KL(pi_rollout || pi_trainer) on the sampled
+- ``is_weights``: importance sampling for the rollout/trainer mismatch (vLLM's log-probs
+  differ from the trainer's, more so on a quantized base), under TRL 1.x's names
+  (``vllm_importance_sampling_mode``): the ratio ``rho = pi_old_trainer / pi_rollout`` per
+  token (``token_*``) or per sequence (``sequence_*``: ``exp(sum_t (old - rollout))``, the
+  product of the token ratios, as TRL), then ``*_truncate``: ``clamp(rho, lower, cap)``, or
+  ``*_mask``: 0 where ``rho > cap`` or ``rho < lower`` (with ``lower`` set this is IcePop's /
+  verl's two-sided masking); ``none``: no correction. Detached. ``token_truncate`` with
+  ``lower=None`` is ``min(rho, cap)``, the project's only mode before (the truncated IS of
+  Yao et al. 2025); TRL's default is ``sequence_mask`` with cap 3. The weights multiply the
+  clipped surrogate, not the KL term (as TRL). Its statistics (``ISStats``) are of the raw
+  ratio, before truncation or masking (TRL logs the ratio after them).
+  ``mismatch_kl``: k3 estimate of KL(pi_rollout || pi_trainer) on the sampled
   tokens (the tokens were drawn from the rollout policy).
+- ``policy_loss(..., level="sequence")``: GSPO (Zheng et al. 2025), one ratio per sequence,
+  ``s_i = exp(mean_t (logp - old_logp))`` (the length-normalised sequence likelihood ratio),
+  broadcast to the sequence's tokens and clipped as a whole; TRL's
+  ``importance_sampling_level="sequence"``. GSPO's own runs use clip ranges of 3e-4 / 4e-4
+  and the per-sequence mean (``aggregation="sequence"``, which makes the loss exactly
+  GSPO's (1/G) sum_i min(s_i A_i, clip(s_i) A_i)); with ``token``/``dr_grpo`` aggregation long
+  sequences weigh more (TRL warns about the same combination).
+- ``kl_bias_correction``: the KL term multiplied by the (differentiable) policy ratio
+  ``pi_theta / pi_old`` (token or sequence level, as the surrogate), the unbiased reverse-KL
+  gradient of DeepSeek-V3.2 and TRL 1.x's default (``use_bias_correction_kl=True``). Ours is
+  off by default: the plain k3 penalty of GRPO (DeepSeekMath), and the paper (like our
+  defaults) trains with ``kl_beta = 0``, where neither variant changes anything.
+- ``token_select``: entropy-based token selection ("Beyond the 80/20 rule", Wang et al.
+  2025): a 0/1 ``[N, T]`` mask multiplying the surrogate (not the KL) of each token;
+  ``high_entropy_mask`` keeps the tokens whose entropy is at or above the ``1 - q``
+  quantile of the batch's real tokens (TRL's ``top_entropy_quantile``, same rule). The
+  normaliser still counts every token (as TRL), so q < 1 shrinks the loss, not only its support.
 - ``dynamic_sampling_keep``: DAPO's filter (keep groups whose rewards are not all equal).
 - ``overlong_penalty``: DAPO's soft overlong punishment (0 up to ``L_max - L_buffer``, then
   a linear ramp to ``-penalty`` at ``L_max``).
@@ -109,11 +135,99 @@ def aggregate(
     raise ValueError(f"grpo.loss_aggregation: unknown {how!r} (sequence | token | dr_grpo)")
 
 
-def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float | None) -> torch.Tensor | None:
-    """Truncated importance weights ``min(exp(old_logp - rollout_logp), cap)``, detached; None if disabled."""
-    if cap is None:
-        return None
-    return torch.exp(old_logp.detach() - rollout_logp.detach()).clamp(max=cap)
+IS_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+#: exp() of a sequence's summed log-ratio is taken after clamping it to +-this (exp(80) ~ 5e34: finite in fp32)
+MAX_LOG_RATIO = 80.0
+
+
+@dataclass
+class ISStats:
+    """The raw importance ratios of one batch (or micro-batch) and what the mode did to them.
+
+    ``ratios``: the raw ratio of every real token (token modes) or of every sequence with at
+    least one real token (sequence modes), before truncation or masking; ``masked``/``clipped``:
+    how many of them were set to 0 / truncated to a bound. Micro-batches are joined with ``merge``.
+    """
+
+    level: str
+    ratios: torch.Tensor
+    masked: int = 0
+    clipped: int = 0
+
+    @staticmethod
+    def merge(parts: list[ISStats]) -> ISStats:
+        if not parts:
+            return ISStats("token", torch.zeros(0))
+        return ISStats(parts[0].level, torch.cat([p.ratios for p in parts]), sum(p.masked for p in parts),
+                       sum(p.clipped for p in parts))
+
+    def metrics(self, prefix: str = "mismatch/") -> dict[str, float]:
+        """``ratio_min/mean/max`` and ``masked_fraction``/``clipped_fraction`` (of tokens or sequences)."""
+        n = int(self.ratios.numel())
+        if n == 0:
+            return {}
+        r = self.ratios.double()
+        return {
+            f"{prefix}is_ratio_min": float(r.min()), f"{prefix}is_ratio_mean": float(r.mean()), f"{prefix}is_ratio_max": float(r.max()),
+            f"{prefix}is_masked_fraction": self.masked / n, f"{prefix}is_clipped_fraction": self.clipped / n,
+        }
+
+
+def is_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, mode: str = "token_truncate",
+    cap: float | None = 2.0, lower: float | None = None,
+) -> tuple[torch.Tensor | None, ISStats | None]:
+    """Importance weights ``[N, T]`` (detached) for ``mode`` (``IS_MODES``) and their ``ISStats``; ``(None, None)`` for none.
+
+    ``old_logp``/``rollout_logp``/``mask``: ``[N, T]``; padding (mask 0) never enters a ratio.
+    ``cap``/``lower``: the upper / lower bound (None: that side unbounded).
+    """
+    if mode == "none":
+        return None, None
+    if mode not in IS_MODES:
+        raise ValueError(f"grpo.is_mode: unknown {mode!r} ({' | '.join(IS_MODES)})")
+    level, how = mode.split("_")
+    diff = (old_logp.detach() - rollout_logp.detach()).to(torch.float32) * mask
+    real = mask > 0
+    if level == "sequence":
+        log_r = diff.sum(dim=1, keepdim=True).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        ratio = torch.exp(log_r)  # [N, 1]
+        valid = real.any(dim=1, keepdim=True)
+    else:
+        ratio = torch.exp(diff)
+        valid = real
+    hi = torch.zeros_like(valid) if cap is None else (ratio > cap) & valid
+    lo = torch.zeros_like(valid) if lower is None else (ratio < lower) & valid
+    if how == "truncate":
+        weights = ratio.clamp(min=lower, max=cap) if (cap is not None or lower is not None) else ratio
+        stats = ISStats(level, ratio[valid], 0, int((hi | lo).sum()))
+    else:
+        weights = ratio.masked_fill(hi | lo, 0.0)
+        stats = ISStats(level, ratio[valid], int((hi | lo).sum()), 0)
+    return weights.expand_as(mask).to(old_logp.dtype), stats
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> tuple[torch.Tensor, float]:
+    """``(select [N, T] float 0/1, threshold)``: real tokens whose entropy is >= the ``1 - quantile`` quantile.
+
+    The quantile is taken over the real tokens (mask 1) of the tensors passed in: pass the
+    whole rollout batch, not a micro-batch, to select "the top q of each batch". ``quantile``
+    in (0, 1]; 1 keeps every real token. Ties at the threshold are kept (so slightly more than
+    a fraction q may be selected).
+    """
+    real = mask > 0
+    threshold = entropy_threshold(entropy.detach()[real], quantile)
+    return ((entropy.detach() >= threshold) & real).to(mask.dtype), threshold
+
+
+def entropy_threshold(values: torch.Tensor, quantile: float) -> float:
+    """The ``1 - quantile`` quantile (linear interpolation, as ``torch.quantile``) of the real tokens' entropies
+    ``values`` (1-D); ``-inf`` (keep all) when ``quantile >= 1`` or there are none. Data-parallel ranks pass
+    the entropies gathered from every rank, so the threshold is the global batch's."""
+    values = values.reshape(-1).to(torch.float32)
+    if values.numel() == 0 or quantile >= 1.0:
+        return float("-inf")
+    return float(torch.quantile(values, 1.0 - quantile))
 
 
 def k3(logp_p: torch.Tensor, logp_q: torch.Tensor) -> torch.Tensor:
@@ -155,25 +269,38 @@ def policy_loss(
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     max_len: int | None = None,
+    level: str = "token",
+    kl_bias_correction: bool = False,
+    token_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Clipped-ratio policy loss (+ optional KL to the reference) and its diagnostics.
 
-    ``logp``/``old_logp``/``ref_logp``/``is_weights``/``mask``: ``[N, T]``; ``advantages``: ``[N]``.
+    ``logp``/``old_logp``/``ref_logp``/``is_weights``/``token_select``/``mask``: ``[N, T]``;
+    ``advantages``: ``[N]``. ``level``: ``token`` (PPO/GRPO ratios) or ``sequence`` (GSPO).
     A token is "clipped" when the clip is the active branch of the min: ratio below
     ``1 - eps_low`` with A < 0, or above ``1 + eps_high`` with A > 0 (its gradient is zero).
     """
     adv = advantages.to(logp.dtype).unsqueeze(1)
-    ratio = torch.exp(logp - old_logp.detach())
+    log_ratio = logp - old_logp.detach()
+    if level == "sequence":  # GSPO: the length-normalised sequence ratio, one per row
+        seq = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        ratio = torch.exp(seq).expand_as(logp)
+    elif level == "token":
+        ratio = torch.exp(log_ratio)
+    else:
+        raise ValueError(f"grpo.importance_sampling_level: unknown {level!r} (token | sequence)")
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if token_select is not None:
+        per_token = per_token * token_select.detach()
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
     kl_val = None
     if ref_logp is not None:
         kl_tok = k3(logp, ref_logp.detach())
         if kl_beta > 0:
-            per_token = per_token + kl_beta * kl_tok
+            per_token = per_token + kl_beta * (kl_tok * ratio if kl_bias_correction else kl_tok)
         kl_val = float((kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1.0))
     loss = aggregate(per_token, mask, aggregation, num_sequences=num_sequences, num_tokens=num_tokens, max_len=max_len)
     with torch.no_grad():

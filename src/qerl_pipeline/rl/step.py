@@ -226,8 +226,20 @@ def sampling_seeds(seed: int, step: int, round_: int, prompts: list[int]) -> lis
     return out
 
 
-def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg: QerlConfig, step: int, adapter_dir: Path):
-    """Rollout + rewards for one step, with DAPO dynamic sampling when enabled."""
+def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg: QerlConfig, step: int, adapter_dir: Path,
+            shard: tuple[int, int] = (0, 1)):
+    """Rollout + rewards for one step, with DAPO dynamic sampling when enabled.
+
+    Returns the kept groups (what the update trains on) and their rewards; ``info["sampled"]``
+    holds the rewards of every sampled group of every round, before the filter, so DAPO's
+    reward curves can be drawn over the same population as GRPO's (the kept groups exclude
+    the all-right and all-wrong ones, which biases their mean towards 0.5).
+
+    ``shard = (rank, world_size)``: data-parallel ranks draw the same global prompts (same
+    sampler state) and each rolls out its contiguous share (``distributed.shard_bounds``),
+    every prompt with the sampling seed of its global position. One round only (dynamic
+    sampling is refused with more than one rank).
+    """
     gc, rc, tc = cfg.grpo, cfg.rollout, cfg.train
     g = gc.num_generations
     kept_groups, kept_rewards, kept_idx = [], [], []
@@ -238,6 +250,11 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
     while True:
         idx = sampler.take(need)
         seeds = sampling_seeds(rc.seed, step, rounds, idx)
+        if shard[1] > 1:
+            from qerl_pipeline.rl.distributed import shard_bounds
+
+            lo, hi = shard_bounds(len(idx), *shard)
+            idx, seeds = idx[lo:hi], seeds[lo:hi]
         res = engine.generate(
             [items[i].ids for i in idx], n=g, temperature=rc.temperature, top_p=rc.top_p,
             max_new_tokens=rc.max_new_tokens, seed=seeds, lora_path=adapter_dir,
@@ -280,14 +297,16 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
     kept_groups = kept_groups[: tc.prompts_per_step]
     kept_rewards = kept_rewards[: tc.prompts_per_step]
     rewards = [x for grp in kept_rewards for x in grp]
+    sampled = [x for grp in all_rewards for x in grp]
     info = {
         "rounds": rounds, "zero_std_fraction": zero_std, "reward_s": reward_s, "idx": kept_idx[: tc.prompts_per_step],
         "overlong": _mean(x.get("overlong", 0.0) for x in rewards),
+        "sampled": sampled, "sampled_groups": len(all_rewards), "kept_groups": len(kept_rewards),
     }
     return kept_groups, rewards, info, {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
 
 def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg: QerlConfig, step: int,
-                  ref_norms: dict[str, torch.Tensor] | None = None) -> dict:
+                  ref_norms: dict[str, torch.Tensor] | None = None, dist=None) -> dict:
     """``updates_per_rollout`` optimizer steps on one rollout batch.
 
     Forward and backward run under the batch's noisy norms (``aqn.noisy_norms``: the
@@ -299,25 +318,58 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
     disabled, no noise, and the base's own norm values ``ref_norms`` in place of trained
     ones (``None``: the norms are not trained, the clean ones are the base's).
 
+    pi_old is the first update's forward (no extra pass), except with entropy selection
+    (``grpo.top_entropy_quantile < 1``): the selection needs the entropies of the whole
+    batch before the first backward, so one no-grad pass over the batch gives pi_old and
+    the entropies first. The importance weights (``grpo.is_mode``) are computed once per
+    batch from pi_old and the rollout's log-probs and reused by every update.
+
     A token whose vLLM log-prob is missing (NaN) gets pi_old as its rollout log-prob, so its
-    importance weight is 1 in every update of the batch.
+    importance ratio is 1 in every update of the batch.
+
+    ``dist`` (``rl/distributed.py``'s ``Dist``; None = one process): this rank's rows are its
+    share of the global batch; the normalisers (sequences, tokens), the entropy threshold, the
+    gradients (summed before clipping) and every returned statistic are the global batch's.
     """
+    from qerl_pipeline.rl.distributed import SINGLE
+
+    d = dist or SINGLE
     gc, tc, rc = cfg.grpo, cfg.train, cfg.rollout
-    n, t_max = roll_logp.shape
-    n_tok = float(mask.sum())
+    n_local, t_max = roll_logp.shape
+    n = int(d.sum(n_local))  # sequences of the global batch
+    n_tok = d.sum(float(mask.sum()))  # real tokens of the global batch
     mb = tc.micro_batch_size
-    chunks = [slice(i, min(n, i + mb)) for i in range(0, n, mb)]
+    chunks = [slice(i, min(n_local, i + mb)) for i in range(0, n_local, mb)]
     old_logp: dict[int, torch.Tensor] = {}
-    roll_filled: dict[int, torch.Tensor] = {}
+    is_w: dict[int, torch.Tensor | None] = {}
+    select: dict[int, torch.Tensor] = {}
     ref_logp: dict[int, torch.Tensor] = {}
+    is_parts: list[grpo.ISStats] = []
     want_ref = gc.kl_beta > 0 or gc.log_kl_to_base
-    stats_acc: dict[str, float] = {"entropy": 0.0, "mismatch_kl": 0.0, "tis_weight": 0.0, "kl_to_base": 0.0}
+    stats_acc: dict[str, float] = {"entropy": 0.0, "mismatch_kl": 0.0, "is_weight": 0.0, "kl_to_base": 0.0}
     clip_sum = clip_low = clip_high = 0.0
     grad_norms, losses = [], []
+    select_info: dict[str, float] = {}
     if want_ref:
         with torch.no_grad(), policy.disable_adapter(), aqn.noisy_norms(norm_params, ref_norms):
             for k, sl in enumerate(chunks):
                 ref_logp[k] = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)[0].detach().cpu()
+    if gc.top_entropy_quantile < 1.0:  # the batch's entropies before the first backward (and pi_old with them)
+        ents = []
+        with torch.no_grad(), aqn.noisy_norms(norm_params, noisy):
+            for k, sl in enumerate(chunks):
+                logp0, ent0 = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)
+                old_logp[k] = logp0.detach().cpu()
+                ents.append(ent0.detach().cpu())
+        ent_all = torch.cat(ents)
+        real_ent = ent_all[mask > 0]
+        threshold = grpo.entropy_threshold(torch.cat(d.all_gather_object(real_ent)) if d.active else real_ent,
+                                           gc.top_entropy_quantile)
+        chosen = ((ent_all >= threshold) & (mask > 0)).to(mask.dtype)
+        for k, sl in enumerate(chunks):
+            select[k] = chosen[sl]
+        select_info = {"policy/selected_token_fraction": d.sum(float(chosen.sum())) / max(n_tok, 1.0),
+                       "policy/entropy_threshold": threshold}
     for u in range(gc.updates_per_rollout):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -327,19 +379,22 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
                 logp = logp.cpu() if logp.device.type != "cpu" else logp
                 m = mask[sl]
                 if u == 0:
-                    old_logp[k] = logp.detach()
+                    if k not in old_logp:
+                        old_logp[k] = logp.detach()
                     roll = roll_logp[sl]
-                    roll_filled[k] = torch.where(torch.isfinite(roll), roll, old_logp[k])  # missing: weight 1
+                    roll_filled = torch.where(torch.isfinite(roll), roll, old_logp[k])  # missing: ratio 1
                     w = m.sum().clamp(min=1.0) / max(n_tok, 1.0)
                     stats_acc["entropy"] += float((ent.cpu() * m).sum() / m.sum().clamp(min=1.0)) * float(w)
-                    stats_acc["mismatch_kl"] += grpo.mismatch_kl(roll_filled[k], old_logp[k], m) * float(w)
-                is_w = grpo.tis_weights(old_logp[k], roll_filled[k], gc.tis_cap)
-                if u == 0 and is_w is not None:
-                    stats_acc["tis_weight"] += float((is_w * m).sum()) / max(n_tok, 1.0)
+                    stats_acc["mismatch_kl"] += grpo.mismatch_kl(roll_filled, old_logp[k], m) * float(w)
+                    is_w[k], st_is = grpo.is_weights(old_logp[k], roll_filled, m, gc.is_mode, gc.is_cap, gc.is_lower)
+                    if st_is is not None:
+                        is_parts.append(st_is)
+                        stats_acc["is_weight"] += float((is_w[k] * m).sum()) / max(n_tok, 1.0)
                 loss, st = grpo.policy_loss(
                     logp, old_logp[k], adv[sl], m, eps_low=gc.clip_eps_low, eps_high=gc.clip_eps_high,
-                    aggregation=gc.loss_aggregation, is_weights=is_w, ref_logp=ref_logp.get(k), kl_beta=gc.kl_beta,
-                    num_sequences=n, num_tokens=n_tok, max_len=rc.max_new_tokens,
+                    aggregation=gc.loss_aggregation, is_weights=is_w[k], ref_logp=ref_logp.get(k), kl_beta=gc.kl_beta,
+                    num_sequences=n, num_tokens=n_tok, max_len=rc.max_new_tokens, level=gc.importance_sampling_level,
+                    kl_bias_correction=gc.kl_bias_correction, token_select=select.get(k),
                 )
                 if not torch.isfinite(loss):
                     raise TrainingDiverged(
@@ -354,6 +409,7 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
                 clip_high += st.clip_high_fraction * frac / gc.updates_per_rollout
                 if u == 0 and st.kl_to_ref is not None:
                     stats_acc["kl_to_base"] += st.kl_to_ref * frac
+        d.all_reduce_grads(params)  # the global batch's gradient on every rank (each loss is its share)
         gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
         if not torch.isfinite(gn):
             raise TrainingDiverged(f"non-finite gradient norm at step {step + 1} (update {u + 1}); training stopped before the optimizer update")
@@ -361,14 +417,20 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
         optimizer.step()  # clean norms are back: their update sticks
         scheduler.step()
         grad_norms.append(float(gn))
-        losses.append(total)
+        losses.append(d.sum(total))
+    if d.active:  # each rank's statistics are its share of the global ones (global denominators): add them up
+        sums = d.sum_tensor(torch.tensor([clip_sum, clip_low, clip_high, *stats_acc.values()], dtype=torch.float64)).tolist()
+        clip_sum, clip_low, clip_high = sums[:3]
+        stats_acc = dict(zip(stats_acc, sums[3:]))
+        is_parts = [p for parts in d.all_gather_object(is_parts) for p in parts]
     out = {
         "lr": lr, "loss": _mean(losses), "optim/grad_norm": _mean(grad_norms), "policy/entropy": stats_acc["entropy"],
         "policy/clip_fraction": clip_sum, "policy/clip_low_fraction": clip_low, "policy/clip_high_fraction": clip_high,
-        "mismatch/kl": stats_acc["mismatch_kl"],
+        "mismatch/kl": stats_acc["mismatch_kl"], **select_info,
     }
-    if gc.tis_cap is not None:
-        out["mismatch/tis_weight_mean"] = stats_acc["tis_weight"]
+    if is_parts:
+        out.update(grpo.ISStats.merge(is_parts).metrics())
+        out["mismatch/is_weight_mean"] = stats_acc["is_weight"]
     if want_ref:
         out["policy/kl_to_base"] = stats_acc["kl_to_base"]
     return out

@@ -11,7 +11,11 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
 2. Rollout: ``prompts_per_step`` prompts (a seeded permutation per epoch; the cursor is
    checkpointed), ``num_generations`` samples each, with the current adapter folder.
    Dynamic sampling (DAPO) drops groups with equal rewards and refills for up to
-   ``max_refill_rounds`` extra rounds (same noise, new sampling seed).
+   ``max_refill_rounds`` extra rounds (same noise, new sampling seed). Honest curves:
+   ``reward/mean``, ``reward/accuracy``, ``reward/format`` (and ``accuracy``) are over every
+   sampled group, before the filter, so a DAPO run's curve compares with a GRPO run's;
+   ``reward/kept_mean``/``kept_accuracy``/``kept_format`` are over the groups trained on
+   (``groups/sampled``, ``groups/kept`` count them). Without dynamic sampling both agree.
 3. Rewards (``RewardScorer``, or a custom ``reward_fn``: argument or ``train.reward_fn``
    import path, see ``step.make_scorer``) + optional overlong shaping; group advantages.
 4. ``updates_per_rollout`` optimizer steps over the batch (micro-batches, gradient
@@ -19,8 +23,12 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
    log-probs are those of the policy that generated the batch, ``optimizer.step()``
    outside it, so trained norms step from (and keep) their clean values. pi_old is the
    trainer's log-prob at the first update (taken from that forward, no extra pass).
-   Truncated importance sampling reweights by ``min(pi_old / pi_rollout, cap)``; the
-   mismatch KL between vLLM's and the trainer's log-probs is logged. With ``kl_beta > 0``
+   Importance sampling (``grpo.is_mode``, TRL's modes: token/sequence ratio pi_old /
+   pi_rollout, truncated or masked at ``is_cap``/``is_lower``) corrects the rollout/trainer
+   mismatch; the ratio's min/mean/max, the masked or clipped fraction and the mismatch KL
+   between vLLM's and the trainer's log-probs are logged under ``mismatch/``. Options of the
+   loss (``rl/grpo.py``): GSPO's sequence-level ratio (``grpo.importance_sampling_level``),
+   the KL's bias correction, entropy-based token selection (``grpo.top_entropy_quantile``). With ``kl_beta > 0``
    (or ``log_kl_to_base``) the reference log-probs are the clean base's: the same model
    with the adapter disabled, no noise, and the base's norm values (no second model).
    What the engine serves (``rollout/serving.py``: FP4 on CUDA, the decoded dense copy on
@@ -177,8 +185,9 @@ def open_run_dir(cfg: QerlConfig, output_dir: str | Path | None = None) -> tuple
 #: Settings a resume may change: how long to train and how often to save/log, and the
 #: sections training never reads. Any other difference makes the checkpoint another run.
 RESUMABLE_CHANGES = ("train.steps", "train.resume", "train.checkpoint_every", "train.log_completions_every",
-                     "train.output_dir", "quantize.force", "rollout.shared_engines", "rollout.gpu_memory_utilization",
-                     "rollout.sleep_between_steps", "reward.max_workers", "evaluate", "compare", "benchmark")
+                     "train.output_dir", "train.nproc", "train.nnodes", "train.node_rank", "train.master_addr",
+                     "train.master_port", "quantize.force", "rollout.shared_engines", "rollout.gpu_memory_utilization",
+                     "rollout.sleep_between_steps", "rollout.sleep_level", "reward.max_workers", "evaluate", "compare", "benchmark")
 
 
 def resume_config(cfg: QerlConfig) -> dict[str, Any]:
@@ -248,6 +257,7 @@ def train(
     progress: bool = True,
     reward_fn: RewardFn | str | None = None,
     data_report: dict | None = None,
+    dist: Any = None,
 ) -> TrainResult:
     """Train ``cfg.method`` on ``records`` (prompt records) over the base in ``base_dir``.
 
@@ -262,6 +272,8 @@ def train(
     A fresh run logs what it trains on: ``data_report`` (data_prep's) as ``data/report.json``
     and the base's quantize report and fingerprint (stored with the base) as
     ``quantize/report.json``, ``quantize/fingerprint.json`` and ``quantize/<name>`` metrics.
+    ``dist``: this rank of a data-parallel training (``rl/distributed.py``, which launches the
+    ranks and passes it; None = one process): rank 0 alone writes files and MLflow.
     """
     from qerl_pipeline.memory import limit_heap_fragmentation
     from qerl_pipeline.models import resolve_dtype
@@ -269,11 +281,26 @@ def train(
     from qerl_pipeline.rl.norms import check_noise_precision, sigma_effective
     from qerl_pipeline.rollout.serving import open_engine, served_model, served_tags
 
+    from qerl_pipeline.rl.distributed import SINGLE, rank_device
+
     t_start = time.perf_counter()
+    d = dist or SINGLE
     base_dir = Path(base_dir)
     tc, gc, rc = cfg.train, cfg.grpo, cfg.rollout
-    run_dir, latest, moved_aside = open_run_dir(cfg, output_dir)
+    # rank 0 opens (or moves aside) the run folder; the others take its decision
+    run_dir, latest, moved_aside = d.broadcast_object(open_run_dir(cfg, output_dir) if d.is_main else None)
     stored = ckpt.peek_state(latest) if latest is not None else {}
+    if rc.tensor_parallel_size > 1:
+        raise ValueError(
+            f"rollout.tensor_parallel_size {rc.tensor_parallel_size}: training writes AQN noise and trained norms into the "
+            "engine in place, which supports one GPU per engine only (rollout/worker_ext.py); train with 1 (more GPUs: "
+            "train.nproc), use tensor parallelism for evaluate"
+        )
+    if latest is not None and int(stored.get("world_size", 1)) != d.world_size:
+        raise ValueError(
+            f"{latest} was written by a training on {stored.get('world_size', 1)} rank(s); this run has {d.world_size} "
+            f"(train.nproc x train.nnodes): resume it with the same number of ranks, or start anew with train.resume=false"
+        )
     make_logger = make_logger or (lambda _run_id: MemoryLogger())
     logger = make_logger(stored.get("run_id"))
     run_id = getattr(logger, "run_id", None)
@@ -286,11 +313,12 @@ def train(
                            time.perf_counter() - t_start, None, reused=True)
 
     torch.manual_seed(tc.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = resolve_dtype(cfg.model, device)
+    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    device = rank_device(platform, d.local_rank) if d.active else platform
+    dtype = resolve_dtype(cfg.model, platform)
     check_noise_precision(cfg, dtype)  # before any model loads
     limit_heap_fragmentation()  # glibc: -58% peak RSS of an update on CPU (qerl_pipeline.memory)
-    served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=device)
+    served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=platform)
     policy = build_policy(base_dir, METHOD_FORMAT[cfg.method], cfg.lora, dtype=dtype, device=device,
                           norm_dtype=cfg.model.norm_dtype)
     policy.train()
@@ -328,9 +356,18 @@ def train(
     if dropped:
         log.warning("%d prompts longer than %d tokens were dropped", dropped, cfg.model.max_seq_len - rc.max_new_tokens)
 
+    from qerl_pipeline.rollout.serving import engine_plan
+    from qerl_pipeline.rollout.sleep import EngineSleeper, engine_platform, sleep_plan
+
+    ranks = dict(world_size=d.world_size, rank=d.rank, local_rank=d.local_rank)
+    layout = engine_plan(rc, platform, **ranks)  # rollout.engines / tensor_parallel_size: this rank's engine and GPUs
     own_engine = engine is None and engine_factory is None
     if engine is None:
-        engine = engine_factory(served) if engine_factory else open_engine(served, cfg.model, rollout=rc, lora_rank=cfg.lora.rank)
+        engine = engine_factory(served) if engine_factory else open_engine(served, cfg.model, rollout=rc, lora_rank=cfg.lora.rank,
+                                                                           devices=layout.devices)
+    engine_on = engine_platform(engine, platform)  # where the engine runs, as its process reports
+    sleeper = EngineSleeper(engine, sleep_plan(rc, engine_on, colocated=engine_plan(rc, engine_on, **ranks).colocated))
+    log.info("engine sleep during updates: %s (%s)", "on" if sleeper.enabled else "off", sleeper.plan.why)
     scorer = make_scorer(cfg, reward_fn)
     aqn_on = cfg.aqn_enabled()
     engine_norms = engine.norm_weight_names()
@@ -343,13 +380,13 @@ def train(
     log.info("engine serves %s in %s", serving_tags["rollout.served_format"], serving_tags["rollout.served_dtype"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     adapters = run_dir / "adapters"
-    adapters.mkdir(exist_ok=True)
-    adapter_dir = save_adapter(policy, adapters / f"step-{start_step:06d}")
+    adapter_dir = _save_step_adapter(policy, adapters / f"step-{start_step:06d}", d)
     written = [adapter_dir]  # the step folders this call wrote, oldest first: prune_adapters keeps the last two
     history: list[dict] = []
-    logger.log_metrics({"data/prompts": len(items), "data/dropped_prompts": dropped}, step=start_step)
+    logger.log_metrics({"data/prompts": len(items), "data/dropped_prompts": dropped, "dist/world_size": d.world_size},
+                       step=start_step)
 
-    bar = _progress(progress, tc.steps, start_step)
+    bar = _progress(progress and d.is_main, tc.steps, start_step)
     try:
         for step in range(start_step, tc.steps):
             t0 = time.perf_counter()
@@ -362,41 +399,56 @@ def train(
                 noisy = engine.read_weights(sorted(noisy))
             sigma_eff = sigma_effective(noisy, clean, noisy_names)
 
-            groups, rewards, info, roll = collect(engine, scorer, sampler, items, cfg, step, adapter_dir)
+            groups, rewards, info, roll = collect(engine, scorer, sampler, items, cfg, step, adapter_dir,
+                                                  shard=(d.rank, d.world_size))
+            sleeper.before_update(adapter_dir, groups[0][0].prompt_ids if groups else None)  # CUDA + colocated: the update gets the memory
             t_roll = time.perf_counter()
             samples = [s for g in groups for s in g]
-            r = torch.tensor([x["reward"] for x in rewards], dtype=torch.float32)
-            adv = grpo.group_advantages(r, gc.num_generations, gc.advantage_scale, gc.advantage_eps)
-            ids, p_lens, c_lens, roll_logp = collate(samples, pad_id)
-            truncated = torch.tensor([s.finish_reason == "length" for s in samples])
-            mask = grpo.completion_mask(c_lens, roll_logp.shape[1], truncated if gc.mask_truncated else None)
+            ids, p_lens, c_lens_local, roll_logp = collate(samples, pad_id)
+            truncated_local = torch.tensor([s.finish_reason == "length" for s in samples])
+            mask = grpo.completion_mask(c_lens_local, roll_logp.shape[1], truncated_local if gc.mask_truncated else None)
+            # the global batch (every rank's share, in rank order): advantages and metrics are its
+            g_all = _gather_step(d, rewards, info, roll, c_lens_local, truncated_local)
+            offset = sum(g_all["counts"][: d.rank])
+            r = torch.tensor([x["reward"] for x in g_all["rewards"]], dtype=torch.float32)
+            adv_all = grpo.group_advantages(r, gc.num_generations, gc.advantage_scale, gc.advantage_eps)
+            adv = adv_all[offset: offset + len(rewards)]
+            c_lens, truncated, sampled = g_all["lengths"], g_all["truncated"], g_all["sampled"]
             upd = policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg, step,
-                                ref_norms=ref_norms)
+                                ref_norms=ref_norms, dist=d)
             t_upd = time.perf_counter()
-            adapter_dir = save_adapter(policy, adapters / f"step-{step + 1:06d}")
+            adapter_dir = _save_step_adapter(policy, adapters / f"step-{step + 1:06d}", d)
             written = [*written[-1:], adapter_dir]
-            prune_adapters(adapters, written)
+            if d.is_main:
+                prune_adapters(adapters, written)
+            sleep_metrics = sleeper.after_update(adapter_dir)  # wake, probe, register the next rollout's adapter
 
             metrics = {
-                "reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
-                "reward/accuracy": _mean(x["accuracy"] for x in rewards), "reward/format": _mean(x["format"] for x in rewards),
-                "reward/overlong": float(info["overlong"]), "accuracy": _mean(x["accuracy"] for x in rewards),
+                # every sampled group (before DAPO's filter): the curves that compare across methods
+                "reward/mean": _mean(x["reward"] for x in sampled), "reward/accuracy": _mean(x["accuracy"] for x in sampled),
+                "reward/format": _mean(x["format"] for x in sampled), "accuracy": _mean(x["accuracy"] for x in sampled),
+                # the kept groups the update trains on (equal to the above without dynamic sampling)
+                "reward/kept_mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
+                "reward/kept_accuracy": _mean(x["accuracy"] for x in g_all["rewards"]),
+                "reward/kept_format": _mean(x["format"] for x in g_all["rewards"]),
+                "groups/sampled": g_all["sampled_groups"], "groups/kept": g_all["kept_groups"],
+                "reward/overlong": g_all["overlong"],
                 "completion/length": float(c_lens.float().mean()), "completion/truncated_fraction": float(truncated.float().mean()),
-                "groups/zero_std_fraction": info["zero_std_fraction"], "groups/refill_rounds": info["rounds"] - 1,
-                "aqn/sigma": sigma, "aqn/sigma_effective": sigma_eff, "aqn/stage": stage, "optim/lr": upd["lr"], "rollout/tokens_per_s": roll["tokens_per_s"],
-                "time/rollout_s": roll["seconds"], "time/reward_s": info["reward_s"], "time/sync_s": sync_s,
+                "groups/zero_std_fraction": g_all["zero_std_fraction"], "groups/refill_rounds": info["rounds"] - 1,
+                "aqn/sigma": sigma, "aqn/sigma_effective": sigma_eff, "aqn/stage": stage, "optim/lr": upd["lr"], "rollout/tokens_per_s": g_all["tokens_per_s"],
+                "time/rollout_s": g_all["rollout_s"], "time/reward_s": g_all["reward_s"], "time/sync_s": sync_s,
                 "time/update_s": t_upd - t_roll, "time/step_s": time.perf_counter() - t0, "memory/peak_gb": _peak_memory_gb(),
-                **{k: v for k, v in upd.items() if k != "lr"},
+                **{k: v for k, v in upd.items() if k != "lr"}, **sleep_metrics,
             }
             logger.log_metrics(metrics, step=step + 1)
             history.append({"step": step + 1, **metrics})
-            if (step + 1) % tc.log_completions_every == 0 or step == start_step:
+            if (step + 1) % tc.log_completions_every == 0 or step == start_step:  # rank 0's share of the completions
                 logger.log_table(completion_rows(groups, rewards, items, info, step + 1), f"completions/step_{step + 1:05d}.json")
-            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
+            if d.is_main and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
                 ckpt.save_checkpoint(
                     run_dir, step + 1, policy=policy, optimizer=optimizer, scheduler=scheduler,
                     state={"step": step + 1, "sampler": sampler.state(), "aqn_stage": stage, "aqn_sigma": sigma, "run_id": run_id,
-                           "config": resume_config(cfg)},
+                           "config": resume_config(cfg), "world_size": d.world_size},
                 )
             if bar is not None:
                 bar.advance(metrics)
@@ -415,15 +467,47 @@ def train(
         if own_engine:
             engine.close()
 
-    save_adapter(policy, final, meta={
-        "method": cfg.method, "model": cfg.model.name, "seed": tc.seed, "steps": tc.steps, "mlflow_run_id": run_id,
-        "base_dir": str(base_dir), "run_dir": str(run_dir),
-    })
-    logger.log_artifact(final, artifact_path="final_adapter")
-    _log_curves(logger, run_dir, cfg.method)
+    if d.is_main:
+        save_adapter(policy, final, meta={
+            "method": cfg.method, "model": cfg.model.name, "seed": tc.seed, "steps": tc.steps, "mlflow_run_id": run_id,
+            "base_dir": str(base_dir), "run_dir": str(run_dir), "world_size": d.world_size,
+        })
+        logger.log_artifact(final, artifact_path="final_adapter")
+        _log_curves(logger, run_dir, cfg.method)
+    d.barrier()
     seconds = time.perf_counter() - t_start
     logger.log_metrics({"time/total_s": seconds}, step=tc.steps)
     return TrainResult(run_dir, final, tc.steps, start_step, run_id, history, seconds, moved_aside)
+
+
+def _save_step_adapter(policy, folder: Path, d) -> Path:
+    """Rank 0 writes the step's adapter folder; after the barrier every rank's engine may load it."""
+    if d.is_main:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        save_adapter(policy, folder)
+    d.barrier()
+    return folder
+
+
+def _gather_step(d, rewards: list[dict], info: dict, roll: dict, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    """The step's global numbers from every rank's share (one process: its own): rewards of the kept and of every
+    sampled group, completion lengths and truncation, and the rollout's time (the slowest rank's) and throughput."""
+    mine = {"rewards": rewards, "sampled": info["sampled"], "lengths": lengths.tolist(), "truncated": truncated.tolist(),
+            "seconds": roll["seconds"], "tokens": roll["tokens_per_s"] * roll["seconds"], "reward_s": info["reward_s"],
+            "zero_std": info["zero_std_fraction"], "overlong": info["overlong"], "sampled_groups": info["sampled_groups"],
+            "kept_groups": info["kept_groups"]}
+    parts = d.all_gather_object(mine)
+    seconds = max(p["seconds"] for p in parts)
+    return {
+        "rewards": [x for p in parts for x in p["rewards"]], "sampled": [x for p in parts for x in p["sampled"]],
+        "counts": [len(p["rewards"]) for p in parts],
+        "lengths": torch.tensor([x for p in parts for x in p["lengths"]]),
+        "truncated": torch.tensor([x for p in parts for x in p["truncated"]], dtype=torch.bool),
+        "rollout_s": seconds, "tokens_per_s": sum(p["tokens"] for p in parts) / seconds if seconds else 0.0,
+        "reward_s": max(p["reward_s"] for p in parts), "zero_std_fraction": _mean(p["zero_std"] for p in parts),
+        "overlong": _mean(p["overlong"] for p in parts), "sampled_groups": sum(p["sampled_groups"] for p in parts),
+        "kept_groups": sum(p["kept_groups"] for p in parts),
+    }
 
 
 def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:

@@ -36,6 +36,10 @@ Behaviour:
 * ``update_weights`` sets served weights by Hugging Face name (worker_ext.py maps them onto
   vLLM's fused qkv/gate_up parameters) and resets the prefix cache. It never
   accumulates: AQN sends ``clean + Z`` each step, sigma 0 sends the clean weights back.
+* Sleep (``sleep(level)``, ``wake_up``) and adapter ops (``register_adapter``,
+  ``loaded_adapters``, ``reset_adapters``) for rollout/sleep.py, which decides when the
+  engine sleeps and checks it after each wake. ``devices``: the GPUs the engine process
+  sees (``CUDA_VISIBLE_DEVICES``; serving.engine_plan).
 * Log-probs: ``SamplingParams(logprobs=0)`` (the sampled token's) with the engine's
   ``logprobs_mode`` from ``RolloutConfig`` (default ``processed_logprobs``: after
   temperature/top-p, i.e. under the distribution the token was drawn from; for greedy
@@ -146,8 +150,10 @@ class RolloutEngine:
         log_file: str | Path | None = None,
         extra_engine_args: dict | None = None,
         norm_dtype: str | None = None,
+        devices: tuple[int, ...] | list[int] | None = None,
     ):
         self.rollout = rollout or RolloutConfig()
+        self.devices = None if devices is None else tuple(int(d) for d in devices)
         self.model_dir = Path(model_dir).resolve()
         self._proc: subprocess.Popen | None = None
         self._conn = None
@@ -169,6 +175,7 @@ class RolloutEngine:
             "enforce_eager": self.rollout.enforce_eager,
             "gpu_memory_utilization": self.rollout.gpu_memory_utilization,
             "sleep_between_steps": self.rollout.sleep_between_steps,
+            "sleep_level": int(self.rollout.sleep_level),
             "logprobs_mode": self.rollout.logprobs_mode,
             "extra_engine_args": extra_engine_args or {},
         }
@@ -187,13 +194,19 @@ class RolloutEngine:
         address = str(self._tmp / "engine.sock")
         authkey = secrets.token_bytes(32)
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        env = dict(os.environ)
+        from qerl_pipeline.rl.distributed import engine_env as without_launcher_env
+
+        env = without_launcher_env(dict(os.environ))  # a data-parallel rank's torchrun variables are not vLLM's
         env.update(engine_env())
         env.pop(NORM_DTYPE_ENV, None)
         if self.norm_dtype == "float32":  # RMSNorm weights in fp32 inside vLLM (rollout/vllm_plugin.py)
             env[NORM_DTYPE_ENV] = "float32"
         elif self.norm_dtype is not None:
             raise ValueError(f"norm_dtype: expected None or 'float32', got {self.norm_dtype!r}")
+        if self.devices is not None:  # the GPUs this engine may use (serving.engine_plan)
+            from qerl_pipeline.rollout.serving import visible_devices
+
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(self.devices)
         env["QERL_ENGINE_ADDRESS"] = address
         env["QERL_ENGINE_AUTHKEY"] = authkey.hex()
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -404,15 +417,37 @@ class RolloutEngine:
         return sorted(n for n, kind in self.param_names().items() if kind == "norm")
 
     # ------------------------------------------------------------------ sleep
-    def sleep(self) -> bool:
-        """Free accelerator memory between rollouts (CUDA and ``sleep_between_steps`` only)."""
+    def sleep(self, level: int | None = None) -> bool:
+        """Free accelerator memory between rollouts (CUDA and ``sleep_between_steps`` only).
+
+        ``level``: vLLM's sleep level (default ``rollout.sleep_level``). False where nothing
+        slept (CPU, sleep off, already asleep). rollout/sleep.py decides when to call it."""
         if not self.rollout.sleep_between_steps:
             return False
-        return self._call("sleep")
+        return self._call("sleep", level=int(self.rollout.sleep_level if level is None else level))
 
-    def wake_up(self) -> bool:
-        """Undo ``sleep`` (any later request also wakes the engine)."""
+    def wake_up(self) -> dict:
+        """Undo ``sleep`` (any later request also wakes the engine). After a level-2 sleep the
+        engine reloads its weights and re-applies the in-place updates (rollout/server.py).
+        Returns ``{"was_asleep", "level", "reloaded", "reapplied"}`` (names re-applied)."""
         return self._call("wake")
+
+    # --------------------------------------------------------------- adapters
+    def register_adapter(self, lora_path: str | Path) -> dict:
+        """Load the adapter folder into vLLM now, under the LoRA id the next ``generate`` with
+        the same folder (and files) will use. Returns ``{"lora_id", "added", "loaded"}``
+        (``loaded``: the ids vLLM lists afterwards)."""
+        path = Path(lora_path).resolve()
+        return self._call("register_lora", path=str(path), version=adapter_version(path))
+
+    def loaded_adapters(self) -> list[int]:
+        """The LoRA ids vLLM holds (``LLM.llm_engine.list_loras()``)."""
+        return self._call("list_loras")
+
+    def reset_adapters(self) -> list[int]:
+        """Drop every adapter from vLLM; the next request loads its folder afresh under a new id.
+        Returns the ids removed."""
+        return self._call("reset_loras")
 
 
 # ------------------------------------------------------------------ merge sync

@@ -14,9 +14,22 @@ serves requests ``{"op": name, **args}`` one at a time; every answer is ``{"ok":
 does not kill the engine; a failing start does (after reporting). stdout/stderr go to the
 log file the parent chose, so vLLM's logging never mixes with the protocol.
 
-Sleep mode (CUDA only): ``sleep`` offloads weights to CPU and frees the KV cache (level
-1), so a colocated trainer gets the GPU during its update; any later request wakes the
-engine first. vLLM-CPU has no sleep mode; there the ops are no-ops.
+Sleep mode (CUDA only; when to use it is rollout/sleep.py's decision): ``sleep`` at level
+1 offloads the weights to CPU RAM and frees the KV cache, at level 2 discards both, so a
+colocated trainer gets the GPU during its update; ``wake`` (and any later request, which
+wakes the engine first) restores it. A level-2 wake alone leaves the weights' memory
+mapped but their values gone, so ``wake`` then runs vLLM's documented sequence
+``wake_up(tags=["weights"])``, ``collective_rpc("reload_weights")`` (from the served
+folder), ``wake_up(tags=["kv_cache"])``, and re-applies every in-place update since the
+start (AQN/trained norms, merged weights: copies kept on the host from the first
+``update_weights`` when the engine was started with ``sleep_level`` 2). vLLM's reload
+also drops every LoRA (``reset_lora_state``), so the adapter cache is cleared with it.
+Adapter ops for the check after a wake: ``register_lora`` (load a folder now under the id
+the next ``generate`` will use), ``list_loras``, ``reset_loras``. vLLM-CPU has no sleep
+mode: ``enable_sleep_mode`` raises ``ValueError("Sleep mode is not supported on current
+platform.")`` (vllm/config/model.py) and ``CPUWorker.sleep`` only logs "sleep mode is not
+supported on CPU, ignore it."; so on CPU sleep mode is never enabled and ``sleep`` is a
+no-op that returns False.
 
 No orphans: every process of an engine dies with the process that created it, SIGKILL
 included. The engine is a chain: owner (trainer, ``kedro run``) -> this server -> vLLM's
@@ -255,11 +268,16 @@ class Server:
         if self.is_cuda:
             kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
             kwargs["enable_sleep_mode"] = spec["sleep_between_steps"]
+        self.sleep_mode = bool(self.is_cuda and spec["sleep_between_steps"])
+        self.sleep_level = int(spec.get("sleep_level", 1))
+        # level 2 forgets the weights: keep what was written in place, to re-apply after the reload
+        self.kept: dict | None = {} if self.sleep_mode and self.sleep_level == 2 else None
         kwargs.update(spec.get("extra_engine_args") or {})
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.asleep = False
+        self.asleep_level: int | None = None
         self.loras: dict[str, tuple[object, int]] = {}  # path -> (version key, lora id)
         self.next_lora_id = 1
         self.dtype = str(self.llm.llm_engine.model_config.dtype).replace("torch.", "")
@@ -268,22 +286,77 @@ class Server:
     def info(self) -> dict:
         return {"startup_s": self.startup_s, "cuda": self.is_cuda, "dtype": self.dtype, "pid": os.getpid()}
 
-    def _awake(self) -> None:
-        if self.asleep:
+    def _awake(self) -> dict:
+        out = {"was_asleep": self.asleep, "level": self.asleep_level, "reloaded": False, "reapplied": []}
+        if not self.asleep:
+            return out
+        if self.asleep_level == 2:
+            self.llm.wake_up(tags=["weights"])
+            self.llm.collective_rpc("reload_weights")  # the served folder's weights, in place
+            self.loras.clear()  # vLLM's reload dropped every adapter (reset_lora_state)
+            out["reloaded"] = True
+            out["reapplied"] = self._reapply()
+            self.llm.wake_up(tags=["kv_cache"])
+        else:
             self.llm.wake_up()
-            self.asleep = False
+        self.llm.reset_prefix_cache()
+        self.asleep, self.asleep_level = False, None
+        return out
 
-    def op_sleep(self) -> bool:
-        if not self.is_cuda or self.asleep:
+    def _reapply(self) -> list[str]:
+        """Write the kept in-place updates back after a level-2 reload (see the module docstring)."""
+        if not self.kept:
+            return []
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        folder = tempfile.mkdtemp(prefix="qerl-reapply-")
+        path = os.path.join(folder, "kept.safetensors")
+        try:
+            save_file(dict(self.kept), path)
+            self.llm.collective_rpc("qerl_update_weights", args=(path,))
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            os.rmdir(folder)
+        return sorted(self.kept)
+
+    def op_sleep(self, level: int = 1) -> bool:
+        if not self.sleep_mode or self.asleep:
             return False
-        self.llm.sleep(level=1)
-        self.asleep = True
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: expected 1 or 2")
+        if level == 2 and self.kept is None:
+            raise ValueError("sleep level 2 on an engine started with sleep_level 1: its in-place updates were not kept")
+        self.llm.sleep(level=level)
+        self.asleep, self.asleep_level = True, level
         return True
 
-    def op_wake(self) -> bool:
-        was = self.asleep
+    def op_wake(self) -> dict:
+        return self._awake()
+
+    def op_is_sleeping(self) -> bool:
+        return self.asleep
+
+    def op_register_lora(self, path: str, version: object) -> dict:
         self._awake()
-        return was
+        request = self._lora_request(path, version)
+        added = bool(self.llm.llm_engine.add_lora(request))
+        return {"lora_id": request.lora_int_id, "added": added, "loaded": self.op_list_loras()}
+
+    def op_list_loras(self) -> list[int]:
+        return sorted(int(i) for i in self.llm.llm_engine.list_loras())
+
+    def op_reset_loras(self) -> list[int]:
+        self._awake()
+        removed = self.op_list_loras()
+        for lora_id in removed:
+            self.llm.llm_engine.remove_lora(lora_id)
+        self.loras.clear()  # the next request loads its folder under a new id
+        return removed
 
     def _lora_request(self, path: str | None, version: object):
         if path is None:
@@ -354,6 +427,10 @@ class Server:
     def op_update_weights(self, path: str) -> list[str]:
         self._awake()
         names = self.llm.collective_rpc("qerl_update_weights", args=(path,))[0]
+        if self.kept is not None:
+            from safetensors.torch import load_file
+
+            self.kept.update(load_file(path))  # host copies, re-applied after a level-2 reload
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         return names
 

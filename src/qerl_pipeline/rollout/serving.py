@@ -57,7 +57,20 @@ Engine dtype (``engine_dtype``): ``model.dtype`` as ``models.resolve_dtype`` rea
 says. vLLM's NVFP4 W4A16 kernels take 16-bit activations only, so a float32 engine on the
 packed NVFP4 base is refused here.
 
-What was checked where (tests/test_serving.py): the decision for every (format, platform);
+Engines across GPUs (issue #13; ``engine_plan``, ``tensor_parallel_args``): by default
+every data-parallel rank opens its own engine on its own GPU (``rollout.engines:
+per_rank``; ``devices`` becomes the engine process's ``CUDA_VISIBLE_DEVICES``); a model
+whose served weights and KV cache do not fit one GPU uses one engine over
+``rollout.tensor_parallel_size`` GPUs (vLLM's own tensor parallelism, passed as
+``vllm.LLM(tensor_parallel_size=...)``; the engine-process design stays: one server, one
+``vllm.LLM``, vLLM's workers under it). ``engines: shared`` opens that one engine on rank 0
+only. CUDA only: on CPU vLLM's EngineCore and worker run inside the server process (one
+worker), so ``tensor_parallel_size > 1`` is refused there, by the function, before any
+engine starts. Not done here: the trainer's in-place weight path (rollout/worker_ext.py:
+AQN and trained norms, merge sync) indexes TP=1 models only and refuses others, and
+handing rank 0's rollouts to the other ranks under ``shared`` is the trainer's part.
+
+What was checked where (tests/test_serving.py; engines across GPUs: tests/test_engine_sleep.py): the decision for every (format, platform);
 ``served_model`` on real bases; the bitsandbytes folder against transformers' own
 bitsandbytes 4-bit save of the same model (byte-identical tensors and config) and loaded
 back by transformers + bitsandbytes on CPU (dequantized weights equal to our decoded NF4,
@@ -257,22 +270,140 @@ def engine_norm_dtype(model_cfg: Any) -> str | None:
     return "float32" if value == "float32" else None
 
 
+# ------------------------------------------------------------------ engines across GPUs
+def tensor_parallel_args(rollout: Any, platform: str) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` arguments for ``rollout.tensor_parallel_size`` on ``platform``.
+
+    ``{}`` for 1 (vLLM's default, one GPU); ``{"tensor_parallel_size": n}`` on CUDA for n > 1
+    (vLLM then starts one worker per GPU with its multiprocessing executor: the engine-process
+    design stays, the server still owns one ``vllm.LLM``). Refused on CPU: there the engine
+    runs vLLM's EngineCore and worker inside the server process (``distributed_executor_backend
+    ="uni"``, rollout/server.py), one worker by construction, and a CPU engine has host RAM,
+    not a GPU's memory, to outgrow.
+    """
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)}")
+    size = int(getattr(rollout, "tensor_parallel_size", 1) or 1)
+    if size == 1:
+        return {}
+    if platform != "cuda":
+        raise ValueError(
+            f"rollout.tensor_parallel_size {size}: tensor parallel engines are CUDA only; on {platform} the vLLM engine "
+            "runs in one process on the host (set rollout.tensor_parallel_size: 1)"
+        )
+    return {"tensor_parallel_size": size}
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Which engine one training rank uses (``engine_plan``).
+
+    ``opens_engine``: this rank starts an engine (else it gets rollouts from rank 0);
+    ``devices``: the GPU indices the engine sees (``CUDA_VISIBLE_DEVICES`` of its process,
+    counted in this process's visible devices; None: inherit, e.g. on CPU);
+    ``engine_args``: extra ``vllm.LLM`` arguments (``tensor_parallel_args``); ``colocated``:
+    the engine shares the GPU this rank trains on (what ``rollout.sleep.sleep_plan`` needs);
+    ``why``: one line for the log.
+    """
+
+    opens_engine: bool
+    tensor_parallel_size: int
+    devices: tuple[int, ...] | None
+    engine_args: dict[str, Any]
+    colocated: bool
+    why: str
+
+
+def engine_plan(rollout: Any, platform: str, *, world_size: int = 1, rank: int = 0, local_rank: int | None = None,
+                gpus: int | None = None) -> EnginePlan:
+    """The rollout engine of rank ``rank`` of ``world_size`` (``rollout.engines``, ``rollout.tensor_parallel_size``).
+
+    Pure (``gpus``: the GPUs this process sees, checked when given). The table, with t =
+    tensor_parallel_size and l = local_rank (default: rank)::
+
+        platform  engines   ranks  t    opens engine     devices             colocated
+        cpu       any       any    1    per_rank: all    None (host)         no (host RAM)
+                                        shared: rank 0
+        cpu       any       any    >1   refused (tensor_parallel_args)
+        cuda      per_rank  1      t    yes              l*t .. l*t+t-1      yes (the trainer's GPU l is in it)
+        cuda      per_rank  >1     1    yes              l                   yes
+        cuda      per_rank  >1     >1   refused: rank l's engine would span GPUs other ranks train on
+        cuda      shared    any    t    rank 0 only      0 .. t-1            rank 0: yes; others: no engine
+
+    ``colocated`` on CUDA means the engine and this rank's update share a GPU, so sleeping the
+    engine during the update frees memory the update can use (the issue's "sleep between
+    rollout and update on one GPU"). With ``shared``, rank 0 sleeps the engine for every rank
+    whose GPU it spans; the ranks must wait for it (a barrier after ``before_update``) before
+    their own updates allocate.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world_size {world_size}: expected 0 <= rank < world_size >= 1")
+    args = tensor_parallel_args(rollout, platform)
+    t = int(getattr(rollout, "tensor_parallel_size", 1) or 1)
+    mode = getattr(rollout, "engines", "per_rank")
+    if mode not in ("per_rank", "shared"):
+        raise ValueError(f"rollout.engines {mode!r}: expected per_rank or shared")
+    local = rank if local_rank is None else int(local_rank)
+    opens = mode == "per_rank" or rank == 0
+    if platform == "cpu":
+        why = (f"{mode} engine on the host" if opens else "shared engine: rank 0's") + ("" if world_size == 1 else f" (rank {rank}/{world_size})")
+        return EnginePlan(opens, 1, None, {}, False, why)
+    if mode == "per_rank":
+        if world_size > 1 and t > 1:
+            raise ValueError(
+                f"rollout.engines per_rank with rollout.tensor_parallel_size {t} and {world_size} training ranks: rank "
+                f"{rank}'s engine would span GPUs other ranks train on; use tensor_parallel_size: 1 (one engine per rank; "
+                f"a shared engine over {t} GPUs is not built yet for more than one rank)"
+            )
+        devices = tuple(range(local * t, local * t + t))
+    else:
+        devices = tuple(range(t)) if opens else ()
+    if gpus is not None and devices and max(devices) >= gpus:
+        raise ValueError(
+            f"rollout.engines {mode}, tensor_parallel_size {t}: rank {rank} (local {local}) needs GPUs "
+            f"{list(devices)} but this process sees {gpus}"
+        )
+    colocated = opens and local in devices
+    why = (f"{mode} engine on GPU(s) {list(devices)}" if opens else "shared engine: rank 0's") + (
+        f", rank {rank}/{world_size}" if world_size > 1 else "") + ("" if colocated or not opens else ", not on this rank's GPU")
+    return EnginePlan(opens, t, devices if opens else None, args, colocated, why)
+
+
+def visible_devices(devices: tuple[int, ...] | list[int], environ: Any = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for an engine process that should see ``devices`` (indices into
+    this process's visible GPUs: mapped through its own ``CUDA_VISIBLE_DEVICES`` when set)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    own = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not devices:
+        raise ValueError("visible_devices: no devices")
+    if own:
+        if max(devices) >= len(own):
+            raise ValueError(f"devices {list(devices)}: this process sees only CUDA_VISIBLE_DEVICES={','.join(own)}")
+        return ",".join(own[d] for d in devices)
+    return ",".join(str(d) for d in devices)
+
+
 def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lora_rank: int | None = None,
                 max_model_len: int | None = None, seed: int | None = None, **kwargs: Any):
     """The one place a ``RolloutEngine`` is built for a served base (trainer, evaluation, compare, benchmark).
 
     ``served``: ``served_model``'s decision; ``model_cfg``: ``ModelConfig`` (dtype, norm dtype,
     ``max_seq_len`` unless ``max_model_len``); ``lora_rank``: the adapters' rank (None: LoRA
-    off); ``rollout``: the ``RolloutConfig`` (sampling defaults, seed unless ``seed``). The
+    off); ``rollout``: the ``RolloutConfig`` (sampling defaults, seed unless ``seed``,
+    ``tensor_parallel_size`` through ``tensor_parallel_args``: refused on CPU here). ``devices``
+    (in ``kwargs``, optional): the GPUs the engine process sees (``EnginePlan.devices``). The
     engine is started (the caller closes it, or uses it as a context manager).
     """
     from qerl_pipeline.config import ModelConfig, parse
     from qerl_pipeline.rollout.engine import RolloutEngine
 
     mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
+    extra = {**served.engine_args, **tensor_parallel_args(rollout, served.platform or current_platform())}
     return RolloutEngine(
         served.path, max_model_len=max_model_len or mc.max_seq_len, enable_lora=lora_rank is not None,
         max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else 16,
         dtype=engine_dtype(mc, served.platform, served), seed=seed if seed is not None else getattr(rollout, "seed", 0),
-        rollout=rollout, extra_engine_args=served.engine_args, norm_dtype=engine_norm_dtype(mc), **kwargs,
+        rollout=rollout, extra_engine_args=extra, norm_dtype=engine_norm_dtype(mc), **kwargs,
     )

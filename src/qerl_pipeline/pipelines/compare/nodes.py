@@ -3,8 +3,8 @@
 The experiment itself is declared in pipeline.py: one branch per method (the train and
 evaluate pipelines' templates in Kedro namespace ``compare.<method>``), the bases shared per
 format. These nodes only open the compare's MLflow run (``compare_group``, which every
-branch's run is nested under) and build the report from the branches' runs
-(``evaluation/report.py`` does the work).
+branch's run is nested under) and build the report from the branches' runs, one per method
+and seed (``evaluation/report.py`` does the work, ``evaluation/stats.py`` the statistics).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branc
 
     ``branches``: ``<method>_summary`` (each branch's ``train_summary``, which names its run) and
     ``<method>_accuracy`` (its ``eval_accuracy``, an input so the report comes after every
-    evaluation). Returns ``({method: {"run_id", "eval_run_id"}}, the long accuracy table, a summary)``.
+    evaluation). Returns ``({method: [{"run_id", "eval_run_id", "seed"}, ...]}, the long accuracy table (a
+    ``seed`` column), a summary)``.
     """
     cc: CompareConfig = parse(CompareConfig, compare, "compare")
     selection = {}
@@ -48,7 +49,8 @@ def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branc
         summary = branches.get(f"{method}_summary")
         if summary is None:
             raise ValueError(f"compare.methods: no branch for {method!r} in the compare pipeline")
-        selection[method] = {"run_id": summary["mlflow_run_id"], "eval_run_id": None}
+        runs = summary.get("runs", [summary])  # one entry per seed (train/nodes.py)
+        selection[method] = [{"run_id": r["mlflow_run_id"], "eval_run_id": None, "seed": r.get("seed")} for r in runs]
     return R.report_for(selection, cc, compare_group["run_id"])
 
 

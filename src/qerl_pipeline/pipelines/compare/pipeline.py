@@ -11,17 +11,26 @@ Declared, so ``kedro viz`` shows the experiment:
   ``compare.<method>.train_summary``) and the evaluate pipeline's template
   (``compare.<method>.evaluate_policies`` -> ``...eval_records``, ``...eval_accuracy``). Every
   parameter section is shared; the branch's own parameter is ``compare.<method>.method``;
-* ``build_comparison_report``, joining the branches.
+* ``build_comparison_report``, joining the branches: means and 95% intervals over the seeds and
+  the paper's claims put to the data (``evaluation/report.py``, ``evaluation/stats.py``).
+
+Seeds (``compare.seeds``): the pipeline's shape does not depend on them (Kedro builds it before
+parameters are known). Each branch's nodes train and evaluate every seed in turn: one run
+folder ``<train.output_dir>/compare/seed-<k>/<method>``, one adapter ``seed-<k>/`` in the
+branch's ``trained_adapters`` folder and one child MLflow run (tagged ``seed``) per method and
+seed. A seed sets ``train.seed``, ``rollout.seed`` and ``aqn.seed`` of its training
+(``train/nodes.py::seeded_sections``); the base, the prompts and the evaluation are the same
+for every seed. The base alone is evaluated once per branch, not once per seed.
 
 Run one branch alone with Kedro's selection options, e.g. ``kedro run --pipelines=compare
 --namespaces=compare.qlora`` (its inputs, the prompts, ``compare_group`` and its base, are
 persisted by an earlier compare run), then ``--nodes=build_comparison_report``.
 
 Resume: a compare that was killed is resumed by running it again with the same config.
-Each branch's trainer resumes its own run folder (``<train.output_dir>/compare/<method>``):
-a finished branch is reused as it is (no training; its evaluation is read back from its
-run when the adapter is the one evaluated), the interrupted one resumes from its newest
-checkpoint into its own MLflow run, the others start. Bases are reused by fingerprint.
+Each (method, seed) training resumes its own run folder: a finished one is reused as it is
+(no training; its evaluation is read back from its run when the adapter is the one
+evaluated), the interrupted one resumes from its newest checkpoint into its own MLflow run,
+the others start. Bases are reused by fingerprint.
 
 ``compare_report`` (registered separately) rebuilds the report from runs already in MLflow.
 """
@@ -34,10 +43,10 @@ from qerl_pipeline.config import METHOD_FORMAT, METHODS
 from qerl_pipeline.pipelines.compare.nodes import build_report, open_compare, report_from_mlflow
 from qerl_pipeline.pipelines.evaluate.pipeline import evaluation_nodes
 from qerl_pipeline.pipelines.quantize.pipeline import format_nodes
-from qerl_pipeline.pipelines.train.pipeline import SECTIONS
+from qerl_pipeline.pipelines.train.pipeline import SECTIONS, SEEDS_PARAM
 
-#: Parameter sections every branch shares (everything but ``params:method``).
-SHARED_PARAMS = sorted({f"params:{s}" for s in SECTIONS} | {"params:evaluate"})
+#: Parameters every branch shares (everything but ``params:method``), compare's seeds included.
+SHARED_PARAMS = sorted({f"params:{s}" for s in SECTIONS} | {"params:evaluate", SEEDS_PARAM})
 OUTPUTS = ["compare_runs", "compare_accuracy", "compare_summary"]
 
 

@@ -12,8 +12,8 @@ logged to the run's MLflow run (named ``evaluate <method> · <model> · seed <n>
 ``qerl.trained_run_id``).
 
 ``evaluation_nodes(in_compare=...)`` is the template compare instantiates per method
-(namespace ``compare.<method>``); there the evaluation is logged into the branch's
-training run.
+(namespace ``compare.<method>``); there it evaluates every seed of ``params:compare.seeds``,
+each logged into its own training run.
 """
 
 from kedro.pipeline import Node, Pipeline
@@ -38,8 +38,9 @@ def evaluation_nodes(in_compare: bool = False) -> Pipeline:
     inputs = {"eval_prompts": PROMPTS_DATASET, "base_dir": BASE_DATASET, "trained_adapters": ADAPTERS_DATASET,
               "method": "params:method", "evaluate": "params:evaluate", "reward": "params:reward",
               "model": "params:model", "rollout": "params:rollout"}
-    if in_compare:
+    if in_compare:  # every seed of compare.seeds, each logged into its training run (evaluate/nodes.py)
         inputs["compare_group"] = "compare_group"
+        inputs["seeds"] = "params:compare.seeds"
     return Pipeline(
         [
             Node(run_evaluation, inputs, "eval_result", name="evaluate_policies"),

@@ -1,0 +1,688 @@
+"""Memory planner: per-GPU bytes of a training run on one GPU, whether it fits, the largest batches that do.
+
+``python -m qerl_pipeline.planner --env paper_bigmath_32b --gpu-gb 80`` reads the project's
+parameters the way Kedro does (``conf/base/parameters*.yml``, then ``conf/<env>/``, merged
+with OmegaConf as the project's ``soft`` strategy does, then ``--params k=v,...``),
+validates them (``config.QerlConfig``), takes the model's shape from a local
+``config.json`` (``model.name`` a folder, or ``--model-config``), the random smoke shape, or a
+built-in preset of the published configs (``--model-preset``; also found from ``model.name``;
+the Hub is never asked), and prints one table. ``plan(cfg, shape, gpu_gib)`` is the library
+call; the README's "Memory planner" section is generated with the CLI.
+
+The model of memory. One GPU holds two processes: the trainer (``rl/trainer.py`` builds the
+policy on the GPU before it starts the engine) and the vLLM engine (``rollout/server.py``),
+which co-reside for the whole run. Two phases alternate:
+
+* rollout: trainer resident + engine held (``gpu_memory_utilization x GPU``) + the trainer's
+  cached activation memory: PyTorch's caching allocator keeps the update's peak reserved after
+  the tensors are freed, so the next rollout (and an engine waking from sleep) finds it still
+  taken, unless the trainer empties its cache: ``rollout/sleep.py``'s ``EngineSleeper`` calls
+  ``torch.cuda.empty_cache()`` before it wakes the engine, i.e. exactly when the engine sleeps.
+  ``plan(..., empty_cache=None)`` (the default) follows the code: emptied when
+  ``rollout.sleep_between_steps``, kept otherwise; ``True``/``False`` (``--empty-cache`` /
+  ``--keep-cache``) plan either case;
+* update:  trainer resident + trainer activation peak + (engine held, or only its residue when
+  ``rollout.sleep_between_steps`` puts it to sleep during the update).
+
+So sleeping the engine lowers the peak only together with an emptied trainer cache (which the
+sleeper does).
+
+``peak = max(rollout, update) + one CUDA context per process``; it fits when ``peak <= GPU``
+and the engine can start (its budget holds its weights, its workspace and the KV cache of at
+least one ``max_seq_len`` sequence; vLLM refuses to start otherwise). Notation: hidden ``h``,
+layers ``n_l``, heads ``n_h``, KV heads ``n_kv``, head dim ``d``, MLP width ``I``, vocab ``V``,
+LoRA rank ``r``; ``c`` = bytes of the compute dtype (``model.dtype``; ``auto`` is bf16 on
+CUDA, so ``c = 2``), ``f = 4`` (fp32). Per decoder layer the linears are q ``h -> n_h d``,
+k and v ``h -> n_kv d``, o ``n_h d -> h``, gate and up ``h -> I``, down ``I -> h``; lm_head
+``h -> V`` (none when tied to the embeddings).
+
+Trainer, resident (what ``quantization/policy.py`` holds; checked to the byte on tiny models
+in tests/test_planner.py against the policy's parameters and buffers, ``PackedLinear.packed_bytes``):
+
+* quantized linear ``[out, in]`` (``PackedLinear`` buffers): NVFP4 ``out*in/2`` (E2M1 codes)
+  ``+ out*in/16`` (one FP8-E4M3 scale per 16) ``+ 4`` (FP32 global scale); NF4
+  ``ceil(out*in/2) + 4*ceil(out*in/B)`` (codes + FP32 absmax per block, ``B =
+  quantize.nf4_blocksize``). BF16 base: ``c*out*in`` (frozen ``nn.Linear``). Which linears are
+  quantized follows ``checkpoint.quantizable_linears``: all but ``quantize.ignore`` (default
+  ``lm_head``), a head tied to the embeddings, and (NVFP4) ``in % 16 != 0``, which stay dense.
+* biases (Qwen2's q/k/v, ``attention_bias``/``mlp_bias``): ``c`` bytes each.
+* embeddings ``c*V*h``; an untied, unquantized lm_head ``c*V*h`` (``load_base`` casts every
+  non-quantized tensor to the compute dtype).
+* RMSNorm weights ``(2 n_l + 1) h``, fp32 (``model.norm_dtype: float32``, ``rl/norms.py``) or
+  ``c`` bytes (``model``); rotary ``inv_freq`` and ``original_inv_freq``: ``2 * f * d/2``.
+* LoRA: ``f * r * (in + out)`` per target linear per layer (PEFT keeps adapters fp32).
+* trainable = LoRA (+ the norms with ``lora.train_norms``); their gradients: same bytes.
+* AdamW (torch): two moments in the parameter's dtype, ``2 x`` trainable bytes, plus one
+  fp32 ``step`` scalar per tensor (on the host: not counted on the GPU). ``optim.name:
+  adamw_8bit`` (bitsandbytes ``AdamW8bit``, CUDA): tensors of at least 4096 elements get two
+  uint8 moments and an FP32 absmax per 256 elements each (``2 n + 8 ceil(n/256)``), smaller
+  ones fp32 moments (``min_8bit_size``), plus its two 256-entry FP32 quantization maps once.
+
+Trainer, activations of one micro-batch of ``b`` rows padded to ``L = model.max_seq_len``
+(the worst case: the longest prompt plus ``T = rollout.max_new_tokens``), ``N = b L``, ``P =
+b T``. What autograd saves (exact: the test counts the saved tensors of a forward through
+``step.completion_logprobs`` with ``torch.autograd.graph.saved_tensors_hooks``), per layer:
+
+* LoRA: PEFT casts each target's input to the adapter dtype (fp32) before ``lora_A``, a new
+  tensor per target (q, k, v each cast the same input): ``f N (in + r)`` per target, i.e.
+  ``f N (5h + n_h d + I + 7r)`` for the 7 default targets (fp32 compute: no casts, so one ``f N``
+  per distinct input, o_proj's being SDPA's saved output). The packed base saves nothing (its
+  autograd function decodes the weight again in backward), nor does a frozen bf16 linear.
+* RMSNorm (fp32 weight): ``f N h`` (input cast to fp32) ``+ f N`` (rsqrt), not for layer 0's
+  first norm (its input, the frozen embedding, needs no gradient); ``+ f N h`` (the normalised
+  input) per norm when the norms train (``c N h`` with ``norm_dtype: model``).
+* attention (SDPA, flash kernel, no mask, GQA without repeating K/V): ``c N (n_h d + 2 n_kv d)``
+  (q, k, v after rotary) ``+ c N n_h d`` (output) ``+ f b n_h L`` (logsumexp).
+* MLP: ``3 c N I`` (gate output, SiLU output, up output).
+* once: rotary cos/sin ``2 c L d``; final norm as above; the head (``rl/logprobs.py``, never
+  ``[n, T, V]``): the gathered hidden states ``c P h``, targets and gather indices ``16 P + 8 b``,
+  the per-row max and log-sum ``2 f P``.
+
+With ``lora.gradient_checkpointing`` (Hugging Face's per-layer, non-reentrant) only each
+layer's input ``c N h`` is kept, plus the final norm and head; in backward one layer at a time
+is recomputed, so one layer's full saved set comes on top.
+
+Transient working set (an estimate, not measured on a GPU): in backward the gradients of one
+layer's saved tensors (taken as one layer's saved set again); the head's chunk buffers,
+``chunk (2f + c) V`` with ``chunk = min(512, P)`` rows, plus the gradient of the hidden states ``c N h``
+(head and layers do not overlap: the larger counts); the decoded dense weight of the largest
+quantized linear on the torch decode path, ``13 out*in`` (uint8 codes, int64 indices, fp32
+values; zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen). Peak =
+saved + transient. A no-grad reference forward (``grpo.log_kl_to_base``) keeps less. On CPU the
+measured process peak (VmHWM) of a small policy lies between saved (+ recompute) and this peak
+(tests/test_planner.py): the transient term over-estimates there.
+
+Engine (vLLM, ``rollout/serving.py``: what CUDA serves):
+
+* served weights: NVFP4 packed (same bytes as the trainer's codes; qkv and gate/up fused share
+  one global scale per group), NF4 through bitsandbytes (``nf4-bnb``: the same codes and FP32
+  absmax; assumes ``vllm-bnb-plugin`` is installed, else it is served dense), BF16 dense;
+  embeddings, lm_head and biases in ``c``; norms fp32 (the project's vLLM plugin).
+* LoRA slots: ``max_loras = 1`` at ``max_lora_rank = rollout.serving.vllm_lora_rank(r)``, every
+  one of the 7 projection types, ``c r_v (in + out)`` each (vLLM wraps all supported linears).
+* workspace (estimate): the profiling forward of ``max_num_batched_tokens = 16384`` tokens
+  (vLLM's default for the ``LLM`` class on >= 70 GiB GPUs; the project sets it only on CPU),
+  ``c 16384 (2h + 3I)``, plus sampler logits for ``max_num_seqs = 1024`` rows, ``2 f 1024 V``;
+  CUDA graphs 0.5 GiB unless ``rollout.enforce_eager``.
+* KV cache: ``2 n_l n_kv d c`` bytes per token, in blocks of 16 tokens. vLLM gives it
+  everything of ``gpu_memory_utilization x GPU`` that weights, LoRA slots and workspace leave.
+  A sequence needs ``ceil16(T)`` completion tokens plus its share of the prompt, ``ceil16(L -
+  T) / G`` (prefix caching is on, ``rollout/server.py``, and the ``G`` samples of a prompt
+  share its full prompt blocks). The rollout batch is ``train.prompts_per_step x
+  grpo.num_generations``; vLLM runs what does not fit concurrently in waves (slower, not an
+  error), so the table gives the largest concurrent rollout batch.
+* asleep (``rollout.sleep_level`` 1: weights to host RAM, KV cache freed; 2: both discarded,
+  weights reloaded on wake; the GPU side is the same for both): CUDA graphs stay.
+* CUDA context: 0.5 GiB per process (trainer, engine), outside vLLM's budget.
+
+Deviations and assumptions, in one place:
+
+* ``gpu_gib`` is GiB (2^30 bytes); an "80 GB" H100 reports 81559 MiB = 79.6 GiB.
+* the Llama/Qwen2 layer layout above (no q/k norms, no MoE); ``source: random`` models are
+  Llama with tied embeddings over the SmolLM2 tokenizer (V = 49152).
+* NF4 double quantization is refused by the project (``quantization/store.py``); the planner
+  refuses it too rather than plan a format the trainer cannot build.
+* ``optim.name: adamw_8bit`` is planned as bitsandbytes' AdamW8bit (what CUDA runs; on CPU the
+  trainer falls back to torch AdamW).
+* engine workspace, CUDA graphs, contexts and the asleep residue are estimates; the
+  trainer's resident bytes and saved activations are exact for the project's code.
+* the engine is planned on the trainer's GPU (one GPU, no tensor parallelism) and asleep during
+  the update exactly when ``rollout.sleep_between_steps`` is true (``rollout/sleep.py``, issue
+  #13's sleep work, decides this on CUDA for a co-located engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qerl_pipeline.config import METHOD_FORMAT, QerlConfig, validate
+
+GIB = 1024**3
+F32 = 4
+#: Rows of the lm_head processed at a time by ``rl/logprobs.py`` (its ``DEFAULT_CHUNK_TOKENS``).
+HEAD_CHUNK = 512
+#: Bytes per weight alive at once while the torch codec decodes one linear (codes, int64 indices, fp32 values).
+DECODE_BYTES_PER_WEIGHT = 13
+#: bitsandbytes AdamW8bit: tensors below this many elements keep fp32 moments; absmax block; map entries.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+BNB_QMAP_ENTRIES = 256
+#: vLLM defaults for the ``LLM`` class on GPUs with >= 70 GiB (not set by the project on CUDA).
+VLLM_MAX_BATCHED_TOKENS = 16384
+VLLM_MAX_NUM_SEQS = 1024
+VLLM_BLOCK = 16
+CUDA_GRAPHS_BYTES = GIB // 2
+CUDA_CONTEXT_BYTES = GIB // 2
+
+
+# ----------------------------------------------------------------------------- model shape
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the planner needs, as a transformers config names them."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    head_dim: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def d(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
+        """From a transformers config (``PretrainedConfig`` or its dict / ``config.json``)."""
+        raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if raw.get(k) is None]
+        if missing:
+            raise ValueError(f"model config lacks {missing}: the planner needs a decoder-only (Llama/Qwen2) config")
+        model_type = raw.get("model_type", "")
+        return cls(
+            name=name or raw.get("_name_or_path") or model_type or "model",
+            hidden_size=int(raw["hidden_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=int(raw["num_attention_heads"]),
+            num_key_value_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+            intermediate_size=int(raw["intermediate_size"]), vocab_size=int(raw["vocab_size"]),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), head_dim=raw.get("head_dim"),
+            # Qwen2's q/k/v always carry a bias (its config has no switch); Llama's follow attention_bias.
+            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+        )
+
+    def linears(self) -> dict[str, tuple[int, int, bool]]:
+        """Per-layer linears: name -> (in, out, has bias)."""
+        h, q, kv, i = self.hidden_size, self.num_attention_heads * self.d, self.num_key_value_heads * self.d, self.intermediate_size
+        ab, mb = self.attention_bias, self.mlp_bias
+        return {"q_proj": (h, q, ab), "k_proj": (h, kv, ab), "v_proj": (h, kv, ab), "o_proj": (q, h, False),
+                "gate_proj": (h, i, mb), "up_proj": (h, i, mb), "down_proj": (i, h, mb)}
+
+    def parameters(self) -> int:
+        per_layer = sum(a * b + (b if bias else 0) for a, b, bias in self.linears().values()) + 2 * self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size + head + self.hidden_size
+
+
+def _qwen2(name: str, h: int, n_l: int, n_h: int, n_kv: int, i: int) -> ModelShape:
+    return ModelShape(name, h, n_l, n_h, n_kv, i, 152064, False, None, True, False)
+
+
+#: The published config.json values of these checkpoints (Hugging Face Hub, Qwen/* and HuggingFaceTB/*).
+PRESETS: dict[str, ModelShape] = {
+    "qwen2.5-7b": _qwen2("Qwen/Qwen2.5-7B-Instruct", 3584, 28, 28, 4, 18944),
+    "qwen2.5-14b": _qwen2("Qwen/Qwen2.5-14B-Instruct", 5120, 48, 40, 8, 13824),
+    "qwen2.5-32b": _qwen2("Qwen/Qwen2.5-32B-Instruct", 5120, 64, 40, 8, 27648),
+    "smollm2-135m": ModelShape("HuggingFaceTB/SmolLM2-135M-Instruct", 576, 30, 9, 3, 1536, 49152, True),
+}
+#: Vocabulary of the SmolLM2 tokenizer the random smoke model is built over (models.make_random_model).
+RANDOM_VOCAB = 49152
+
+
+def resolve_shape(cfg: QerlConfig, preset: str | None = None, model_config: str | Path | None = None) -> ModelShape:
+    """The model's shape: ``model_config`` (a config.json or its folder), ``preset``, a local
+    ``model.name`` folder, the random smoke shape, or the preset whose Hub id is ``model.name``."""
+    if model_config is not None:
+        path = Path(model_config)
+        path = path / "config.json" if path.is_dir() else path
+        return ModelShape.from_config(json.loads(path.read_text()), name=str(model_config))
+    if preset is not None:
+        key = preset.lower()
+        if key not in PRESETS:
+            raise ValueError(f"--model-preset {preset!r}: known presets are {', '.join(PRESETS)}")
+        return PRESETS[key]
+    m = cfg.model
+    if m.source == "random":
+        r = m.random_init
+        return ModelShape("random (model.random_init)", r.hidden_size, r.num_hidden_layers, r.num_attention_heads,
+                          r.num_key_value_heads, r.intermediate_size, RANDOM_VOCAB, True)
+    folder = Path(m.name)
+    if (folder / "config.json").is_file():
+        return ModelShape.from_config(json.loads((folder / "config.json").read_text()), name=m.name)
+    for shape in PRESETS.values():
+        if shape.name.lower() == m.name.lower():
+            return shape
+    raise ValueError(f"model.name {m.name!r}: no local config.json and no preset of that name (the Hub is not asked); "
+                     f"pass --model-preset ({', '.join(PRESETS)}) or --model-config PATH")
+
+
+# ----------------------------------------------------------------------------- pieces
+def _dtype_bytes(cfg: QerlConfig) -> int:
+    """Compute dtype bytes on the GPU: ``auto`` and ``bfloat16`` are bf16 there."""
+    return F32 if cfg.model.dtype == "float32" else 2
+
+
+def _norm_bytes(cfg: QerlConfig) -> int:
+    return F32 if cfg.model.norm_dtype == "float32" else _dtype_bytes(cfg)
+
+
+def quantized_linear_bytes(fmt: str, n_in: int, n_out: int, nf4_blocksize: int = 64) -> int:
+    """Bytes of one linear's codes and scales as ``PackedLinear`` holds them (``fmt`` nvfp4 | nf4)."""
+    n = n_in * n_out
+    if fmt == "nvfp4":
+        return n // 2 + n // 16 + F32
+    if fmt == "nf4":
+        return math.ceil(n / 2) + F32 * math.ceil(n / nf4_blocksize)
+    raise ValueError(f"not a packed format: {fmt!r}")
+
+
+def _quantized(fmt: str, name: str, n_in: int, ignore: list[str]) -> bool:
+    """Whether ``checkpoint.quantizable_linears`` quantizes this linear (a tied head is handled by the caller)."""
+    from qerl_pipeline.quantization.checkpoint import is_ignored
+
+    if fmt == "bf16" or is_ignored(name, ignore):
+        return False
+    return not (fmt == "nvfp4" and n_in % 16)
+
+
+def weight_bytes(cfg: QerlConfig, shape: ModelShape) -> dict[str, int]:
+    """The base as the trainer holds it: ``base_linears`` (packed codes+scales, or dense), ``biases``,
+    ``embeddings``, ``lm_head``, ``norms``, ``rotary``."""
+    fmt, c = METHOD_FORMAT[cfg.method], _dtype_bytes(cfg)
+    ignore, bs = list(cfg.quantize.ignore), cfg.quantize.nf4_blocksize
+    nb = _norm_bytes(cfg)
+    out = {"base_linears": 0, "biases": 0}
+    for i in range(shape.num_hidden_layers):
+        for name, (n_in, n_out, bias) in shape.linears().items():
+            full = f"model.layers.{i}.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}"
+            q = _quantized(fmt, full, n_in, ignore)
+            out["base_linears"] += quantized_linear_bytes(fmt, n_in, n_out, bs) if q else c * n_in * n_out
+            out["biases"] += c * n_out if bias else 0
+    out["embeddings"] = c * shape.vocab_size * shape.hidden_size
+    if shape.tie_word_embeddings:
+        out["lm_head"] = 0
+    elif _quantized(fmt, "lm_head", shape.hidden_size, ignore):
+        out["lm_head"] = quantized_linear_bytes(fmt, shape.hidden_size, shape.vocab_size, bs)
+    else:
+        out["lm_head"] = c * shape.vocab_size * shape.hidden_size
+    out["norms"] = nb * (2 * shape.num_hidden_layers + 1) * shape.hidden_size
+    out["rotary"] = 2 * F32 * (shape.d // 2)
+    return out
+
+
+def _targets(cfg: QerlConfig, shape: ModelShape) -> dict[str, tuple[int, int, bool]]:
+    lin = shape.linears()
+    unknown = [t for t in cfg.lora.target_modules if t not in lin]
+    if unknown:
+        raise ValueError(f"lora.target_modules: {unknown} are not among the planner's linears {list(lin)}")
+    return {t: lin[t] for t in cfg.lora.target_modules}
+
+
+def trainable_tensors(cfg: QerlConfig, shape: ModelShape) -> list[tuple[int, int]]:
+    """``(numel, element bytes)`` of each trainable tensor: lora_A, lora_B per target per layer (+ norms)."""
+    r = cfg.lora.rank
+    out = []
+    for _ in range(shape.num_hidden_layers):
+        for n_in, n_out, _bias in _targets(cfg, shape).values():
+            out += [(r * n_in, F32), (n_out * r, F32)]
+    if cfg.lora.train_norms:
+        out += [(shape.hidden_size, _norm_bytes(cfg))] * (2 * shape.num_hidden_layers + 1)
+    return out
+
+
+def optimizer_bytes(cfg: QerlConfig, tensors: list[tuple[int, int]]) -> dict[str, int]:
+    """``gpu``: moments (and 8-bit absmax/maps) on the device; ``host``: torch AdamW's fp32 step scalars."""
+    if cfg.optim.name == "adamw_8bit":
+        gpu, any8 = 0, False
+        for n, _nb in tensors:
+            if n >= BNB_MIN_8BIT_SIZE:
+                gpu += 2 * n + 2 * F32 * math.ceil(n / BNB_BLOCK)
+                any8 = True
+            else:
+                gpu += 2 * F32 * n
+        return {"gpu": gpu + (2 * F32 * BNB_QMAP_ENTRIES if any8 else 0), "host": 0}
+    return {"gpu": sum(2 * n * nb for n, nb in tensors), "host": F32 * len(tensors)}
+
+
+def activation_bytes(cfg: QerlConfig, shape: ModelShape, b: int, seq_len: int | None = None,
+                     completion_len: int | None = None) -> dict[str, int]:
+    """Saved activations and the transient working set of one micro-batch of ``b`` rows (see the docstring)."""
+    L = seq_len or cfg.model.max_seq_len
+    T = min(completion_len or cfg.rollout.max_new_tokens, L)
+    c, f, nb = _dtype_bytes(cfg), F32, _norm_bytes(cfg)
+    h, d, nh, nkv, i = shape.hidden_size, shape.d, shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size
+    N, P, r = b * L, b * T, cfg.lora.rank
+    tn = cfg.lora.train_norms
+    targets = _targets(cfg, shape)
+    # LoRA inputs: a fresh fp32 cast per target in bf16; in fp32 the cast is the input itself (one per source).
+    if c == f:  # o_proj's input is the attention output SDPA saves already (flash kernels lay it out [b, L, n_h, d])
+        sources = {"attn_in": h, "o_in": 0, "mlp_in": h, "down_in": i}
+        src_of = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
+                  "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+        lora = f * N * sum(sources[s] for s in {src_of[t] for t in targets}) + f * N * r * len(targets)
+    else:
+        lora = sum(f * N * (n_in + r) for n_in, _o, _b in targets.values())
+    normed = (nb if nb == f else c) * N * h if tn else 0
+    norm_full = f * N * h + f * N + normed
+    norm_first = normed  # layer 0's first norm: its input (the frozen embedding) needs no gradient
+    attn = c * N * (nh * d + 2 * nkv * d) + c * N * nh * d + f * b * nh * L
+    mlp = 3 * c * N * i
+    layer = lora + 2 * norm_full + attn + mlp
+    layer0 = layer - norm_full + norm_first
+    rotary = 2 * c * L * d
+    head = norm_full + c * P * h + 16 * P + 8 * b + 2 * f * P
+    n_l = shape.num_hidden_layers
+    if cfg.lora.gradient_checkpointing:
+        saved = n_l * c * N * h + head
+        recompute = layer + rotary
+    else:
+        saved = layer0 + (n_l - 1) * layer + rotary + head
+        recompute = 0
+    head_work = min(HEAD_CHUNK, P) * (2 * f + c) * shape.vocab_size + c * N * h
+    fmt = METHOD_FORMAT[cfg.method]
+    biggest = max(n_in * n_out for n_in, n_out, _b in shape.linears().values())
+    decode = DECODE_BYTES_PER_WEIGHT * biggest if fmt != "bf16" else 0
+    transient = max(head_work, layer) + decode
+    return {"saved": saved, "recompute": recompute, "transient": transient, "peak": saved + recompute + transient,
+            "per_layer": layer, "layer0": layer0, "head": head, "rotary": rotary}
+
+
+def kv_bytes_per_token(cfg: QerlConfig, shape: ModelShape) -> int:
+    """K and V of every layer for one token, in the compute dtype."""
+    return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.d * _dtype_bytes(cfg)
+
+
+def _ceil_block(n: int) -> int:
+    return VLLM_BLOCK * math.ceil(n / VLLM_BLOCK)
+
+
+def engine_bytes(cfg: QerlConfig, shape: ModelShape) -> dict[str, int]:
+    """What the engine needs besides its KV cache: served weights, LoRA slots, workspace, CUDA graphs."""
+    from qerl_pipeline.rollout.serving import vllm_lora_rank
+
+    c = _dtype_bytes(cfg)
+    w = weight_bytes(cfg, shape)  # the same tensors; norms fp32 there too (rollout/vllm_plugin.py)
+    served = w["base_linears"] + w["biases"] + w["embeddings"] + w["lm_head"] + w["norms"]
+    rv = vllm_lora_rank(cfg.lora.rank)
+    lora = shape.num_hidden_layers * sum(c * rv * (n_in + n_out) for n_in, n_out, _b in shape.linears().values())
+    work = (c * VLLM_MAX_BATCHED_TOKENS * (2 * shape.hidden_size + 3 * shape.intermediate_size)
+            + 2 * F32 * VLLM_MAX_NUM_SEQS * shape.vocab_size)
+    graphs = 0 if cfg.rollout.enforce_eager else CUDA_GRAPHS_BYTES
+    return {"served_weights": served, "lora_slots": lora, "workspace": work, "cuda_graphs": graphs}
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass
+class Plan:
+    """Every figure of one plan, bytes unless named otherwise (``rows`` gives the table)."""
+
+    method: str
+    fmt: str
+    model: str
+    gpu_bytes: int
+    micro_batch: int
+    rollout_batch: int
+    seq_len: int
+    completion_len: int
+    gradient_checkpointing: bool
+    sleep: bool
+    gpu_memory_utilization: float
+    trainer: dict[str, int]
+    activations: dict[str, int]
+    engine: dict[str, int]
+    kv_per_token: int
+    kv_capacity: int
+    kv_needed: int
+    engine_reserved: int
+    engine_asleep: int
+    contexts: int
+    rollout_phase: int
+    update_phase: int
+    peak: int
+    empty_cache: bool
+    engine_starts: bool
+    fits: bool
+    max_micro_batch: int
+    max_concurrent_rollouts: int
+    min_gpu_memory_utilization: float
+    max_gpu_memory_utilization: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _trainer_resident(cfg: QerlConfig, shape: ModelShape) -> dict[str, int]:
+    w = weight_bytes(cfg, shape)
+    tensors = trainable_tensors(cfg, shape)
+    lora = cfg.lora.rank * F32 * shape.num_hidden_layers * sum(a + b for a, b, _bias in _targets(cfg, shape).values())
+    trainable = sum(n * nb for n, nb in tensors)
+    opt = optimizer_bytes(cfg, tensors)
+    return {**w, "lora": lora, "grads": trainable, "optimizer": opt["gpu"], "optimizer_host": opt["host"]}
+
+
+def plan(cfg: QerlConfig, shape: ModelShape, gpu_gib: float, *, micro_batch: int | None = None,
+         empty_cache: bool | None = None) -> Plan:
+    """The memory plan of ``cfg`` for ``shape`` on one GPU of ``gpu_gib`` GiB (see the module docstring).
+
+    ``empty_cache``: whether the trainer returns its cached activation memory
+    (``torch.cuda.empty_cache()``) after each update; None = as the code does: when the engine
+    sleeps during the update (``EngineSleeper``, before its wake), not otherwise.
+    """
+    if gpu_gib <= 0:
+        raise ValueError(f"gpu size must be > 0 GiB, got {gpu_gib}")
+    if METHOD_FORMAT[cfg.method] == "nf4" and cfg.quantize.nf4_double_quant:
+        raise ValueError("quantize.nf4_double_quant: the project does not implement double quantization "
+                         "(quantization/nf4.py), so there is no such trainer to plan")
+    gpu = int(gpu_gib * GIB)
+    fmt = METHOD_FORMAT[cfg.method]
+    mb = micro_batch or cfg.train.micro_batch_size
+    n_rows = cfg.train.prompts_per_step * cfg.grpo.num_generations
+    L, T, G = cfg.model.max_seq_len, min(cfg.rollout.max_new_tokens, cfg.model.max_seq_len), cfg.grpo.num_generations
+    trainer = _trainer_resident(cfg, shape)
+    resident = sum(v for k, v in trainer.items() if k != "optimizer_host")
+    acts = activation_bytes(cfg, shape, mb)
+    eng = engine_bytes(cfg, shape)
+    fixed = sum(eng.values())
+    reserved = int(cfg.rollout.gpu_memory_utilization * gpu)
+    kv_tok = kv_bytes_per_token(cfg, shape)
+    kv_capacity = max(0, reserved - fixed)
+    per_seq_tokens = _ceil_block(T) + _ceil_block(L - T) / G  # prompt blocks shared by a group (prefix caching)
+    kv_needed = int(math.ceil(n_rows * per_seq_tokens * kv_tok))
+    concurrent = int(kv_capacity // (per_seq_tokens * kv_tok))
+    starts = kv_capacity >= _ceil_block(L) * kv_tok  # vLLM refuses a cache smaller than one max_model_len sequence
+    sleep = cfg.rollout.sleep_between_steps
+    if empty_cache is None:
+        empty_cache = sleep  # EngineSleeper empties the trainer's cache before waking the engine
+    asleep = eng["cuda_graphs"]
+    contexts = 2 * CUDA_CONTEXT_BYTES
+    engine_in_update = asleep if sleep else reserved
+    # The trainer's caching allocator keeps the update's peak reserved into the next rollout unless emptied.
+    cached = 0 if empty_cache else acts["peak"]
+    rollout_phase = contexts + resident + cached + reserved
+    update_phase = contexts + resident + acts["peak"] + engine_in_update
+    peak = max(rollout_phase, update_phase)
+    room = gpu - (contexts + resident + (engine_in_update if empty_cache else max(engine_in_update, reserved)))
+    max_mb = 0
+    while max_mb < n_rows and activation_bytes(cfg, shape, max_mb + 1)["peak"] <= room:
+        max_mb += 1
+    min_util = (fixed + _ceil_block(L) * kv_tok) / gpu
+    # Largest fraction vLLM may reserve: the rollout phase (and, awake during the update, the update phase) must fit.
+    max_util = max(0.0, (gpu - contexts - resident - (0 if sleep and empty_cache else acts["peak"])) / gpu)
+    if update_phase - engine_in_update > gpu:
+        max_util = 0.0
+    notes = []
+    if not starts:
+        notes.append(f"engine cannot start: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization} x GPU = "
+                     f"{reserved / GIB:.1f} GiB does not hold its weights, workspace and one {L}-token sequence "
+                     f"(needs >= {min_util:.3f})")
+    if starts and concurrent < n_rows:
+        notes.append(f"rollout batch {n_rows} runs in waves: the KV cache holds {concurrent} sequences at once")
+    if fmt == "nf4":
+        notes.append("NF4 served through bitsandbytes (vllm-bnb-plugin installed); without it vLLM serves it dense")
+    return Plan(
+        method=cfg.method, fmt=fmt, model=shape.name, gpu_bytes=gpu, micro_batch=mb, rollout_batch=n_rows, seq_len=L,
+        completion_len=T, gradient_checkpointing=cfg.lora.gradient_checkpointing, sleep=sleep,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, trainer=trainer, activations=acts, engine=eng,
+        kv_per_token=kv_tok, kv_capacity=kv_capacity, kv_needed=kv_needed, engine_reserved=reserved,
+        engine_asleep=asleep, contexts=contexts, rollout_phase=rollout_phase, update_phase=update_phase, peak=peak,
+        empty_cache=empty_cache, engine_starts=starts, fits=starts and peak <= gpu, max_micro_batch=max_mb, max_concurrent_rollouts=concurrent,
+        min_gpu_memory_utilization=min_util, max_gpu_memory_utilization=max_util, notes=notes,
+    )
+
+
+def rows(p: Plan) -> list[tuple[str, str]]:
+    """(component, GiB or value) rows of a plan, in table order."""
+    g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
+    t, a, e = p.trainer, p.activations, p.engine
+    return [
+        ("trainer: base linears", g(t["base_linears"])),
+        ("trainer: embeddings + lm_head + norms + biases", g(t["embeddings"] + t["lm_head"] + t["norms"] + t["biases"] + t["rotary"])),
+        ("trainer: LoRA + grads + optimizer", g(t["lora"] + t["grads"] + t["optimizer"])),
+        (f"trainer: activations, micro-batch {p.micro_batch} x {p.seq_len}", g(a["peak"])),
+        ("engine: served weights + LoRA slots", g(e["served_weights"] + e["lora_slots"])),
+        ("engine: workspace + CUDA graphs", g(e["workspace"] + e["cuda_graphs"])),
+        (f"engine: KV cache held / needed ({p.rollout_batch} seqs)", f"{g(p.kv_capacity)} / {g(p.kv_needed)}"),
+        (f"engine: reserved ({p.gpu_memory_utilization} x GPU)", g(p.engine_reserved)),
+        ("CUDA contexts (2 processes)", g(p.contexts)),
+        ("trainer cache emptied after the update", "yes" if p.empty_cache else "no"),
+        ("rollout phase / update phase" + (" (engine asleep)" if p.sleep else ""), f"{g(p.rollout_phase)} / {g(p.update_phase)}"),
+        ("peak / GPU", f"{g(p.peak)} / {g(p.gpu_bytes)}"),
+        ("fits", "yes" if p.fits else "no"),
+        ("largest micro-batch", str(p.max_micro_batch)),
+        ("largest concurrent rollout batch", str(p.max_concurrent_rollouts)),
+        ("gpu_memory_utilization: smallest that starts / largest that fits",
+         f"{p.min_gpu_memory_utilization:.3f} / {p.max_gpu_memory_utilization:.3f}"),
+    ]
+
+
+# ----------------------------------------------------------------------------- config loading
+def _conf_files(folder: Path) -> list[Path]:
+    return sorted([*folder.glob("parameters*.yml"), *folder.glob("parameters*.yaml"), *folder.glob("parameters*/**/*.yml")])
+
+
+def _parse_params(text: str | None) -> list[tuple[str, Any]]:
+    """Kedro's ``--params a.b=1,c=x``: comma-separated ``key=value``; values read as YAML scalars."""
+    import yaml
+
+    out = []
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--params: {item!r} is not key=value")
+        out.append((key.strip(), yaml.safe_load(value) if value.strip() else None))
+    return out
+
+
+def load_config(env: str | None = None, params: str | None = None, conf_dir: str | Path = "conf") -> QerlConfig:
+    """The validated config of ``kedro run --env ENV --params PARAMS``: base, then the env overlay
+    (``local`` when no env is given, as Kedro does; OmegaConf merge, the project's ``soft``
+    strategy), then the ``--params`` values."""
+    from omegaconf import OmegaConf
+
+    conf = Path(conf_dir)
+    base = conf / "base"
+    if not base.is_dir():
+        raise FileNotFoundError(f"{base}: no such folder (run from the project root or pass --conf-dir)")
+    if env and not (conf / env).is_dir():
+        raise FileNotFoundError(f"--env {env}: {conf / env} does not exist")
+    env = env or "local"  # Kedro's default run environment (settings.py), overlaid when it exists
+    merged = OmegaConf.create({})
+    for folder in (base, conf / env):
+        for path in _conf_files(folder) if folder.is_dir() else []:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+    for key, value in _parse_params(params):
+        OmegaConf.update(merged, key, value, merge=True)
+    return validate(OmegaConf.to_container(merged, resolve=True))
+
+
+# ----------------------------------------------------------------------------- CLI
+def render(plans: list[Plan], title: str = "") -> None:
+    """Print plans side by side (one column per plan) with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title or None)
+    table.add_column("component (GiB)")
+    for p in plans:
+        table.add_column(f"{p.method} ({p.fmt})", justify="right")
+    cols = [rows(p) for p in plans]
+    for i, (label, _v) in enumerate(cols[0]):
+        table.add_row(label, *(c[i][1] for c in cols))
+    console = Console(width=160)
+    console.print(table)
+    for p in plans:
+        for note in p.notes:
+            console.print(f"{p.method}: {note}", markup=False)
+
+
+def markdown(plans: list[Plan]) -> str:
+    """One markdown row per plan (model, method, components in GiB, fits, largest batches): the README's table."""
+    g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
+    head = ("| model | method | grad. ckpt / sleep / empty cache | base linears | emb + head + norms | LoRA + grads + AdamW | activations (mb x L) "
+            "| engine weights + LoRA | engine workspace | engine reserved (util) | KV held / needed | rollout / update phase "
+            "| fits | largest micro-batch | concurrent rollouts | util: min to start / max to fit |")
+    sep = "|---|---|---|" + "---:|" * 12 + "---|"
+    out = [head, sep]
+    for p in plans:
+        t, a, e = p.trainer, p.activations, p.engine
+        out.append(" | ".join([
+            f"| {p.model.split('/')[-1]}", f"{p.method} ({p.fmt})",
+            f"{'on' if p.gradient_checkpointing else 'off'} / {'on' if p.sleep else 'off'} / {'yes' if p.empty_cache else 'no'}",
+            g(t["base_linears"]),
+            g(t["embeddings"] + t["lm_head"] + t["norms"] + t["biases"] + t["rotary"]),
+            g(t["lora"] + t["grads"] + t["optimizer"]), f"{g(a['peak'])} ({p.micro_batch} x {p.seq_len})",
+            g(e["served_weights"] + e["lora_slots"]), g(e["workspace"] + e["cuda_graphs"]),
+            f"{g(p.engine_reserved)} ({p.gpu_memory_utilization:g})", f"{g(p.kv_capacity)} / {g(p.kv_needed)}",
+            f"{g(p.rollout_phase)} / {g(p.update_phase)}", "**yes**" if p.fits else "no",
+            str(p.max_micro_batch), f"{p.max_concurrent_rollouts} of {p.rollout_batch}",
+            f"{p.min_gpu_memory_utilization:.2f} / {p.max_gpu_memory_utilization:.2f} |",
+        ]))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qerl_pipeline.planner", description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--env", default=None, help="Kedro environment(s) overlaid on conf/base, comma-separated "
+                    "(e.g. paper_bigmath_32b); one plan per env and method")
+    ap.add_argument("--params", default=None, help="Kedro-style overrides: key=value,key2=value2")
+    ap.add_argument("--gpu-gb", type=float, required=True, help="GPU memory in GiB (an '80 GB' H100 reports 79.6)")
+    ap.add_argument("--model-preset", default=None, choices=sorted(PRESETS), help="built-in model shape")
+    ap.add_argument("--model-config", default=None, help="a config.json (or its folder) giving the model shape")
+    ap.add_argument("--methods", default=None, help="comma-separated methods to plan side by side (default: the config's)")
+    ap.add_argument("--conf-dir", default="conf", help="the project's conf folder")
+    ap.add_argument("--format", choices=("table", "markdown", "json"), default="table")
+    cache = ap.add_mutually_exclusive_group()
+    cache.add_argument("--empty-cache", dest="empty_cache", action="store_const", const=True, default=None,
+                       help="plan as if the trainer emptied its CUDA cache after every update (default: as the code "
+                       "does, i.e. when the engine sleeps during the update)")
+    cache.add_argument("--keep-cache", dest="empty_cache", action="store_const", const=False,
+                       help="plan as if the trainer kept its cached activation memory into the rollout")
+    args = ap.parse_args(argv)
+    envs = [e.strip() for e in args.env.split(",")] if args.env else [None]
+    groups: list[tuple[str, list[Plan]]] = []
+    try:
+        for env in envs:
+            cfg = load_config(env, args.params, args.conf_dir)
+            shape = resolve_shape(cfg, args.model_preset, args.model_config)
+            methods = [m.strip() for m in args.methods.split(",")] if args.methods else [cfg.method]
+            plans = [plan(validate({**cfg.model_dump(), "method": m}), shape, args.gpu_gb, empty_cache=args.empty_cache)
+                     for m in methods]
+            groups.append((f"{shape.name} on {args.gpu_gb:g} GiB, env {env or 'base'}", plans))
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        print(f"Error: {err}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps([p.to_dict() for _t, plans in groups for p in plans], indent=2))
+    elif args.format == "markdown":
+        print(markdown([p for _t, plans in groups for p in plans]))
+    else:
+        for title, plans in groups:
+            render(plans, title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

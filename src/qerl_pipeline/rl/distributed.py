@@ -1,0 +1,277 @@
+"""Data-parallel training with torch.distributed: the launch, the rank's view, and the collectives.
+
+Design (issue "Beyond one GPU"): ``train.nproc`` ranks, launched by PyTorch's elastic
+launcher (``python -m torch.distributed.run``, i.e. torchrun), gloo on CPU and NCCL on CUDA.
+
+* Every rank holds the whole packed base and the LoRA (no sharding of weights: the point
+  is more rollouts per step, the adapter is small) and owns its own rollout engine (one
+  vLLM engine per rank, on its GPU; ``rollout/serving.py``).
+* The step's prompt groups are global: ``train.prompts_per_step`` is the whole step's,
+  drawn identically on every rank (same seeded sampler) and split in contiguous shares
+  (``shard_bounds``); each prompt keeps the sampling seed of its global position
+  (``step.sampling_seeds``). So ``nproc`` changes where the work runs, never what is
+  computed: N ranks with P prompts per step train what 1 rank with P prompts does, up to
+  floating-point summation order (``tests/test_distributed.py`` compares the adapters).
+* Rewards are gathered (``all_gather_object``) so advantages, reward metrics and the
+  batch-level normalisers (``advantage_scale: batch``, token counts of the ``token``
+  aggregation, the number of sequences) are the global batch's; each rank's loss is its
+  share of the global loss, the gradients of the trainable parameters are summed over the
+  ranks (``all_reduce_grads``: an all-reduce, what DDP does, without DDP's wrapper around a
+  PEFT model whose forward we do not call), so every rank clips and steps on the same
+  gradient and the replicas stay equal without a broadcast.
+* Rank 0 writes: the run folder, checkpoints, step adapters (the other ranks' engines load
+  the folder rank 0 wrote, after a barrier), the final adapter and the MLflow run (metrics
+  are the global ones; ``dist/world_size`` logged). The other ranks log nowhere.
+* Resume at the same world size continues; a checkpoint written at another world size is
+  refused with a message naming both (per-rank random streams, e.g. dropout, would differ).
+
+Not supported with ``nproc > 1`` (refused at config validation): DAPO dynamic sampling (its
+refill rounds would need a global decision each round) and compare branches (their engines
+are shared across nodes in one process, ``rollout/pool.py``).
+
+Multi-node: the same ``kedro run`` on every node with ``train.nnodes``, ``train.node_rank``,
+``train.master_addr``/``master_port``; only node 0's rank 0 writes MLflow and files (a shared
+filesystem is assumed for the run folder).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Environment variables torchrun sets for its workers; a rank's engine process must not see
+#: them (vLLM would take the trainer's rank/world for its own).
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+@dataclass
+class Dist:
+    """This process's place in the job and the collectives the trainer uses (one process: no-ops)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.active:
+            torch.distributed.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.active:
+            return obj
+        box = [obj if self.rank == src else None]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def sum(self, value: float) -> float:
+        """The sum of a float over the ranks (float64 on the wire)."""
+        if not self.active:
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return float(t)
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            torch.distributed.all_reduce(t)
+        return t
+
+    def all_reduce_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Sum the gradients of ``params`` over the ranks, in one flat buffer (one collective)."""
+        if not self.active:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g).to(g.dtype))
+            offset += n
+
+
+SINGLE = Dist()
+
+
+def from_env(env: dict[str, str] | None = None) -> Dist:
+    """The ``Dist`` torchrun's variables describe (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); one process without them."""
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return SINGLE
+    return Dist(int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])))
+
+
+def backend_for(platform: str) -> str:
+    """gloo on CPU, NCCL on CUDA."""
+    return "nccl" if platform == "cuda" else "gloo"
+
+
+def rank_device(platform: str, local_rank: int) -> str:
+    """The trainer's device of a rank: ``cuda:<local_rank>`` on CUDA (one GPU per rank), ``cpu`` otherwise."""
+    return f"cuda:{local_rank}" if platform == "cuda" else "cpu"
+
+
+def init(platform: str) -> Dist:
+    """Join the process group torchrun set up (no-op in a single process)."""
+    d = from_env()
+    if d.active and not torch.distributed.is_initialized():
+        if platform == "cuda":
+            torch.cuda.set_device(d.local_rank)
+        torch.distributed.init_process_group(backend_for(platform))
+    return d
+
+
+def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[lo, hi)`` of the ``n`` items rank ``rank`` takes: contiguous, equal shares (``n % world_size == 0``)."""
+    if n % world_size:
+        raise ValueError(f"{n} prompt groups do not split evenly over {world_size} ranks")
+    share = n // world_size
+    return rank * share, (rank + 1) * share
+
+
+def engine_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the launcher's variables (for a rank's engine process)."""
+    return {k: v for k, v in env.items() if k not in LAUNCHER_ENV}
+
+
+# ------------------------------------------------------------------------ launching
+def launcher_command(nproc: int, payload: Path, *, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                     master_port: int = 29500) -> list[str]:
+    """The torchrun command line that runs ``_worker(payload)`` on ``nproc`` ranks (per node)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}"]
+    return cmd + ["-m", "qerl_pipeline.rl.distributed", str(payload)]
+
+
+def launch(cfg, base_dir: Path, records: list[dict], *, output_dir: str | Path | None = None, tracking: dict | None = None,
+           dataset_name: str | None = None, data_report: dict | None = None, reward_fn: str | None = None,
+           on_line: Callable[[str], None] | None = None):
+    """Run ``trainer.train`` on ``cfg.train.nproc`` ranks under torchrun, follow it, return rank 0's ``TrainResult``.
+
+    ``tracking``: ``{"uri", "active_run_id", "name", "params"}`` for rank 0's MLflow logger
+    (``tracking.training_loggers`` with the launching process's active run), None = in memory.
+    The launcher gets the parent-death signal: if this process dies, torchrun is terminated,
+    which ends its workers, whose engines end with them (rollout/server.py's guard).
+    """
+    from qerl_pipeline.rl.trainer import TrainResult
+
+    if reward_fn is not None and not isinstance(reward_fn, str):
+        raise TypeError("train.nproc > 1: the reward function must be an import path ('package.module:function'), "
+                        "a callable cannot be sent to the ranks")
+    tc = cfg.train
+    work = Path(tempfile.mkdtemp(prefix="qerl-dist-"))
+    (work / "records.json").write_text(json.dumps(records))
+    payload = work / "payload.json"
+    payload.write_text(json.dumps({
+        "config": cfg.model_dump(mode="json"), "base_dir": str(base_dir), "records": str(work / "records.json"),
+        "output_dir": None if output_dir is None else str(output_dir), "tracking": tracking, "dataset_name": dataset_name,
+        "data_report": data_report, "reward_fn": reward_fn, "result": str(work / "result.json"),
+    }, default=str))
+    cmd = launcher_command(tc.nproc, payload, nnodes=tc.nnodes, node_rank=tc.node_rank, master_addr=tc.master_addr,
+                           master_port=tc.master_port)
+    log.info("train.nproc=%d: %s", tc.nproc, " ".join(cmd))
+    tail: list[str] = []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                            bufsize=1, preexec_fn=_die_with_parent)
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail = (tail + [line])[-60:]
+            (on_line or log.info)(line)
+        rc = proc.wait()
+    except BaseException:
+        proc.terminate()
+        proc.wait(timeout=60)
+        raise
+    result_path = work / "result.json"
+    if rc != 0 or not result_path.exists():
+        raise RuntimeError(f"distributed training ({tc.nproc} ranks) failed with exit code {rc}; its last lines:\n" + "\n".join(tail))
+    raw = json.loads(result_path.read_text())
+    return TrainResult(Path(raw["run_dir"]), Path(raw["adapter_dir"]), raw["steps"], raw["resumed_from"], raw["run_id"],
+                       raw["history"], raw["seconds"], Path(raw["moved_aside"]) if raw["moved_aside"] else None, raw["reused"])
+
+
+def _die_with_parent() -> None:
+    from qerl_pipeline.rollout.server import set_parent_death_signal
+    import signal
+
+    set_parent_death_signal(signal.SIGTERM)
+
+
+def _worker(payload_path: str) -> int:
+    """One rank: join the group, train, rank 0 writes the result file."""
+    from qerl_pipeline.atomic import write_atomic
+    from qerl_pipeline.config import QerlConfig
+    from qerl_pipeline.rl import trainer
+    from qerl_pipeline.tracking import MemoryLogger, training_loggers
+
+    p = json.loads(Path(payload_path).read_text())
+    cfg = QerlConfig.model_validate(p["config"])
+    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    d = init(platform)
+    logging.basicConfig(level=logging.INFO, format=f"rank {d.rank}: %(levelname)s %(name)s: %(message)s", force=True)  # no brackets: rich markup
+    tr = p.get("tracking")
+    if d.is_main and tr:
+        import mlflow
+
+        mlflow.set_tracking_uri(tr["uri"])
+        make_logger, _ = training_loggers(tr["name"], cfg.method, tr.get("params") or {}, active_run_id=tr["active_run_id"])
+    else:
+        def make_logger(_run_id):
+            return MemoryLogger()
+    try:
+        result = trainer.train(cfg, Path(p["base_dir"]), json.loads(Path(p["records"]).read_text()), output_dir=p["output_dir"],
+                               make_logger=make_logger, dataset_name=p.get("dataset_name"), progress=False,
+                               reward_fn=p.get("reward_fn"), data_report=p.get("data_report"), dist=d)
+        if d.is_main:
+            write_atomic(Path(p["result"]), json.dumps({
+                "run_dir": str(result.run_dir), "adapter_dir": str(result.adapter_dir), "steps": result.steps,
+                "resumed_from": result.resumed_from, "run_id": result.run_id, "history": result.history,
+                "seconds": result.seconds, "moved_aside": str(result.moved_aside) if result.moved_aside else None,
+                "reused": result.reused,
+            }, default=float).encode())
+    finally:
+        if d.active and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker(sys.argv[1]))

@@ -1,0 +1,229 @@
+"""Sleep the rollout engine between rollout and update on one GPU (issue #13), and check it on wake.
+
+Why: on one GPU the engine holds its weights and a KV cache sized by
+``rollout.gpu_memory_utilization`` while the trainer's update (packed base, LoRA, optimizer,
+activations) needs the same GPU. vLLM's sleep mode (``LLM(enable_sleep_mode=True)``, then
+``LLM.sleep(level)`` / ``LLM.wake_up(tags)``; CUDA's cumem allocator) frees that memory during
+the update. Per step the trainer calls ``EngineSleeper.before_update`` (sleep) right before
+``policy_update`` and ``EngineSleeper.after_update(new_adapter_dir)`` right after saving the
+new adapter (wake, check, register the adapter the next rollout uses).
+
+The decision (``sleep_plan``; pure, the platform is a parameter)::
+
+    platform  colocated  sleep_between_steps  -> enabled  level               why
+    cpu       any        any                     no       -                   vLLM-CPU has no sleep mode
+    cuda      no         any                     no       -                   the engine is not on this rank's GPU
+    cuda      yes        false                   no       -                   switched off
+    cuda      yes        true                    yes      rollout.sleep_level level 1: weights to host RAM, KV freed;
+                                                                              level 2: both discarded, weights reloaded
+
+``colocated`` comes from ``serving.engine_plan`` (the engine shares the GPU this rank trains
+on). The platform is the engine's (``engine_platform``: the engine process reports
+``info["cuda"]``), which a fake engine can set, so the CUDA path runs in CPU tests.
+
+What vLLM-CPU 0.32 does (read in its source): ``ModelConfig`` with ``enable_sleep_mode=True``
+raises ``ValueError("Sleep mode is not supported on current platform.")``
+(``vllm/config/model.py``, ``Platform.is_sleep_mode_available``: CUDA, ROCm, XPU only);
+without it, ``LLM.sleep`` pauses the scheduler and ``CPUWorker.sleep``/``wake_up`` only log
+"sleep mode is not supported on CPU, ignore it." So the engine never enables sleep mode on
+CPU (rollout/server.py) and this module never sleeps there; tests assert the ValueError.
+
+Guards against known vLLM bugs (why ``after_update`` checks, not trusts, the wake):
+
+* LoRA lost or silently inactive after a wake: vLLM #53888 (level 1, NVFP4 base served by
+  Marlin, TP=2: after ``wake_up`` the adapter "silently stops applying" and fixed-seed
+  outputs diverge, no error). Check: before the sleep a greedy probe (a few tokens of one
+  prompt of the step, reversed so it misses the prefix cache, with the adapter the rollout
+  just used) is recorded; after the wake the same probe must give the same tokens. Then the
+  next adapter is registered (``register_adapter``: loaded now under the id the next rollout
+  uses) and must appear in vLLM's ``list_loras``. Repair: drop every adapter
+  (``reset_adapters``; the next request reloads the folder under a new id) and check again;
+  if it still fails, ``WakeCheckError`` says what differed and how to turn sleep off.
+* Level 2 needs the weights reloaded: vLLM's own docs (level 2 "discards" the weights, for
+  "a different model or update the model"), ms-swift #7017 ("sleep_level 2 causes gibberish
+  outputs", fixed by a weight sync after wake), verl #3461 (LoRA + level 2: base weights not
+  loaded), vllm-ascend #13012 (the ``wake_up(["weights"])``, ``reload_weights``,
+  ``wake_up(["kv_cache"])`` sequence). The engine process runs that sequence and re-applies
+  its in-place updates (rollout/server.py). vLLM #39934 (``reload_weights`` with
+  ``enable_lora`` raised KeyError on ``base_layer`` names, vLLM 0.17; fix PR #48337): vLLM
+  0.32's reload resolves ``base_layer`` names (``model_loader/reload/inplace.py``). Checked
+  on vLLM-CPU 0.32 with ``enable_lora`` (2026-12-01, the server's level-2 path forced on a
+  tiny model; CPU discards nothing, so this checks the calls, not the memory): the sequence
+  runs, vLLM lists no adapter after the reload, the adapter reloads under a new id, and the
+  greedy tokens equal those before the sleep only because the norm update is re-applied.
+  Not checked: a real level-2 discard on CUDA, and the reload of a packed NVFP4 base (its
+  Marlin repacking); the probe above would catch a bad reload, so level 2 stays opt-in.
+
+Metrics (the dict ``after_update`` returns, merged into the step's metrics): ``time/sleep_s``
+(the sleep call), ``time/wake_s`` (the wake, level-2 reload included), ``time/wake_check_s``
+(both probes and the registration), ``sleep/repairs`` (adapter resets needed this step). An
+inactive plan returns ``{}`` (no sleep metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+log = logging.getLogger(__name__)
+
+#: Greedy tokens of the wake probe (and the prompt tokens it keeps): enough to see a changed model.
+PROBE_TOKENS = 8
+PROBE_PROMPT_TOKENS = 64
+
+
+class WakeCheckError(RuntimeError):
+    """The engine does not serve after a wake what it served before, even after dropping its adapters."""
+
+
+class SleepPlan(NamedTuple):
+    """``sleep_plan``'s answer; unpacks as ``(enabled, level, why)``."""
+
+    enabled: bool
+    level: int | None
+    why: str
+
+
+def sleep_plan(rollout_cfg: Any, platform: str, colocated: bool) -> SleepPlan:
+    """Whether the engine sleeps during each update, at which level, and why (the module's table)."""
+    if platform not in ("cuda", "cpu"):
+        raise ValueError(f"unknown platform {platform!r}; expected cuda or cpu")
+    if platform == "cpu":
+        return SleepPlan(False, None, "CPU: vLLM-CPU has no sleep mode (enable_sleep_mode raises 'Sleep mode is not "
+                                      "supported on current platform.'); the engine's memory is host RAM")
+    if not colocated:
+        return SleepPlan(False, None, "the engine is not on this rank's GPU: sleeping it frees nothing the update uses")
+    if not getattr(rollout_cfg, "sleep_between_steps", False):
+        return SleepPlan(False, None, "rollout.sleep_between_steps is false")
+    level = int(getattr(rollout_cfg, "sleep_level", 1))
+    if level == 1:
+        return SleepPlan(True, 1, "level 1: weights offloaded to CPU RAM and KV cache freed during each update")
+    if level == 2:
+        return SleepPlan(True, 2, "level 2: weights and KV cache discarded during each update; on wake the weights "
+                                  "are reloaded from the served folder and the in-place updates re-applied")
+    raise ValueError(f"rollout.sleep_level {level}: expected 1 or 2")
+
+
+def engine_platform(engine: Any, default: str) -> str:
+    """``cuda`` or ``cpu``: where the engine runs, as its process reported (``info["cuda"]``), else ``default``."""
+    info = getattr(engine, "info", None) or {}
+    if "cuda" not in info:
+        return default
+    return "cuda" if info["cuda"] else "cpu"
+
+
+def release_trainer_cache() -> bool:
+    """``torch.cuda.empty_cache()`` where CUDA is: PyTorch's caching allocator would otherwise keep the update's
+    activation peak reserved in the trainer, and the waking engine could not have it (planner.py counts this)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
+class EngineSleeper:
+    """Sleeps ``engine`` around each update as ``plan`` says, and checks it when it wakes.
+
+    ``engine``: a ``RolloutEngine`` (or anything with ``generate``, ``sleep(level)``,
+    ``wake_up``, ``register_adapter``, ``loaded_adapters``, ``reset_adapters``);
+    ``probe_tokens``: greedy tokens of the wake probe (0: no probe, only the registration
+    check). Call ``before_update`` then ``after_update`` once per step.
+    """
+
+    def __init__(self, engine: Any, plan: SleepPlan, *, probe_tokens: int = PROBE_TOKENS):
+        self.engine = engine
+        self.plan = plan
+        self.probe_tokens = int(probe_tokens)
+        self._probe: tuple[list[int], str, list[int]] | None = None  # (prompt, adapter folder, tokens)
+        self._sleep_s = 0.0
+        self._check_s = 0.0
+        self._asleep = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.plan.enabled
+
+    def _run_probe(self, prompt: list[int], adapter: str | None) -> list[int]:
+        res = self.engine.generate([prompt], n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.probe_tokens,
+                                   seed=0, lora_path=adapter)
+        return list(res.samples[0][0].completion_ids)
+
+    def before_update(self, adapter_dir: str | Path | None = None, prompt_ids: list[int] | None = None) -> dict:
+        """Record the probe (the rollout's adapter ``adapter_dir``, a prompt of the step) and sleep."""
+        if not self.enabled:
+            return {}
+        if self._asleep:
+            raise RuntimeError("EngineSleeper.before_update called twice without after_update")
+        t0 = time.perf_counter()
+        self._probe = None
+        if self.probe_tokens > 0 and prompt_ids:
+            # reversed: not a prefix of any rollout prompt, so no cached KV from the batch enters the probe
+            prompt = [int(t) for t in list(prompt_ids)[-PROBE_PROMPT_TOKENS:]][::-1]
+            adapter = None if adapter_dir is None else str(Path(adapter_dir).resolve())
+            self._probe = (prompt, adapter, self._run_probe(prompt, adapter))
+        self._check_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        slept = self.engine.sleep(self.plan.level)
+        self._sleep_s = time.perf_counter() - t0
+        self._asleep = True
+        if not slept:
+            log.warning("engine did not go to sleep (sleep mode off in the engine, or asleep already)")
+        return {"time/sleep_s": self._sleep_s}
+
+    def after_update(self, adapter_dir: str | Path | None) -> dict:
+        """Wake, check the probe, register ``adapter_dir`` (the next rollout's); the step's sleep metrics."""
+        if not self.enabled:
+            return {}
+        if not self._asleep:
+            raise RuntimeError("EngineSleeper.after_update called without before_update")
+        release_trainer_cache()  # the update's cached activation memory goes back before the engine takes its own
+        t0 = time.perf_counter()
+        woke = self.engine.wake_up()
+        wake_s = time.perf_counter() - t0
+        self._asleep = False
+        t0 = time.perf_counter()
+        repairs = 0
+        if self._probe is not None:
+            repairs += self._check_probe(woke)
+        if adapter_dir is not None:  # None: an engine without LoRA
+            repairs += self._check_registered(Path(adapter_dir))
+        check_s = self._check_s + time.perf_counter() - t0
+        return {"time/sleep_s": self._sleep_s, "time/wake_s": wake_s, "time/wake_check_s": check_s, "sleep/repairs": repairs}
+
+    def _check_probe(self, woke: Any) -> int:
+        prompt, adapter, before = self._probe
+        after = self._run_probe(prompt, adapter)
+        if after == before:
+            return 0
+        log.warning("engine output changed across sleep/wake (level %s; %s): before %s after %s; dropping its adapters "
+                    "(vLLM #53888) and probing again", self.plan.level, woke, before, after)
+        self.engine.reset_adapters()
+        again = self._run_probe(prompt, adapter)
+        if again != before:
+            raise WakeCheckError(
+                f"after waking from sleep level {self.plan.level} the engine serves other tokens than before it "
+                f"(greedy probe with adapter {adapter}: before {before}, after {after}, after dropping its adapters "
+                f"{again}): its weights did not come back as they were (vLLM #53888; for level 2 a failed reload). "
+                "Set rollout.sleep_between_steps: false (or rollout.sleep_level: 1)"
+            )
+        return 1
+
+    def _check_registered(self, adapter_dir: Path) -> int:
+        reg = self.engine.register_adapter(adapter_dir)
+        if reg["lora_id"] in reg["loaded"]:
+            return 0
+        log.warning("adapter %s (LoRA id %s) not listed by the engine after wake (listed: %s); reloading it",
+                    adapter_dir, reg["lora_id"], reg["loaded"])
+        self.engine.reset_adapters()
+        reg = self.engine.register_adapter(adapter_dir)
+        if reg["lora_id"] not in reg["loaded"]:
+            raise WakeCheckError(
+                f"after waking from sleep level {self.plan.level} the engine does not hold adapter {adapter_dir} "
+                f"(LoRA id {reg['lora_id']}; it lists {reg['loaded']}) even after reloading it: the next rollout would "
+                "run without it. Set rollout.sleep_between_steps: false"
+            )
+        return 1

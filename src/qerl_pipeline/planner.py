@@ -88,9 +88,11 @@ layer's saved tensors (taken as one layer's saved set again); the head's chunk b
 (head and layers do not overlap: the larger counts); the decoded dense weight of the largest
 quantized linear on the torch decode path, ``13 out*in`` (uint8 codes, int64 indices, fp32
 values; zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen). Peak =
-saved + transient. A no-grad reference forward (``grpo.log_kl_to_base``) keeps less. On CPU the
-measured process peak (VmHWM) of a small policy lies between saved (+ recompute) and this peak
-(tests/test_planner.py): the transient term over-estimates there.
+saved + transient. A no-grad reference forward (``grpo.log_kl_to_base``) keeps less. The
+process peak (VmHWM) of a small CPU policy was measured against it twice and is not a test (a
+process's peak depends on the machine's allocator and libraries): once below the planned peak,
+once, with gradient checkpointing on a fresh clone, 30% above it; the transient term is an
+estimate, not a bound.
 
 Engine (vLLM, ``rollout/serving.py``: what CUDA serves):
 

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 #: Parameters of ``rl.trainer._update`` this module calls it with.
 _UPDATE_PARAMS = ["policy", "optimizer", "scheduler", "params", "norm_params", "noisy", "ids", "p_lens",
-                  "roll_logp", "mask", "adv", "cfg", "step", "ref_norms"]
+                  "roll_logp", "mask", "adv", "cfg", "step", "ref_norms", "dist"]
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

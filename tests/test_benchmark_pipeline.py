@@ -181,7 +181,8 @@ def _fake_base(folder: Path, dtype_bytes: int) -> None:
 
 
 def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
-    """Our step = rollout of the training batch + the configured sync + the training step; ratios against TRL."""
+    """Results without ``used``/``reward``/engine memory (older ones): our step = rollout of the training batch +
+    the configured sync (the recommended one under auto) + the training step; ratios against TRL."""
     from qerl_pipeline.pipelines.benchmark.nodes import build_table
     from qerl_pipeline.benchmarking.table import metric_name
 
@@ -207,9 +208,12 @@ def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
     got = {metric_name(r): r for r in table["rows"]}
     assert got["bench.peer.qerl.our_step_time_s"]["value"] == pytest.approx(2.0 + 0.5 + 1.5)
     assert got["bench.peer.qerl.our_over_trl_step_time"]["value"] == pytest.approx(4.0 / 8.0)
-    assert got["bench.peer.qerl.our_over_trl_generation"]["value"] == pytest.approx(2.0 / 5.0)
+    # generation: our rollout + sync against TRL's generate call (which includes TRL's weight sync)
+    assert got["bench.peer.qerl.our_over_trl_generation"]["value"] == pytest.approx((2.0 + 0.5) / 5.0)
     assert got["bench.peer.qerl.our_over_trl_update"]["value"] == pytest.approx(1.5 / 3.0)
+    # no engine memory in these (older) results: the trainer alone, and the note says so
     assert got["bench.peer.qerl.our_over_trl_peak_memory"]["value"] == pytest.approx(0.5)
+    assert "TRAINER ONLY" in got["bench.peer.qerl.our_over_trl_peak_memory"]["note"]
     # training: 6e12 FLOPs at 1e12 FLOP/s = 6 s at best for 60 tokens -> 10 tokens/s limit
     tps = got["bench.training.qerl.tokens_per_s"]
     assert tps["limit"] == pytest.approx(10.0) and tps["fraction_of_limit"] == pytest.approx(4.0)
@@ -219,7 +223,7 @@ def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
     assert roll["limit"] == pytest.approx(4 * 10e9 / served)
     assert roll["fraction_of_limit"] == pytest.approx(100.0 / roll["limit"])
     assert got["bench.rollout.nvfp4.weight_bytes_in_format"]["value"] == 160 * 4 + 256
-    # with sync "auto" the recommended path (merge: no-LoRA rollout + merge sync) is what our step uses
+    # older results with sync "auto": the recommended path (merge: no-LoRA rollout + merge sync)
     rollout["sync"]["nvfp4"]["configured"] = "auto"
     table = build_table(hw, {"nvfp4": str(tmp_path / "base_nvfp4")}, rollout, training, trl,
                         {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4})
@@ -249,7 +253,7 @@ def test_rollout_node_is_wired_with_the_model_section():
 
 class _DenseOnlyEngine:
     """Stands in for an engine serving a quantized base (packed NVFP4 / bnb NF4 exist on CUDA
-    only): adapter loads work, any dense read or write fails the test."""
+    only): adapter loads work, any merge or dense read/write fails the test."""
 
     model_dir = Path("base_nvfp4")
 
@@ -258,6 +262,12 @@ class _DenseOnlyEngine:
 
     def generate(self, prompts, **kw):
         self.calls.append("generate")
+
+    def merge_adapter(self, lora_path):
+        raise AssertionError("merge attempted on a quantized served base (merge_adapter)")
+
+    def unmerge(self):
+        raise AssertionError("merge attempted on a quantized served base (unmerge)")
 
     def read_weights(self, names):
         raise AssertionError("merge attempted on a quantized served base (read_weights)")

@@ -23,6 +23,15 @@ class FakeEngine:
         self.path, self._closed, self.start_seconds = path, False, 0.0
         self.weights = {"model.norm.weight": torch.ones(4)}
         self.updates = 0
+        self.merged = None
+
+    def merge_adapter(self, path):
+        self.merged = path
+        return 0.0
+
+    def unmerge(self):
+        self.merged = None
+        return 0.0
 
     def norm_weight_names(self):
         return sorted(self.weights)
@@ -62,9 +71,11 @@ MC = ModelConfig(dtype="float32")
 def test_same_base_is_shared_and_its_norms_restored(tmp_path):
     a = pool.shared_engine(Served(tmp_path / "a"), MC, lora_rank=4)
     a.weights["model.norm.weight"] += 0.5  # what AQN leaves behind
+    a.merge_adapter(tmp_path / "step-000004")  # and what a training with rollout.sync merge leaves
     again = pool.shared_engine(Served(tmp_path / "a"), MC, lora_rank=4)
     assert again is a and FakeEngine.started == 1
     assert torch.equal(a.weights["model.norm.weight"], torch.ones(4))
+    assert a.merged is None
     # a larger LoRA rank than the live engine was started for needs a new engine
     bigger = pool.shared_engine(Served(tmp_path / "a"), MC, lora_rank=64)
     assert bigger is not a and FakeEngine.started == 2

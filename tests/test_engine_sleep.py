@@ -88,6 +88,13 @@ class FakeEngine:
             self.next_id += 1
         return self.ids[path][1]
 
+    def merge_adapter(self, lora_path):
+        self.calls.append(("merge", None if lora_path is None else str(lora_path)))
+        return 0.0
+
+    def unmerge(self):
+        return self.merge_adapter(None)
+
     def generate(self, prompts, *, n, temperature, top_p, max_new_tokens, seed=None, lora_path=None, ignore_eos=False):
         self.calls.append(("generate", [list(p) for p in prompts], n, temperature, None if lora_path is None else str(lora_path),
                            self.asleep))
@@ -355,6 +362,7 @@ def _server(cuda: bool, sleep: bool, level: int):
     server.kept = {} if server.sleep_mode and level == 2 else None
     server.asleep, server.asleep_level = False, None
     server.loras, server.next_lora_id = {}, 1
+    server.merged = None
     server._lora_request = lambda path, version: SimpleNamespace(lora_int_id=server.loras.setdefault(path, (version, 7))[1])
     return server
 
@@ -395,6 +403,24 @@ def test_server_level_two_reloads_and_reapplies_the_updates(tmp_path):
     assert server.loras == {} and server.llm.loras == set()  # vLLM dropped the adapters; so did the cache
     reg = server.op_register_lora("/a", ("v",))
     assert reg == {"lora_id": 7, "added": True, "loaded": [7]}
+
+
+def test_server_level_two_redoes_the_merge_after_the_reload(tmp_path):
+    """rollout.sync merge under a level-2 sleep: the reload serves the checkpoint's linears, so the merge is redone."""
+    server = _server(cuda=True, sleep=True, level=2)
+    server.op_merge_lora("/run/adapters/step-000003")
+    path = tmp_path / "u.safetensors"
+    save_file({"model.norm.weight": torch.ones(8)}, str(path))
+    server.op_update_weights(str(path))
+    server.llm.calls.clear()
+    server.op_sleep(2)
+    out = server.op_wake()
+    assert out["reapplied"] == ["merged:/run/adapters/step-000003", "model.norm.weight"]
+    assert [c for c in server.llm.calls if c[0] == "rpc"] == [
+        ("rpc", "reload_weights"), ("rpc", "qerl_merge_lora"), ("rpc", "qerl_update_weights")]
+    server.op_merge_lora(None)  # unmerged: nothing to redo
+    server.op_sleep(2)
+    assert server.op_wake()["reapplied"] == ["model.norm.weight"]
 
 
 def test_server_does_not_sleep_on_cpu_or_when_off_and_resets_adapters():
@@ -538,7 +564,8 @@ def test_trainer_sleeps_the_engine_around_each_update(tiny_base, tmp_path, monke
         "method": "lora_aqn", "model": {"dtype": "float32", "max_seq_len": 256},
         "lora": {"rank": 4, "alpha": 8},
         "grpo": {"num_generations": 2},
-        "rollout": {"max_new_tokens": 4, "temperature": 1.0},
+        # the trainer runs on this CPU: auto would merge; a CUDA trainer's auto is the adapter
+        "rollout": {"max_new_tokens": 4, "temperature": 1.0, "sync": "adapter" if cuda else "auto"},
         "train": {"steps": steps, "prompts_per_step": 2, "micro_batch_size": 4, "checkpoint_every": steps,
                   "output_dir": str(tmp_path / "out")},
     })
@@ -550,9 +577,14 @@ def test_trainer_sleeps_the_engine_around_each_update(tiny_base, tmp_path, monke
     result = trainer.train(cfg, tiny_base, records, engine=engine, make_logger=lambda _rid: MemoryLogger(),
                            progress=False, reward_fn=letter_fraction)
     assert result.steps == steps
-    names = [c[0] for c in engine.calls if c[0] in ("sleep", "update", "wake", "register")]
-    if not cuda:  # the engine says CPU: nothing sleeps, no sleep metrics
-        assert names == ["update"] * steps
+    names = [c[0] for c in engine.calls if c[0] in ("sleep", "update", "wake", "register", "merge") and c != ("merge", None)]
+    # a given (shared) engine is unmerged once before adapter rollouts: it may hold an earlier run's merge
+    assert engine.calls.count(("merge", None)) == (1 if cuda else 0)
+    if not cuda:  # the engine says CPU: nothing sleeps, no sleep metrics; each rollout's adapter is merged first
+        assert names == ["merge", "update"] * steps
+        merged = [Path(c[1]).name for c in engine.calls if c[0] == "merge"]
+        assert merged == [f"step-{s:06d}" for s in range(steps)]
+        assert all(c[4] is None for c in engine.calls if c[0] == "generate" and c[3] > 0)  # no LoRARequest
         assert all("time/sleep_s" not in row for row in result.history)
         return
     assert names == ["sleep", "update", "wake", "register"] * steps

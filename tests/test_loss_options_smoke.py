@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import PROJECT
@@ -108,6 +109,37 @@ def test_entropy_selection_trains_on_the_top_fraction(setup):
         assert row["policy/entropy_threshold"] > 0.0
 
 
+def test_sync_merge_serves_the_step_adapter_and_adapter_sync_starts_clean(setup):
+    """rollout.sync on CPU: auto merges (the engine's linears are then W + s B A of the last rollout's adapter);
+    a later run with adapter (LoRARequests) on the same engine first serves the clean linears again, so its
+    step 1 (B = 0) samples exactly what the merge run's step 1 sampled."""
+    from safetensors.torch import load_file
+
+    from qerl_pipeline.quantization.checkpoint import serving_dir
+    from qerl_pipeline.rollout.engine import merged_weights
+
+    work, base, engine, _records = setup
+    merged_hist, merged_log = _train(setup, "sync_auto")
+    assert merged_log.tags["rollout.sync"] == "merge"
+    checkpoint = {}
+    for f in sorted(serving_dir(base).glob("*.safetensors")):
+        checkpoint.update(load_file(str(f)))
+    last = work / "sync_auto" / "lora" / "adapters" / f"step-{STEPS - 1:06d}"  # the last rollout's adapter
+    expected = merged_weights(checkpoint, last)
+    names = sorted(expected)[:4]
+    served = engine.read_weights(names)
+    for n in names:
+        torch.testing.assert_close(served[n], expected[n].to(served[n].dtype), rtol=0, atol=1e-6)
+        assert not torch.equal(served[n], checkpoint[n].to(served[n].dtype))  # the adapter is in there
+
+    adapter_hist, adapter_log = _train(setup, "sync_adapter", rollout={"sync": "adapter"})
+    assert adapter_log.tags["rollout.sync"] == "adapter"
+    assert merged_hist[0]["reward/mean"] == adapter_hist[0]["reward/mean"]
+    assert merged_hist[0]["completion/length"] == adapter_hist[0]["completion/length"]
+    served = engine.read_weights(names)
+    assert all(torch.equal(served[n], checkpoint[n].to(served[n].dtype)) for n in names)
+
+
 def test_lora_aqn_puts_noise_on_a_bf16_base(setup):
     """method lora_aqn: AQN on (aqn.enabled null), the base BF16, sigma > 0 and served (last: it leaves noisy norms)."""
     history, logger = _train(setup, "lora_aqn", method="lora_aqn")
@@ -115,3 +147,4 @@ def test_lora_aqn_puts_noise_on_a_bf16_base(setup):
     sigma = [row["aqn/sigma"] for row in history]
     assert max(sigma) > 0, sigma
     assert max(row["aqn/sigma_effective"] for row in history) > 0  # the engine serves the noise
+

@@ -198,3 +198,17 @@ def test_bad_shapes_are_rejected():
         nvfp4.encode(torch.randn(4, 24))
     with pytest.raises(ValueError, match="2-D"):
         nvfp4.encode(torch.randn(16))
+
+
+@pytest.mark.parametrize("shape", [(1536, 576), (64, 32), (3, 16)])
+def test_byte_table_decode_is_the_code_by_code_decode(shape):
+    """decode's byte table (both nibbles per lookup) gives exactly unpack -> code_values -> scales."""
+    torch.manual_seed(1)
+    q = nvfp4.encode(torch.randn(*shape) * 0.05)
+    ref = (nvfp4.code_values(nvfp4.unpack(q.packed)).unflatten(-1, (q.scale.shape[-1], nvfp4.GROUP_SIZE))
+           * nvfp4.effective_scale(q.scale, q.global_scale).unsqueeze(-1)).reshape(shape[0], -1)
+    assert torch.equal(nvfp4.decode(q.packed, q.scale, q.global_scale), ref)
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    table = nvfp4.byte_table()
+    assert torch.equal(table[:, 0], nvfp4.code_values(every_byte & 0x0F))
+    assert torch.equal(table[:, 1], nvfp4.code_values(every_byte >> 4))

@@ -241,6 +241,42 @@ def test_merge_sync_matches_adapter_sync(engine, prompts, adapters, checkpoint):
     assert max_abs_diff(merged_lps, lora_lps) < LOGPROB_ATOL
 
 
+def test_in_engine_merge_is_the_lora_policy_with_aqn_noise_and_trained_norms(engine, prompts, adapters, checkpoint):
+    """The training's ``rollout.sync: merge`` (``merge_adapter``, in the engine) samples what the LoRARequest samples,
+    under AQN-noised and trained norm weights; merges replace each other (nothing accumulates); ``unmerge`` is bit-exact."""
+    base_ids, _ = greedy(engine, prompts)
+    linears = sorted(merged_weights(checkpoint, adapters["a"]))
+    norms = engine.norm_weight_names()
+    clean_norms = engine.read_weights(norms)
+    gen = torch.Generator().manual_seed(5)
+    # trained norms (x1.5 on the first) plus AQN noise on all of them, as the trainer sends them each step
+    served_norms = {n: (t * (1.5 if i == 0 else 1.0)) + torch.randn(t.shape, generator=gen) * 0.05
+                    for i, (n, t) in enumerate(clean_norms.items())}
+    engine.update_weights(served_norms)
+    try:
+        lora_ids, lora_lps = greedy(engine, prompts, lora_path=adapters["a"])
+        engine.merge_adapter(adapters["b"])  # an earlier step's adapter: must not stay in the weights
+        engine.merge_adapter(adapters["a"])
+        merged_ids, merged_lps = greedy(engine, prompts)
+        assert merged_ids == lora_ids
+        assert max_abs_diff(merged_lps, lora_lps) < LOGPROB_ATOL
+        # the served linears are exactly W + s B A from the checkpoint (fp32 sum), also when read back
+        served = engine.read_weights(linears)
+        expected = merged_weights(checkpoint, adapters["a"])
+        for n in linears:  # the same fp32 sum; the matmul's blocking may differ between processes
+            torch.testing.assert_close(served[n], expected[n], rtol=0, atol=1e-6)
+        # the noised norms are untouched by the merge
+        back = engine.read_weights(norms)
+        assert all(torch.equal(back[n], served_norms[n]) for n in norms)
+        assert merged_ids != base_ids  # the adapter (and the norms) change the samples
+    finally:
+        engine.unmerge()
+        engine.update_weights(clean_norms)
+    after = engine.read_weights(linears)
+    assert all(torch.equal(after[n], checkpoint[n]) for n in linears)
+    assert greedy(engine, prompts)[0] == base_ids
+
+
 def test_evaluation_applies_the_adapter_either_way_and_restores_the_base(engine, prompts, adapters, checkpoint, work):
     """``evaluator.applied_adapter``: merged == LoRA outputs; trained norms are applied; the base comes back bit-exact."""
     from qerl_pipeline.evaluation.evaluator import applied_adapter, resolve_adapter_mode

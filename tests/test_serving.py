@@ -162,6 +162,67 @@ def test_adapter_mode_follows_what_is_served():
         resolve_adapter_mode("merged", decide("nvfp4", "cuda"))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4", "bf16"])
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_training_sync_by_platform(fmt, platform):
+    """rollout.sync auto: merge on CPU (every base dense there), the LoRARequest on CUDA (the FP4 base stays packed)."""
+    served = decide(fmt, platform, bitsandbytes_in_vllm=True)
+    assert serving.resolve_sync("auto", served) == ("merge" if platform == "cpu" else "adapter")
+    assert serving.resolve_sync("adapter", served) == "adapter"
+    if served.dense:
+        assert serving.resolve_sync("merge", served) == "merge"
+    else:  # packed NVFP4 / bitsandbytes NF4 on CUDA: refused before any engine starts, naming the field
+        with pytest.raises(ValueError, match="rollout.sync: merge needs dense served linears"):
+            serving.resolve_sync("merge", served)
+    with pytest.raises(ValueError, match="rollout.sync 'fused' unknown"):
+        serving.resolve_sync("fused", served)
+
+
+def test_cpu_kv_cache_is_sized_to_the_step():
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64: 2 x 30 x 3 x 64 x 4 B = 46080 B per token in fp32
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    assert serving.kv_bytes_per_token(config, "float32") == 46080
+    assert serving.kv_bytes_per_token(config, "bfloat16") == 23040
+    # 32 sequences of 150 tokens: 10 blocks of 16 each -> 320 blocks x 16 tokens x 46080 B, rounded up to a MiB
+    got = serving.cpu_kv_cache_bytes(config, "float32", sequences=32, tokens_per_sequence=150, max_model_len=1024)
+    assert got == -(-320 * 16 * 46080 // 2**20) * 2**20
+    # never below one max_model_len sequence (vLLM refuses to start below that)
+    small = serving.cpu_kv_cache_bytes(config, "float32", sequences=1, tokens_per_sequence=10, max_model_len=1024)
+    assert small == -(-1024 * 46080 // 2**20) * 2**20
+    from qerl_pipeline.rollout.server import DEFAULT_CPU_KV_CACHE_BYTES
+
+    assert DEFAULT_CPU_KV_CACHE_BYTES == serving.DEFAULT_CPU_KV_CACHE_GIB * 2**30
+
+
+def test_open_engine_passes_the_kv_cache_size_on_cpu_only(tmp_path, monkeypatch):
+    from qerl_pipeline.config import ModelConfig, RolloutConfig
+    from qerl_pipeline.rollout import engine as engine_mod
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, path, **kw):
+            seen.clear()
+            seen.update(kw)
+
+    monkeypatch.setattr(engine_mod, "RolloutEngine", Recorder)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}))
+    served = ServedModel(tmp_path, "bf16", True, {}, "bf16", "cpu")
+    mc = ModelConfig(dtype="float32", max_seq_len=256)
+    serving.open_engine(served, mc, rollout=RolloutConfig(), kv_need=(8, 100))
+    assert seen["extra_engine_args"]["kv_cache_memory_bytes"] == serving.cpu_kv_cache_bytes(
+        json.loads((tmp_path / "config.json").read_text()), "float32", sequences=8, tokens_per_sequence=100,
+        max_model_len=256)
+    serving.open_engine(served, mc, rollout=RolloutConfig(cpu_kv_cache_gib=0.5), kv_need=(8, 100))
+    assert seen["extra_engine_args"]["kv_cache_memory_bytes"] == 2**29  # the config wins over the sizing
+    serving.open_engine(served, mc, rollout=RolloutConfig())
+    assert "kv_cache_memory_bytes" not in seen["extra_engine_args"]  # the engine process's 2 GiB default
+    cuda = ServedModel(tmp_path, "bf16", True, {}, "bf16", "cuda")
+    serving.open_engine(cuda, ModelConfig(dtype="bfloat16", max_seq_len=256), rollout=RolloutConfig(), kv_need=(8, 100))
+    assert "kv_cache_memory_bytes" not in seen["extra_engine_args"]
+
+
 def test_probe_agrees_with_vllms_registry():
     """``vllm_has_bitsandbytes`` (no vLLM import) says what vLLM's own registry says after its plugins load.
 

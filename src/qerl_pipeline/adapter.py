@@ -37,6 +37,33 @@ def hf_name(peft_name: str, *, unwrap: bool = False) -> str:
     return name
 
 
+def lora_factors(folder: str | Path) -> dict[str, tuple[Any, Any, float]]:
+    """``{HF weight name: (A, B, scale)}`` of a PEFT LoRA folder: ``W + scale * B @ A`` is the adapted weight.
+
+    ``scale`` is ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA). The one reader of LoRA factors: the
+    engine's merge (rollout/worker_ext.py), ``rollout.engine.lora_deltas`` and the benchmark use it.
+    Per-module ranks or alphas (``rank_pattern`` / ``alpha_pattern``) are refused.
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise NotImplementedError(f"{folder}: rank_pattern/alpha_pattern adapters cannot be merged")
+    r = cfg["r"]
+    scale = cfg["lora_alpha"] / (r**0.5 if cfg.get("use_rslora") else r)
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    out = {}
+    for key, a in weights.items():
+        if ".lora_A." not in key:
+            continue
+        b = weights[key.replace(".lora_A.", ".lora_B.")]
+        out[hf_name(key.replace(".lora_A", ""))] = (a, b, float(scale))
+    if not out:
+        raise ValueError(f"{folder}: no lora_A/lora_B tensors found")
+    return out
+
+
 def trained_norms(policy) -> dict[str, Any]:
     """Trainable non-LoRA tensors (the norms with ``lora.train_norms``) under HF names, CPU copies."""
     return {

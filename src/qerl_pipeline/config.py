@@ -216,9 +216,19 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(256, gt=0, description="Completion length cap; longer ones are truncated.")
     seed: int = Field(0, description="Sampling seed (per step offset is added).")
     sync: Literal["auto", "adapter", "merge"] = Field(
-        "adapter",
-        description="How the LoRA reaches the engine each step: adapter = LoRARequest with a new id "
-        "(the only way on an NVFP4 base); merge = merged into dense served weights; auto = measure both once.",
+        "auto",
+        description="How the trained LoRA reaches the engine each step (rollout.serving.resolve_sync). adapter: a "
+        "LoRARequest with a new id per step (vLLM applies B A at every token; the only way on a packed NVFP4/NF4 base). "
+        "merge: the engine process writes W + scale * B A into its dense served linears (rollout/worker_ext.py; from the "
+        "checkpoint's clean W each time, nothing accumulates), so decoding runs without LoRA: on vLLM-CPU about 3x the "
+        "tokens/s of the adapter path (README, Performance). auto: merge on CPU, adapter on CUDA. merge on a packed base "
+        "is refused before the engine starts.",
+    )
+    cpu_kv_cache_gib: float | None = Field(
+        None, gt=0,
+        description="CPU only: GiB of vLLM-CPU's KV cache (resident from the engine's start). None: the trainer's engine "
+        "gets what one step needs (prompts_per_step x num_generations sequences of the longest prompt + max_new_tokens, "
+        "rollout.serving.cpu_kv_cache_bytes); other engines 2 GiB. A VLLM_CPU_KVCACHE_SPACE in the environment wins.",
     )
     gpu_memory_utilization: float = Field(0.35, gt=0, le=1, description="CUDA only: fraction of GPU memory vLLM may take.")
     sleep_between_steps: bool = Field(
@@ -255,7 +265,7 @@ class RolloutConfig(Section):
         None, ge=1,
         description="compare only: engines kept alive across the branches' nodes (rollout/pool.py), one per served base. "
         "None = auto: 1 on CUDA (two engines do not share a GPU), 3 on CPU (one per base format, each ~2.5 GB with "
-        "VLLM_CPU_KVCACHE_SPACE=2), which makes a compare start each base's engine once instead of once per phase.",
+        "a 2 GiB KV cache), which makes a compare start each base's engine once instead of once per phase.",
     )
     enforce_eager: bool = Field(True, description="Skip CUDA graph capture (faster start, slower decode).")
     startup_timeout_s: float = Field(600.0, gt=0, description="Give up if the engine process is not ready by then.")

@@ -1,7 +1,8 @@
 """Process memory: the peak we report, and the allocator setting the trainer runs with.
 
 ``peak_memory_bytes``: CUDA's max allocated where CUDA is in use, else the RSS high-water
-mark of this process (``VmHWM`` in ``/proc/self/status``; ``getrusage``'s ``ru_maxrss``
+mark of this process (``VmHWM`` in ``/proc/self/status``; ``process_tree_peak_bytes`` reads
+another process tree's, the engine's; ``getrusage``'s ``ru_maxrss``
 survives ``fork`` + ``exec``, so a child started from a large process would report its
 parent's size). The trainer's ``memory/peak_gb`` and the benchmark both read it.
 
@@ -51,6 +52,39 @@ def peak_memory_bytes() -> int:
                 return int(line.split()[1]) * 1024
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _vm_hwm(pid: int | str) -> int | None:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def process_tree_peak_bytes(pid: int) -> int | None:
+    """RSS high-water mark of process ``pid`` plus its live descendants (Linux ``/proc``; None where unreadable).
+
+    The engine's memory (``RolloutEngine.peak_memory_bytes``): on CPU vLLM's engine core and
+    worker run inside the server process, elsewhere in its children; host RAM only (on CUDA
+    the GPU memory is ``rollout.gpu_memory_utilization``'s). Summing high-water marks can
+    overstate a peak the processes reached at different times, never understate it.
+    """
+    own = _vm_hwm(pid)
+    if own is None:
+        return None
+    total = own
+    try:
+        import psutil
+
+        for child in psutil.Process(pid).children(recursive=True):
+            total += _vm_hwm(child.pid) or 0
+    except Exception:  # noqa: BLE001 - psutil missing or the process gone: the parent's figure stands
+        pass
+    return total
 
 
 def _libc():

@@ -12,22 +12,43 @@ temperature 1, as in RL rollouts.
 * ``adapter``: the first ``generate`` with a new adapter version (vLLM loads the PEFT
   folder and builds its LoRA tensors) minus the same call once it is loaded. The
   trainer's ``save_pretrained`` is not included (both paths would pay a comparable write).
-* ``merge``: ``W + scale * B @ A`` computed from the clean base weights plus
-  ``load_dense_weights`` (transfer, in-place write, kernel repack on CPU, prefix-cache
-  reset). Only possible on a dense served base (``ServedModel.dense``): on a quantized one
-  (packed NVFP4 or bitsandbytes NF4 on CUDA) no merge is attempted and it is reported as
-  unsupported, with the reason; an engine error during a merge is reported the same way.
+* ``merge``: what the trainer does per step under ``merge``: ``engine.merge_adapter(folder)``
+  (the engine process reads A and B and sets every adapted linear to its checkpoint W +
+  scale * B @ A; nothing accumulates), one call per simulated step, then one
+  ``engine.unmerge()`` so the engine serves clean linears again. Only possible on a dense
+  served base (``ServedModel.dense``): on a quantized one (packed NVFP4 or bitsandbytes NF4
+  on CUDA) no merge is attempted and it is reported as unsupported, with the reason; an
+  engine error during a merge is reported the same way. (Under AQN the trainer also sends
+  the noisy norms each step, ``update_weights``: a few small vectors, not timed here.)
 
-Merge also removes LoRA's decode overhead (about 3x in tokens/s on CPU), so the per-step
-decision (``recommend_sync``) weighs the sync time together with the rollout time of
-each path.
+Merge also removes LoRA's decode overhead (about 3x in tokens/s on CPU), so
+``recommend_sync`` weighs the sync time together with the rollout time of each path and
+reports what the measurement recommends. The mode training really uses is
+``rollout.serving.resolve_sync(rollout.sync, served)`` (``auto``: merge on CPU, adapter on
+CUDA), recorded as ``sync[fmt]["used"]``: the benchmark table's "our step" follows it.
 
-``rollout_benchmark(bases, cfg, bcfg)`` runs all of it per compared base format: one engine
-per format, started by ``rollout.serving.open_engine`` (the one place engines are built)
-for what ``served_model`` decides, so it runs at ``engine_dtype(model)`` with the trainer's
-norm dtype (``model.norm_dtype``) and ``rollout.seed``; LoRA adapters of the configured shape with distinct weights
-stand in for successive training steps (:func:`lora_adapters`). Every row carries
-``format``, ``engine_start_s``, ``is_train_batch``, ``served_format`` and ``served_dtype``.
+``measure_reward``: seconds of one call of our reward scorer (``rl.step.make_scorer(cfg)``,
+the trainer's: math-verify in a process pool unless ``train.reward_fn``) on the completions
+of the training-batch rollout (the used sync's path), each against the gold ``"42"``. One
+untimed warm-up call on the same completions runs first (excluded from ``reward_s``): the
+pool's workers import math-verify lazily. The completions come from synthetic prompts, so
+the figure is the scorer's cost for a batch of that size and length, not a reward.
+
+``rollout_benchmark(bases, cfg, bcfg)`` runs all of it per compared base format, on the
+engines training would open for each sync: one with LoRA slots (the rows with the adapter
+attached, the adapter sync) and, on a dense served base, one without (``lora_rank=None``, as
+the trainer opens it under ``merge``: vLLM-CPU's LoRA-wrapped layers cost ~10% even with no
+adapter in the batch; the rows without adapter, the merge sync). On a packed base the rows
+without adapter come from the first engine. Every engine is started by
+``rollout.serving.open_engine`` (the one place engines are built) for what ``served_model`` decides, so it runs at ``engine_dtype(model)`` with the trainer's
+norm dtype (``model.norm_dtype``) and ``rollout.seed``, and with a CPU KV cache sized like a
+training engine's (``kv_need``: the largest batch at ``prompt_len + completion_len``, not the
+2 GiB default); LoRA adapters of the configured shape with distinct weights stand in for
+successive training steps (:func:`lora_adapters`). The engine's memory is its process
+tree's host RSS high-water mark (``RolloutEngine.peak_memory_bytes``) read after every
+rollout and sync on the engine of the used sync, ``served[fmt]["engine_peak_memory_bytes"]``.
+Every row carries ``format``, ``engine_start_s``, ``engine_lora`` (LoRA slots on that engine),
+``is_train_batch``, ``served_format`` and ``served_dtype``.
 """
 
 from __future__ import annotations
@@ -42,7 +63,7 @@ from typing import Any
 import torch
 
 from qerl_pipeline.config import BenchmarkConfig, LoraConfig, QerlConfig
-from qerl_pipeline.rollout.engine import EngineError, RolloutEngine, lora_deltas, merged_weights
+from qerl_pipeline.rollout.engine import EngineError, RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +83,13 @@ def measure_rollout(
     prompt_len: int,
     completion_len: int,
     lora_path: str | Path | None = None,
+    keep_samples: dict[int, list] | None = None,
 ) -> list[dict]:
-    """One row per batch size: output tokens/s with fixed prompt and completion lengths."""
+    """One row per batch size: output tokens/s with fixed prompt and completion lengths.
+
+    ``keep_samples``: when given, filled with ``{batch_size: the batch's Samples, flat}``
+    (the reward phase scores the training batch's completions).
+    """
     engine.generate(synthetic_prompts(1, prompt_len, seed=0), n=1, temperature=1.0, top_p=1.0,
                     max_new_tokens=min(4, completion_len), seed=0, lora_path=lora_path, ignore_eos=True)  # warm-up
     rows = []
@@ -73,6 +99,8 @@ def measure_rollout(
         res = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=completion_len,
                               seed=i, lora_path=lora_path, ignore_eos=True)
         wall = time.perf_counter() - t0
+        if keep_samples is not None:
+            keep_samples[bs] = [s for group in res.samples for s in group]
         rows.append({
             "batch_size": bs,
             "prompt_len": prompt_len,
@@ -102,54 +130,52 @@ def _adapter_sync_seconds(engine: RolloutEngine, adapter_dirs: list[Path]) -> li
     return out
 
 
-def measure_sync(
-    engine: RolloutEngine,
-    adapter_dirs: list[str | Path] | None = None,
-    *,
-    tensors: list[dict[str, torch.Tensor]] | None = None,
-    dense: bool = True,
-) -> dict:
-    """Per-step sync seconds for ``adapter`` and ``merge`` (one step per adapter folder).
-
-    ``adapter_dirs``: PEFT folders, one per simulated step (distinct contents, as after each
-    optimizer step). ``tensors``: alternatively, ready merged dense weights per step (merge
-    timing only). ``dense``: whether the engine serves dense linears (``ServedModel.dense``);
-    when not, merge is reported unsupported without being tried. The served weights are
-    restored to their clean values afterwards.
-    """
-    if not adapter_dirs and not tensors:
-        raise ValueError("measure_sync needs adapter_dirs or tensors")
-    dirs = [Path(d) for d in adapter_dirs or []]
-    report: dict = {"steps": len(dirs) or len(tensors or [])}
-    if dirs:
-        try:
-            times = _adapter_sync_seconds(engine, dirs)
-            report.update(adapter_supported=True, adapter_sync_s=statistics.mean(times), adapter_sync_all_s=times)
-        except EngineError as err:
-            report.update(adapter_supported=False, adapter_sync_s=None, adapter_error=str(err).splitlines()[0])
-    if not dense:
-        report.update(merge_supported=False, merge_sync_s=None, merge_error=(
-            "the served base is quantized: a merge writes dense weights, which only a dense served base takes "
-            "(rollout.sync: adapter)"))
-        return report
-    names = sorted(lora_deltas(dirs[0])) if dirs else sorted(tensors[0])
+def measure_adapter_sync(engine: RolloutEngine, adapter_dirs: list[str | Path]) -> dict:
+    """Per-step seconds of the ``adapter`` sync, one simulated step per PEFT folder (module docstring)."""
+    dirs = [Path(d) for d in adapter_dirs]
+    report: dict = {"steps": len(dirs)}
     try:
-        clean = engine.read_weights(names)
+        times = _adapter_sync_seconds(engine, dirs)
+        report.update(adapter_supported=True, adapter_sync_s=statistics.mean(times), adapter_sync_all_s=times)
     except EngineError as err:
-        report.update(merge_supported=False, merge_sync_s=None, merge_error=str(err).splitlines()[0])
-        return report
-    times = []
+        report.update(adapter_supported=False, adapter_sync_s=None, adapter_error=str(err).splitlines()[0])
+    return report
+
+
+def merge_unsupported() -> dict:
+    """The ``merge`` entries of a packed served base (nothing is tried)."""
+    return {"merge_supported": False, "merge_sync_s": None, "merge_error": (
+        "the served base is quantized: a merge writes dense weights, which only a dense served base takes "
+        "(rollout.sync: adapter)")}
+
+
+def measure_merge_sync(engine: RolloutEngine, adapter_dirs: list[str | Path]) -> dict:
+    """Per-step seconds of the ``merge`` sync (``engine.merge_adapter`` per folder), then ``engine.unmerge()``."""
+    times, report = [], {}
     try:
-        for step in range(report["steps"]):
-            t0 = time.perf_counter()
-            dense = merged_weights(clean, dirs[step]) if dirs else tensors[step]
-            engine.load_dense_weights(dense)
-            times.append(time.perf_counter() - t0)
+        for d in adapter_dirs:
+            times.append(engine.merge_adapter(Path(d)))
         report.update(merge_supported=True, merge_sync_s=statistics.mean(times), merge_sync_all_s=times)
     except EngineError as err:
         report.update(merge_supported=False, merge_sync_s=None, merge_error=str(err).splitlines()[0])
     finally:
-        engine.update_weights(clean)
+        engine.unmerge()
+    return report
+
+
+def measure_sync(engine: RolloutEngine, adapter_dirs: list[str | Path], *, dense: bool = True) -> dict:
+    """Per-step sync seconds for ``adapter`` and ``merge`` on one engine (one step per adapter folder).
+
+    ``adapter_dirs``: PEFT folders, one per simulated step (distinct contents, as after each
+    optimizer step). ``dense``: whether the engine serves dense linears
+    (``ServedModel.dense``); when not, merge is reported unsupported without being tried.
+    Merge is timed as the trainer does it, ``engine.merge_adapter(folder)`` per step; one
+    ``engine.unmerge()`` at the end leaves the engine serving its clean linears.
+    """
+    if not adapter_dirs:
+        raise ValueError("measure_sync needs adapter_dirs (one PEFT folder per simulated step)")
+    report = measure_adapter_sync(engine, adapter_dirs)
+    report.update(measure_merge_sync(engine, adapter_dirs) if dense else merge_unsupported())
     return report
 
 
@@ -161,6 +187,23 @@ def recommend_sync(sync: dict, adapter_tokens_per_s: float, merged_tokens_per_s:
     merge_total = sync["merge_sync_s"] + tokens_per_step / merged_tokens_per_s
     choice = "merge" if merge_total < adapter_total else "adapter"
     return {"sync": choice, "adapter_step_s": adapter_total, "merge_step_s": merge_total}
+
+
+def measure_reward(cfg: QerlConfig, samples: list, gold: str = "42") -> dict:
+    """Seconds of one call of our reward scorer on ``samples`` (after an untimed warm-up call)."""
+    from qerl_pipeline.rl.step import _score, make_scorer  # _score: the trainer's own call (rl.step.collect)
+
+    texts = [s.text for s in samples]
+    golds = [gold] * len(texts)
+    scorer = make_scorer(cfg)
+    try:
+        _score(scorer, texts, golds, samples)  # warm-up: the workers import math-verify on first use
+        t0 = time.perf_counter()
+        _score(scorer, texts, golds, samples)
+        seconds = time.perf_counter() - t0
+    finally:
+        scorer.close()
+    return {"reward_s": seconds, "sequences": len(texts), "scorer": type(scorer).__name__}
 
 
 # ------------------------------------------------------------------------- the whole measurement
@@ -188,47 +231,80 @@ def train_batch_size(cfg: QerlConfig, bcfg: BenchmarkConfig) -> int:
 
 
 def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkConfig) -> dict[str, Any]:
-    """Rollout tokens/s per compared format and batch size, with and without LoRA; sync time per step.
+    """Rollout tokens/s per compared format and batch size, with and without LoRA; sync and reward time per step.
 
     ``cfg`` supplies ``model`` (engine dtype, norm dtype), ``lora`` (adapter shape, vLLM
-    rank), ``rollout`` (engine settings, ``sync``) and ``grpo`` (group size). The result:
-    ``rows`` (one per format, batch size and LoRA on/off), ``sync`` (per format: the
-    measured sync, configured and recommended mode), ``train_batch`` and ``served`` (per
-    format: path, served_format, dense, the engine's dtype).
+    rank), ``rollout`` (engine settings, ``sync``), ``grpo`` (group size) and ``reward`` /
+    ``train.reward_fn`` (the scorer; their defaults where not given). The result: ``rows``
+    (one per format, batch size and LoRA on/off), ``sync`` (per format: the measured sync,
+    ``configured`` = ``rollout.sync``, ``recommended`` by the measurement, ``used`` = what
+    training uses, ``resolve_sync``; ``used`` is None with ``used_error`` where training
+    would refuse it), ``reward`` (per format: ``reward_s``, ``sequences``, ``scorer``),
+    ``train_batch`` and ``served`` (per format: path, served_format, dense, the engine's
+    dtype, ``engine_peak_memory_bytes``).
     """
     from qerl_pipeline.benchmarking.bases import method_formats
-    from qerl_pipeline.rollout.serving import open_engine, served_model, served_tags
+    from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
 
     lcfg, rcfg = cfg.lora, cfg.rollout
     train_batch = train_batch_size(cfg, bcfg)
     sizes = sorted(set(bcfg.batch_sizes) | {train_batch})
-    rows, sync, served_info = [], {}, {}
+    tokens_per_sequence = bcfg.prompt_len + bcfg.completion_len
+    rows, sync, reward, served_info = [], {}, {}, {}
     for fmt in method_formats(bcfg):
         base = Path(bases[fmt])
         served = served_model(base)
+        try:
+            used, used_error = resolve_sync(rcfg.sync, served), None
+        except ValueError as err:
+            used, used_error = None, str(err)
+        kept: dict[str, dict[int, list]] = {"adapter": {}, "merge": {}}
+        engine_kw = dict(max_model_len=tokens_per_sequence + 16, kv_need=(max(sizes), tokens_per_sequence))
+
+        def timed_rows(engine, lora_path, path, start_s):
+            for row in measure_rollout(engine, sizes, bcfg.prompt_len, bcfg.completion_len, lora_path=lora_path,
+                                       keep_samples=kept[path]):
+                rows.append({**row, "format": fmt, "engine_start_s": start_s,
+                             "is_train_batch": int(row["batch_size"]) == train_batch,
+                             "served_format": served.served_format, "served_dtype": served_info[fmt]["dtype"],
+                             "engine_lora": engine_lora})
+
         with tempfile.TemporaryDirectory(prefix="qerl-bench-lora-") as tmp:
             adapters = lora_adapters(base, fmt, lcfg, Path(tmp), bcfg.sync_steps + 1)
+            # 1. the engine as training opens it under rollout.sync adapter: LoRA slots on
             t0 = time.perf_counter()
-            with open_engine(served, cfg.model, rollout=rcfg, lora_rank=lcfg.rank,
-                             max_model_len=bcfg.prompt_len + bcfg.completion_len + 16) as engine:
-                start_s = time.perf_counter() - t0
+            with open_engine(served, cfg.model, rollout=rcfg, lora_rank=lcfg.rank, **engine_kw) as engine:
+                start_s, engine_lora = time.perf_counter() - t0, True
                 tags = served_tags(served, engine)
                 served_info[fmt] = {"path": str(served.path), "served_format": served.served_format,
                                     "dense": served.dense, "dtype": tags["rollout.served_dtype"]}
-                for lora_path in (adapters[0], None):
-                    for row in measure_rollout(engine, sizes, bcfg.prompt_len, bcfg.completion_len, lora_path=lora_path):
-                        rows.append({**row, "format": fmt, "engine_start_s": start_s,
-                                     "is_train_batch": int(row["batch_size"]) == train_batch,
-                                     "served_format": served.served_format, "served_dtype": tags["rollout.served_dtype"]})
-                s = measure_sync(engine, adapters[1:], dense=served.dense)
+                timed_rows(engine, adapters[0], "adapter", start_s)
+                s = measure_adapter_sync(engine, adapters[1:])
+                if not served.dense:  # packed: no merge; the plain rows are the base without an adapter
+                    timed_rows(engine, None, "merge", start_s)
+                    s.update(merge_unsupported())
+                if used != "merge":
+                    served_info[fmt]["engine_peak_memory_bytes"] = engine.peak_memory_bytes()
+            # 2. under merge: no LoRA slots (what the trainer opens), the adapter merged into the linears
+            if served.dense:
+                t0 = time.perf_counter()
+                with open_engine(served, cfg.model, rollout=rcfg, lora_rank=None, **engine_kw) as engine:
+                    start_s, engine_lora = time.perf_counter() - t0, False
+                    timed_rows(engine, None, "merge", start_s)
+                    s.update(measure_merge_sync(engine, adapters[1:]))
+                    if used == "merge":
+                        served_info[fmt]["engine_peak_memory_bytes"] = engine.peak_memory_bytes()
+        reward[fmt] = measure_reward(cfg, kept[used or "adapter"][train_batch])
         with_lora = {r["batch_size"]: r for r in rows if r["format"] == fmt and r["lora"]}
         merged = {r["batch_size"]: r for r in rows if r["format"] == fmt and not r["lora"]}
         rec = recommend_sync(s, with_lora[train_batch]["tokens_per_s"], merged[train_batch]["tokens_per_s"],
                              train_batch * bcfg.completion_len)
         sync[fmt] = {**{k: v for k, v in s.items() if not isinstance(v, list)},
-                     "configured": rcfg.sync, "recommended": rec["sync"],
+                     "configured": rcfg.sync, "recommended": rec["sync"], "used": used,
                      "adapter_step_s": rec["adapter_step_s"], "merge_step_s": rec["merge_step_s"]}
-        log.info("rollout %s: %s; adapter sync %.3f s", fmt, ", ".join(
+        if used_error:
+            sync[fmt]["used_error"] = used_error
+        log.info("rollout %s: %s; adapter sync %.3f s; sync used: %s; reward %.3f s", fmt, ", ".join(
             f"b{r['batch_size']}={r['tokens_per_s']:.0f}" for r in with_lora.values()),
-            sync[fmt].get("adapter_sync_s") or float("nan"))
-    return {"rows": rows, "sync": sync, "train_batch": train_batch, "served": served_info}
+            sync[fmt].get("adapter_sync_s") or float("nan"), used, reward[fmt]["reward_s"])
+    return {"rows": rows, "sync": sync, "reward": reward, "train_batch": train_batch, "served": served_info}

@@ -15,8 +15,9 @@ How the adapter reaches vLLM (``evaluate.adapter_mode``):
 
 * ``lora``: as a ``LoRARequest`` on every generate call (vLLM's LoRA kernels).
 * ``merged``: ``W + scale * B @ A`` is written into the served dense weights for the
-  policy's turn and the clean weights are written back after it (read first, restored
-  bit-exactly; ``rollout.engine.merged_weights``). Same function, other float rounding.
+  policy's turn by the engine process (``RolloutEngine.merge_adapter``, the training's
+  ``rollout.sync: merge`` path) and the checkpoint's clean linears are served again after it
+  (``unmerge``; bit-exact). Same function, other float rounding.
   Only possible where the served linears are dense (``rollout.serving.ServedModel.dense``):
   on CPU every base is served dense and vLLM-CPU's LoRA path is about 3x slower than the
   plain one (README, Performance), so evaluation there is ~3x faster merged; on CUDA the
@@ -171,9 +172,10 @@ def resolve_adapter_mode(mode: str, served=None) -> str:
 def applied_adapter(engine, adapter_dir: str | Path | None, mode: str) -> Iterator[str | Path | None]:
     """Within the block the engine serves ``adapter_dir``; yields the ``lora_path`` to generate with.
 
-    ``merged``: dense ``W + scale * B @ A`` written into the served weights (yields None);
-    ``lora``: yields ``adapter_dir``. Trained norms (``norms.safetensors``) are written in
-    both modes. Everything written is read first and written back on exit.
+    ``merged``: dense ``W + scale * B @ A`` written into the served weights by the engine
+    (yields None), the clean linears served again on exit; ``lora``: yields ``adapter_dir``.
+    Trained norms (``norms.safetensors``) are written in both modes, read first and written
+    back on exit.
     """
     if adapter_dir is None:
         yield None
@@ -181,22 +183,22 @@ def applied_adapter(engine, adapter_dir: str | Path | None, mode: str) -> Iterat
     from safetensors.torch import load_file
 
     from qerl_pipeline.adapter import NORMS_FILE
-    from qerl_pipeline.rollout.engine import add_deltas, lora_deltas
 
     adapter_dir = Path(adapter_dir)
-    updates: dict = {}
     norms_file = adapter_dir / NORMS_FILE
-    if norms_file.exists():
-        updates.update(load_file(str(norms_file)))
-    deltas = lora_deltas(adapter_dir) if mode == "merged" else {}
-    names = sorted(set(updates) | set(deltas))
-    clean = engine.read_weights(names) if names else {}
-    updates.update(add_deltas(clean, deltas, adapter_dir))
+    updates = load_file(str(norms_file)) if norms_file.exists() else {}
+    clean = engine.read_weights(sorted(updates)) if updates else {}
+    merged = False
     try:
         if updates:
             engine.update_weights(updates)
+        if mode == "merged":
+            engine.merge_adapter(adapter_dir)
+            merged = True
         yield None if mode == "merged" else adapter_dir
     finally:
+        if merged:
+            engine.unmerge()
         if clean:
             engine.update_weights(clean)
 

@@ -226,7 +226,7 @@ def sampling_seeds(seed: int, step: int, round_: int, prompts: list[int]) -> lis
     return out
 
 
-def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg: QerlConfig, step: int, adapter_dir: Path,
+def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg: QerlConfig, step: int, adapter_dir: Path | None,
             shard: tuple[int, int] = (0, 1)):
     """Rollout + rewards for one step, with DAPO dynamic sampling when enabled.
 

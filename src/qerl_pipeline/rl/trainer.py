@@ -279,7 +279,7 @@ def train(
     from qerl_pipeline.models import resolve_dtype
     from qerl_pipeline.quantization.policy import build_policy
     from qerl_pipeline.rl.norms import check_noise_precision, sigma_effective
-    from qerl_pipeline.rollout.serving import open_engine, served_model, served_tags
+    from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
 
     from qerl_pipeline.rl.distributed import SINGLE, rank_device
 
@@ -319,6 +319,7 @@ def train(
     check_noise_precision(cfg, dtype)  # before any model loads
     limit_heap_fragmentation()  # glibc: -58% peak RSS of an update on CPU (qerl_pipeline.memory)
     served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=platform)
+    sync = resolve_sync(rc.sync, served)  # adapter | merge, before any model loads (rollout/serving.py)
     policy = build_policy(base_dir, METHOD_FORMAT[cfg.method], cfg.lora, dtype=dtype, device=device,
                           norm_dtype=cfg.model.norm_dtype)
     policy.train()
@@ -363,8 +364,14 @@ def train(
     layout = engine_plan(rc, platform, **ranks)  # rollout.engines / tensor_parallel_size: this rank's engine and GPUs
     own_engine = engine is None and engine_factory is None
     if engine is None:
-        engine = engine_factory(served) if engine_factory else open_engine(served, cfg.model, rollout=rc, lora_rank=cfg.lora.rank,
-                                                                           devices=layout.devices)
+        # a merging engine needs no LoRA slots; its KV cache holds one step's rollout (CPU)
+        kv_need = (math.ceil(tc.prompts_per_step / d.world_size) * gc.num_generations,
+                   max((len(it.ids) for it in items), default=0) + rc.max_new_tokens)
+        engine = engine_factory(served) if engine_factory else open_engine(
+            served, cfg.model, rollout=rc, lora_rank=cfg.lora.rank if sync == "adapter" else None,
+            devices=layout.devices, kv_need=kv_need)
+    if sync == "adapter" and not own_engine:
+        engine.unmerge()  # a shared engine may still serve an earlier run's merged adapter under its LoRAs
     engine_on = engine_platform(engine, platform)  # where the engine runs, as its process reports
     sleeper = EngineSleeper(engine, sleep_plan(rc, engine_on, colocated=engine_plan(rc, engine_on, **ranks).colocated))
     log.info("engine sleep during updates: %s (%s)", "on" if sleeper.enabled else "off", sleeper.plan.why)
@@ -375,7 +382,7 @@ def train(
     norm_params = aqn.norm_parameters(policy, sync_names) if sync_names else {}
     noisy_names = aqn.noisy_target_names(norm_params) if aqn_on else []
     ref_norms = {n: base_norms[n] for n in norm_params if n in base_norms} or None
-    serving_tags = {**served_tags(served, engine), "model.norm_dtype": cfg.model.norm_dtype}
+    serving_tags = {**served_tags(served, engine), "model.norm_dtype": cfg.model.norm_dtype, "rollout.sync": sync}
     logger.set_tags(serving_tags)
     log.info("engine serves %s in %s", serving_tags["rollout.served_format"], serving_tags["rollout.served_dtype"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -398,10 +405,13 @@ def train(
             if noisy:  # what the engine really serves (its dtype may round): the trainer uses the same values
                 noisy = engine.read_weights(sorted(noisy))
             sigma_eff = sigma_effective(noisy, clean, noisy_names)
+            if sync == "merge":  # the step's adapter into the served linears; the rollout then runs without LoRA
+                sync_s += engine.merge_adapter(adapter_dir)
+            lora = adapter_dir if sync == "adapter" else None
 
-            groups, rewards, info, roll = collect(engine, scorer, sampler, items, cfg, step, adapter_dir,
+            groups, rewards, info, roll = collect(engine, scorer, sampler, items, cfg, step, lora,
                                                   shard=(d.rank, d.world_size))
-            sleeper.before_update(adapter_dir, groups[0][0].prompt_ids if groups else None)  # CUDA + colocated: the update gets the memory
+            sleeper.before_update(lora, groups[0][0].prompt_ids if groups else None)  # CUDA + colocated: the update gets the memory
             t_roll = time.perf_counter()
             samples = [s for g in groups for s in g]
             ids, p_lens, c_lens_local, roll_logp = collate(samples, pad_id)
@@ -414,14 +424,16 @@ def train(
             adv_all = grpo.group_advantages(r, gc.num_generations, gc.advantage_scale, gc.advantage_eps)
             adv = adv_all[offset: offset + len(rewards)]
             c_lens, truncated, sampled = g_all["lengths"], g_all["truncated"], g_all["sampled"]
+            engine_cpu0 = _engine_cpu(engine)
             upd = policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg, step,
                                 ref_norms=ref_norms, dist=d)
             t_upd = time.perf_counter()
+            engine_cpu1 = _engine_cpu(engine)
             adapter_dir = _save_step_adapter(policy, adapters / f"step-{step + 1:06d}", d)
             written = [*written[-1:], adapter_dir]
             if d.is_main:
                 prune_adapters(adapters, written)
-            sleep_metrics = sleeper.after_update(adapter_dir)  # wake, probe, register the next rollout's adapter
+            sleep_metrics = sleeper.after_update(adapter_dir if sync == "adapter" else None)  # wake, probe, register the next adapter
 
             metrics = {
                 # every sampled group (before DAPO's filter): the curves that compare across methods
@@ -440,6 +452,8 @@ def train(
                 "time/update_s": t_upd - t_roll, "time/step_s": time.perf_counter() - t0, "memory/peak_gb": _peak_memory_gb(),
                 **{k: v for k, v in upd.items() if k != "lr"}, **sleep_metrics,
             }
+            if engine_cpu0 is not None and engine_cpu1 is not None:  # ~0: the engine leaves the cores to the update
+                metrics["time/engine_cpu_during_update_s"] = engine_cpu1 - engine_cpu0
             logger.log_metrics(metrics, step=step + 1)
             history.append({"step": step + 1, **metrics})
             if (step + 1) % tc.log_completions_every == 0 or step == start_step:  # rank 0's share of the completions
@@ -478,6 +492,13 @@ def train(
     seconds = time.perf_counter() - t_start
     logger.log_metrics({"time/total_s": seconds}, step=tc.steps)
     return TrainResult(run_dir, final, tc.steps, start_step, run_id, history, seconds, moved_aside)
+
+
+def _engine_cpu(engine) -> float | None:
+    """The engine processes' CPU seconds so far (``RolloutEngine.cpu_seconds``; None for engines without it)."""
+    reader = getattr(engine, "cpu_seconds", None)
+    value = reader() if callable(reader) else None
+    return value if isinstance(value, (int, float)) else None
 
 
 def _save_step_adapter(policy, folder: Path, d) -> Path:

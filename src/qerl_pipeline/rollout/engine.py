@@ -33,6 +33,9 @@ Behaviour:
   code and log tail.
 * ``generate(lora_path=...)``: each distinct (folder, file mtimes/sizes) gets a new
   ``LoRARequest`` id, so an adapter rewritten in place is reloaded without a restart.
+* ``merge_adapter(folder)`` (the ``rollout.sync: merge`` step, ``unmerge()`` undoes it): the
+  engine process reads the adapter's A and B and serves ``W + scale * B @ A`` from its
+  checkpoint's clean W (rollout/worker_ext.py): only the folder's path crosses the socket.
 * ``update_weights`` sets served weights by Hugging Face name (worker_ext.py maps them onto
   vLLM's fused qkv/gate_up parameters) and resets the prefix cache. It never
   accumulates: AQN sends ``clean + Z`` each step, sigma 0 sends the clean weights back.
@@ -49,7 +52,6 @@ Behaviour:
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import secrets
 import shutil
@@ -67,7 +69,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from qerl_pipeline.adapter import hf_name
+from qerl_pipeline.adapter import lora_factors
 from qerl_pipeline.config import RolloutConfig
 from qerl_pipeline.profile import engine_env
 from qerl_pipeline.rollout.server import GROUP_ENV, PARENT_MAIN_THREAD_ENV, PARENT_PID_ENV
@@ -280,6 +282,33 @@ class RolloutEngine:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
+    def peak_memory_bytes(self) -> int | None:
+        """Host RSS high-water mark of the engine's processes (``memory.process_tree_peak_bytes``)."""
+        from qerl_pipeline.memory import process_tree_peak_bytes
+
+        return None if self._proc is None else process_tree_peak_bytes(self._proc.pid)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system) the engine's processes have used so far (None where unreadable).
+
+        The trainer reads it around its update: on a 2-core machine the engine must be idle
+        then (its OpenMP threads asleep, not spinning), or the two processes fight for the cores."""
+        if self._proc is None:
+            return None
+        try:
+            import psutil
+
+            proc = psutil.Process(self._proc.pid)
+            total = sum(proc.cpu_times()[:2])
+            for child in proc.children(recursive=True):
+                try:
+                    total += sum(child.cpu_times()[:2])
+                except psutil.Error:
+                    pass
+            return float(total)
+        except Exception:  # noqa: BLE001 - psutil missing or the process gone
+            return None
+
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -393,6 +422,22 @@ class RolloutEngine:
             path.unlink(missing_ok=True)
         return time.perf_counter() - t0
 
+    def merge_adapter(self, lora_path: str | Path | None) -> float:
+        """The ``merge`` sync: serve ``W + scale * B @ A`` for every linear the PEFT folder adapts. Returns seconds.
+
+        The engine process reads the folder's A and B and writes the dense sums itself, from
+        its served checkpoint's clean W (rollout/worker_ext.py): nothing accumulates across
+        calls, layers no longer adapted go back to the checkpoint, ``None`` unmerges all.
+        Prefix cache reset; after a level-2 sleep the merge is redone on wake. Dense served
+        linears only (an error names the layer on a packed base)."""
+        t0 = time.perf_counter()
+        self._call("merge_lora", path=None if lora_path is None else str(Path(lora_path).resolve()))
+        return time.perf_counter() - t0
+
+    def unmerge(self) -> float:
+        """Serve the checkpoint's clean linears again (undo ``merge_adapter``). Returns seconds."""
+        return self.merge_adapter(None)
+
     def load_dense_weights(self, tensors: dict[str, torch.Tensor]) -> float:
         """The ``merge`` sync: dense linear weights (base + LoRA merged) into a dense served base."""
         return self.update_weights(tensors)
@@ -452,24 +497,8 @@ class RolloutEngine:
 
 # ------------------------------------------------------------------ merge sync
 def lora_deltas(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
-    """``scale * B @ A`` per adapted linear of a PEFT adapter folder, keyed by base HF name."""
-    adapter_dir = Path(adapter_dir)
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise NotImplementedError(f"{adapter_dir}: rank_pattern/alpha_pattern adapters are not supported by merge sync")
-    r = cfg["r"]
-    scale = cfg["lora_alpha"] / (r**0.5 if cfg.get("use_rslora") else r)
-    weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    deltas = {}
-    for key, a in weights.items():
-        if ".lora_A." not in key:
-            continue
-        b = weights[key.replace(".lora_A.", ".lora_B.")]
-        name = hf_name(key.replace(".lora_A", ""))
-        deltas[name] = (b.float() @ a.float()) * scale
-    if not deltas:
-        raise ValueError(f"{adapter_dir}: no lora_A/lora_B tensors found")
-    return deltas
+    """``scale * B @ A`` per adapted linear of a PEFT adapter folder, keyed by base HF name (fp32)."""
+    return {name: (b.float() @ a.float()) * scale for name, (a, b, scale) in lora_factors(adapter_dir).items()}
 
 
 def merged_weights(base: dict[str, torch.Tensor], adapter_dir: str | Path) -> dict[str, torch.Tensor]:

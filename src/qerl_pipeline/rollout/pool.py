@@ -18,8 +18,9 @@ Design:
   ``VLLM_CPU_KVCACHE_SPACE``).
 * Every hand-out after the first puts the clean RMSNorm weights back, read from the served
   folder at start (training leaves AQN noise or trained norms in the engine), and reads
-  them back to check; LoRA adapters are loaded per request by path, merged deltas are
-  undone by ``evaluator.applied_adapter`` itself. Sampling seeds are per request, so a
+  them back to check, and the clean linears (``unmerge``: a training with ``rollout.sync:
+  merge`` leaves its last adapter merged); LoRA adapters are loaded per request by path,
+  merged deltas are undone by ``evaluator.applied_adapter`` itself. Sampling seeds are per request, so a
   shared engine draws what a fresh one would.
 * ``close_shared()``: at the end of the Kedro run (``SharedEngineHook``: after the pipeline
   and on its error) and at interpreter exit (the engine's own ``atexit``); a killed run's
@@ -114,8 +115,10 @@ def shared_engine(served, model_cfg, *, rollout=None, lora_rank: int = 8, max_mo
             _live.remove(shared)
             _live.append(shared)
             shared.handed_out += 1
+            shared.engine.unmerge()  # a training with rollout.sync merge leaves its adapter in the linears
             restore_norms(shared.engine, shared.clean)
-            log.info("shared engine reused for %s (hand-out %d, clean norms restored)", served.path, shared.handed_out)
+            log.info("shared engine reused for %s (hand-out %d, clean linears and norms restored)", served.path,
+                     shared.handed_out)
             return shared.engine
     keep = capacity(rollout, served.platform)
     while len(_live) >= keep:

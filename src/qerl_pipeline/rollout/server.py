@@ -223,6 +223,10 @@ def arm_from_environment() -> str | None:
     return guard(int(parent), os.environ.get(PARENT_MAIN_THREAD_ENV) == "1")
 
 
+#: KV cache of a CPU engine whose caller did not size it (2 GiB; rollout.serving.DEFAULT_CPU_KV_CACHE_GIB).
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+
+
 class Server:
     """Owns the ``vllm.LLM`` and answers requests."""
 
@@ -263,6 +267,10 @@ class Server:
             # no prompt is split across steps; every prompt fits one step's budget.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(spec["max_model_len"], 4096)
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                # without a size vLLM-CPU reserves 92% of the node's RAM (gpu_memory_utilization); callers that know
+                # their need pass kv_cache_memory_bytes (rollout.serving.open_engine), the rest get this
+                kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
         if one_process:
             kwargs["distributed_executor_backend"] = "uni"
         if self.is_cuda:
@@ -281,6 +289,7 @@ class Server:
         self.loras: dict[str, tuple[object, int]] = {}  # path -> (version key, lora id)
         self.next_lora_id = 1
         self.dtype = str(self.llm.llm_engine.model_config.dtype).replace("torch.", "")
+        self.merged: str | None = None  # the adapter folder merged into the served linears (op_merge_lora)
 
     # ------------------------------------------------------------------ ops
     def info(self) -> dict:
@@ -305,8 +314,12 @@ class Server:
 
     def _reapply(self) -> list[str]:
         """Write the kept in-place updates back after a level-2 reload (see the module docstring)."""
+        out = []
+        if self.merged is not None:
+            self.llm.collective_rpc("qerl_merge_lora", args=(self.merged,))
+            out.append(f"merged:{self.merged}")
         if not self.kept:
-            return []
+            return out
         import tempfile
 
         from safetensors.torch import save_file
@@ -322,7 +335,7 @@ class Server:
             except OSError:
                 pass
             os.rmdir(folder)
-        return sorted(self.kept)
+        return out + sorted(self.kept)
 
     def op_sleep(self, level: int = 1) -> bool:
         if not self.sleep_mode or self.asleep:
@@ -431,6 +444,13 @@ class Server:
             from safetensors.torch import load_file
 
             self.kept.update(load_file(path))  # host copies, re-applied after a level-2 reload
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        return names
+
+    def op_merge_lora(self, path: str | None) -> list[str]:
+        self._awake()
+        names = self.llm.collective_rpc("qerl_merge_lora", args=(path,))[0]
+        self.merged = path  # re-merged after a level-2 reload
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         return names
 

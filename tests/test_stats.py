@@ -95,7 +95,10 @@ def test_verdict_wording():
     assert S.verdict(S.Interval(0.0, 0.0, 0.0, 2, "seeds"))[0] == "cannot tell"  # no difference at all is no support
     # differences below 0.001 keep 3 significant digits instead of reading 0.000
     assert S.verdict(S.Interval(-7.77e-05, -1.44e-04, -1.11e-05, 2, "seeds"))[1] == (
-        "contradicted: difference -7.77e-05, 95% interval [-0.000144, -1.11e-05], 2 seeds")
+        "contradicted: difference -7.77e-05, 95% interval [-1.44e-04, -1.11e-05], 2 seeds")
+    # a round small value keeps its decimal point (":.3g" wrote "2e-05", which the report's readers did not parse)
+    assert S.verdict(S.Interval(2e-05, -6.48e-05, 1.05e-04, 2, "seeds"))[1] == (
+        "cannot tell: difference 2.00e-05, 95% interval [-6.48e-05, 1.05e-04], 2 seeds")
 
 
 def test_claim_pairs_seeds():

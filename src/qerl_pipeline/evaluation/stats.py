@@ -205,10 +205,11 @@ class Claim:
 
 
 def _num(x: float) -> str:
-    """3 decimals; 3 significant digits below 0.001 (smoke runs' entropy differences are ~1e-4) and from 1000."""
+    """3 decimals; 3 significant digits in e-notation below 0.001 (smoke runs' entropy differences are ~1e-4) and
+    from 1000, always with a decimal point ("2.00e-05", never "2e-05": ``:.3g`` drops it for round values)."""
     if math.isnan(x):
         return "nan"
-    return f"{x:.3f}" if x == 0 or 0.001 <= abs(x) < 1000 else f"{x:.3g}"
+    return f"{x:.3f}" if x == 0 or 0.001 <= abs(x) < 1000 else f"{x:.2e}"
 
 
 def _seeds_text(n: int) -> str:

@@ -192,7 +192,8 @@ def resolve_sync(sync: str, served: ServedModel) -> str:
 #: KV cache of engines that do not size theirs (evaluation, compare's pool), GiB: the engine process's
 #: default (rollout/server.py), as VLLM_CPU_KVCACHE_SPACE=2 gave before.
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
-_KV_BLOCK = 16
+#: vLLM-CPU's KV block (tokens): platforms/cpu.py sets 128 unless the user sets one; a sequence takes whole blocks.
+_KV_BLOCK = 128
 
 
 def kv_bytes_per_token(model_config: dict[str, Any], dtype: str) -> int:
@@ -207,10 +208,12 @@ def cpu_kv_cache_bytes(model_config: dict[str, Any], dtype: str, *, sequences: i
                        max_model_len: int) -> int:
     """KV cache bytes for ``sequences`` concurrent sequences of up to ``tokens_per_sequence`` tokens.
 
-    Whole 16-token blocks per sequence, at least one ``max_model_len`` sequence (vLLM refuses to
-    start below that), rounded up to a MiB."""
+    Whole blocks of vLLM-CPU's 128 tokens per sequence (no prompt sharing counted: a block is
+    shared only when a prompt fills it), at least one ``max_model_len`` sequence (vLLM refuses
+    to start below that), plus the block vLLM's block pool keeps as its null block, rounded up
+    to a MiB."""
     blocks = sequences * math.ceil(tokens_per_sequence / _KV_BLOCK)
-    blocks = max(blocks, math.ceil(max_model_len / _KV_BLOCK))
+    blocks = max(blocks, math.ceil(max_model_len / _KV_BLOCK)) + 1
     need = blocks * _KV_BLOCK * kv_bytes_per_token(model_config, dtype)
     return int(math.ceil(need / 2**20) * 2**20)
 

@@ -73,6 +73,13 @@ def compared(tmp_path_factory):
             pytest.fail("no third branch at step 2 within the deadline\n" + log1.read_text(errors="replace")[-6000:])
     finally:
         stop_kedro(proc)  # SIGKILL of kedro's process group; the engines end through their guards (rollout/server.py)
+    from qerl_pipeline.rl import checkpoint as ckpt
+
+    # the step the kill left as newest checkpoint: 2, or 3 when the log line reached the file late (block-buffered
+    # output) and the last step's checkpoint was written before the kill; the resume must start from it
+    interrupted = root / "data/06_models/train_smoke/compare" / f"seed-{SEEDS[0]}" / third
+    newest = ckpt.find_latest(interrupted) if third else None
+    killed_at = int(ckpt.peek_state(newest)["step"]) if newest is not None else None
     client = MlflowClient(tracking_uri=tracking_uri(root))
     exp = client.get_experiment_by_name("qerl_pipeline")
     first_parent = next(r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("qerl.role") == "compare")
@@ -88,7 +95,7 @@ def compared(tmp_path_factory):
     parent = parents[0]
     children = list(_child_runs(client, parent.info.run_id).values())
     return {"root": root, "uri": tracking_uri(root), "client": client, "parent": parent, "children": children,
-            "before": before, "order": first_names, "second": resumed.stdout, "report": root / "data/08_reporting/smoke/compare"}
+            "before": before, "order": first_names, "second": resumed.stdout, "killed_at": killed_at, "report": root / "data/08_reporting/smoke/compare"}
 
 
 def test_resume_keeps_finished_branches_and_resumes_the_interrupted_one(compared):
@@ -103,9 +110,11 @@ def test_resume_keeps_finished_branches_and_resumes_the_interrupted_one(compared
     for m in (first, second_done):
         found = re.findall(rf"{m}: already trained to step {SMOKE_STEPS} in \S*/compare/seed-(\d+)/{m} .* reusing it", second)
         assert sorted(map(int, found)) == SEEDS, (m, found)
-    assert after[third, SEEDS[0]].data.tags.get("qerl.resumed_at_step") == "2"
+    killed_at = compared["killed_at"]
+    assert killed_at in (2, 3)  # killed after its step-2 checkpoint (module fixture)
+    assert after[third, SEEDS[0]].data.tags.get("qerl.resumed_at_step") == str(killed_at)
     assert "qerl.resumed_at_step" not in after[third, SEEDS[1]].data.tags  # its second seed started afresh
-    assert "resuming from" in second and f"compare/seed-{SEEDS[0]}/{third}/checkpoints/step-000002" in second
+    assert "resuming from" in second and f"compare/seed-{SEEDS[0]}/{third}/checkpoints/step-{killed_at:06d}" in second
     for fmt in ("nvfp4", "nf4", "bf16"):
         assert re.search(rf"base_{fmt} reused", second), fmt
 

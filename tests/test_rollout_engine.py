@@ -234,7 +234,7 @@ def test_merge_sync_matches_adapter_sync(engine, prompts, adapters, checkpoint):
     lora_ids, lora_lps = greedy(engine, prompts, lora_path=adapters["a"])
     adapted = sorted(merged_weights(checkpoint, adapters["a"]))
     base = engine.read_weights(adapted)
-    engine.load_dense_weights(merged_weights(base, adapters["a"]))
+    engine.update_weights(merged_weights(base, adapters["a"]))
     merged_ids, merged_lps = greedy(engine, prompts)
     engine.update_weights(base)
     assert merged_ids == lora_ids

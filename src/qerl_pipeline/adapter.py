@@ -64,6 +64,14 @@ def lora_factors(folder: str | Path) -> dict[str, tuple[Any, Any, float]]:
     return out
 
 
+def lora_delta(a: Any, b: Any, scale: float) -> Any:
+    """``scale * B @ A`` in float32: what a LoRA adds to its base weight (``W.float() + delta``, then W's dtype).
+
+    The one formula of a merge: the engine's (rollout/worker_ext.py) and the client-side reference
+    (``rollout.engine.merged_weights``, the tests' oracle) both call it, so they agree bit for bit."""
+    return (b.float() @ a.float()) * scale
+
+
 def trained_norms(policy) -> dict[str, Any]:
     """Trainable non-LoRA tensors (the norms with ``lora.train_norms``) under HF names, CPU copies."""
     return {

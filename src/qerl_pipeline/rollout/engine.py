@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from qerl_pipeline.adapter import lora_factors
+from qerl_pipeline.adapter import lora_delta, lora_factors
 from qerl_pipeline.config import RolloutConfig
 from qerl_pipeline.profile import engine_env
 from qerl_pipeline.rollout.server import GROUP_ENV, PARENT_MAIN_THREAD_ENV, PARENT_PID_ENV
@@ -438,10 +438,6 @@ class RolloutEngine:
         """Serve the checkpoint's clean linears again (undo ``merge_adapter``). Returns seconds."""
         return self.merge_adapter(None)
 
-    def load_dense_weights(self, tensors: dict[str, torch.Tensor]) -> float:
-        """The ``merge`` sync: dense linear weights (base + LoRA merged) into a dense served base."""
-        return self.update_weights(tensors)
-
     def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Served values by HF name (fused parameters sliced back apart)."""
         path = self._exchange_file("read")
@@ -498,7 +494,7 @@ class RolloutEngine:
 # ------------------------------------------------------------------ merge sync
 def lora_deltas(adapter_dir: str | Path) -> dict[str, torch.Tensor]:
     """``scale * B @ A`` per adapted linear of a PEFT adapter folder, keyed by base HF name (fp32)."""
-    return {name: (b.float() @ a.float()) * scale for name, (a, b, scale) in lora_factors(adapter_dir).items()}
+    return {name: lora_delta(a, b, scale) for name, (a, b, scale) in lora_factors(adapter_dir).items()}
 
 
 def merged_weights(base: dict[str, torch.Tensor], adapter_dir: str | Path) -> dict[str, torch.Tensor]:

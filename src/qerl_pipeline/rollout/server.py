@@ -223,7 +223,7 @@ def arm_from_environment() -> str | None:
     return guard(int(parent), os.environ.get(PARENT_MAIN_THREAD_ENV) == "1")
 
 
-#: KV cache of a CPU engine whose caller did not size it (2 GiB; rollout.serving.DEFAULT_CPU_KV_CACHE_GIB).
+#: KV cache of a CPU engine whose caller did not size it (2 GiB; rollout.serving reads it from here).
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
 
 

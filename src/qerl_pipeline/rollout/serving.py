@@ -108,6 +108,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from qerl_pipeline.rollout.server import DEFAULT_CPU_KV_CACHE_BYTES
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("nvfp4", "nf4", "bf16")
@@ -190,8 +192,8 @@ def resolve_sync(sync: str, served: ServedModel) -> str:
 
 
 #: KV cache of engines that do not size theirs (evaluation, compare's pool), GiB: the engine process's
-#: default (rollout/server.py), as VLLM_CPU_KVCACHE_SPACE=2 gave before.
-DEFAULT_CPU_KV_CACHE_GIB = 2.0
+#: default (rollout/server.py sets it; its value lives there), as VLLM_CPU_KVCACHE_SPACE=2 gave before.
+DEFAULT_CPU_KV_CACHE_GIB = DEFAULT_CPU_KV_CACHE_BYTES / 2**30
 #: vLLM-CPU's KV block (tokens): platforms/cpu.py sets 128 unless the user sets one; a sequence takes whole blocks.
 _KV_BLOCK = 128
 

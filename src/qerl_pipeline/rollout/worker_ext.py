@@ -179,13 +179,14 @@ class QerlWorkerExtension:
 
     def _qerl_clean_dense(self, target: _Target, dtype: torch.dtype, device) -> torch.Tensor:
         """The served checkpoint's value of ``target``'s whole (fused) parameter, plus the merged LoRA deltas."""
+        from qerl_pipeline.adapter import lora_delta
+
         merged = getattr(self, "_qerl_merged", {})
         parts = []
         for name in target.fused_names:
             value = self._qerl_checkpoint_tensor(name)
             if name in merged:
-                a, b, scale = merged[name]
-                value = (value.float() + (b.float() @ a.float()) * scale)
+                value = value.float() + lora_delta(*merged[name])
             parts.append(value.to(dtype=dtype, device=device))
         return torch.cat(parts, 0).contiguous() if len(parts) > 1 else parts[0].contiguous()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qerl_pipeline.rl.logprobs import token_logprobs
+from qerl_pipeline.rl.logprobs import DEFAULT_KEEP_BYTES, token_logprobs
 
 N, T, H, V = 3, 7, 32, 1000
 TEMP = 0.7
@@ -104,15 +104,22 @@ def _upstream(kind: str, shape) -> torch.Tensor:
     return up
 
 
+def _keep(keep: str, chunk: int, vocab: int) -> int:
+    """keep_bytes: none (always recompute), one chunk's softmax (the rest recomputed), all of them."""
+    return {"none": 0, "one": chunk * vocab * 4, "all": DEFAULT_KEEP_BYTES}[keep]
+
+
+@pytest.mark.parametrize("keep", ["none", "one", "all"])
 @pytest.mark.parametrize("chunk", [1, 5, 1000])
 @pytest.mark.parametrize("kind", ["ones", "random", "masked"])
-def test_grad_hidden_matches_naive(chunk, kind):
+def test_grad_hidden_matches_naive(chunk, kind, keep):
     hidden, weight, _, targets = make(seed=1)
     up = _upstream(kind, targets.shape)
     h_ref = hidden.clone().requires_grad_(True)
     (naive(h_ref, weight, targets)[0] * up).sum().backward()
     h = hidden.clone().requires_grad_(True)
-    (token_logprobs(h, weight, targets, temperature=TEMP, chunk_tokens=chunk)[0] * up).sum().backward()
+    (token_logprobs(h, weight, targets, temperature=TEMP, chunk_tokens=chunk,
+                    keep_bytes=_keep(keep, chunk, weight.shape[0]))[0] * up).sum().backward()
     assert h.grad.dtype == torch.float32
     h64 = hidden.double().requires_grad_(True)
     (naive(h64, weight.double(), targets)[0] * up.double()).sum().backward()
@@ -123,16 +130,49 @@ def test_grad_hidden_matches_naive(chunk, kind):
         assert torch.all(h.grad[1] == 0)
 
 
+@pytest.mark.parametrize("keep", ["none", "one", "all"])
 @pytest.mark.parametrize("kind", ["random", "masked"])
-def test_grad_weight_and_bias_match_naive(kind):
+def test_grad_weight_and_bias_match_naive(kind, keep):
     hidden, weight, bias, targets = make(seed=2, bias=True)
     up = _upstream(kind, targets.shape)
     ref = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
     (naive(ref[0], ref[1], targets, ref[2])[0] * up).sum().backward()
     ours = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
-    (token_logprobs(ours[0], ours[1], targets, bias=ours[2], temperature=TEMP, chunk_tokens=4)[0] * up).sum().backward()
+    (token_logprobs(ours[0], ours[1], targets, bias=ours[2], temperature=TEMP, chunk_tokens=4,
+                    keep_bytes=_keep(keep, 4, weight.shape[0]))[0] * up).sum().backward()
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.grad, b.grad, atol=ATOL, rtol=RTOL)
+
+
+def test_kept_softmax_skips_the_recompute_and_a_second_backward_agrees(monkeypatch):
+    from qerl_pipeline.rl import logprobs
+
+    hidden, weight, _, targets = make(seed=6)
+    calls = []
+    real = logprobs._chunk_logits
+    monkeypatch.setattr(logprobs, "_chunk_logits", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    up = _upstream("random", targets.shape)
+    h = hidden.clone().requires_grad_(True)
+    lp = token_logprobs(h, weight, targets, temperature=TEMP, chunk_tokens=4, keep_bytes=2 * 4 * weight.shape[0] * 4)[0]
+    n_fwd = len(calls)
+    (lp * up).sum().backward(retain_graph=True)
+    # two chunks kept: the backward recomputes the others only
+    assert len(calls) - n_fwd == n_fwd - 2
+    first = h.grad.clone()
+    h.grad = None
+    (lp * up).sum().backward()  # a retained graph's second backward: the same kept chunks, the same result
+    assert len(calls) - n_fwd == 2 * (n_fwd - 2)
+    assert torch.equal(h.grad, first)
+    with pytest.raises(ValueError, match="keep_bytes"):
+        token_logprobs(h, weight, targets, keep_bytes=-1)
+
+
+def test_no_grad_keeps_nothing():
+    hidden, weight, _, targets = make(seed=7)
+    with torch.no_grad():
+        got = _peak_live_bytes(lambda: token_logprobs(hidden, weight, targets, chunk_tokens=4))
+    # without a backward to come nothing is kept: the peak is two chunks' buffers, not the rows' softmax
+    assert got < hidden.shape[0] * hidden.shape[1] * weight.shape[0] * 4
 
 
 def test_gradcheck_float64():
@@ -203,7 +243,8 @@ def _memory_case(device="cpu"):
 
 def test_saved_for_backward_is_not_rows_by_vocab():
     hidden, weight, targets = _memory_case()
-    ours = _saved_bytes(lambda: token_logprobs(hidden, weight, targets, temperature=TEMP, chunk_tokens=CHUNK)[0].sum().backward())
+    ours = _saved_bytes(lambda: token_logprobs(hidden, weight, targets, temperature=TEMP, chunk_tokens=CHUNK,
+                                               keep_bytes=0)[0].sum().backward())
     # the naive graph on the meta device: the same saved shapes, no memory or compute
     mh, mw, mt = _memory_case("meta")
     ref = _saved_bytes(lambda: naive(mh, mw, mt)[0].sum())
@@ -232,8 +273,8 @@ def _peak_live_bytes(fn) -> int:
 def test_peak_live_memory_forward_backward():
     hidden, weight, targets = _memory_case()
 
-    def ours():
-        token_logprobs(hidden, weight, targets, temperature=TEMP, chunk_tokens=CHUNK)[0].sum().backward()
+    def ours(keep=0):
+        token_logprobs(hidden, weight, targets, temperature=TEMP, chunk_tokens=CHUNK, keep_bytes=keep)[0].sum().backward()
 
     def ref():
         naive(hidden, weight, targets)[0].sum().backward()
@@ -243,6 +284,11 @@ def test_peak_live_memory_forward_backward():
     peak_ref = _peak_live_bytes(ref)
     # ours: ~2 fp32 [chunk, V] buffers (62.5 MiB); naive: several [rows, V] (>= 500 MiB each)
     assert 0 < peak_ours < ONE_ROWS_BY_V / 4 < ONE_ROWS_BY_V < peak_ref, (peak_ours, peak_ref, ONE_ROWS_BY_V)
+    # kept softmax chunks add at most keep_bytes (here two chunks' worth)
+    keep = 2 * CHUNK * MV * 4
+    hidden.grad = None
+    peak_keep = _peak_live_bytes(lambda: ours(keep))
+    assert peak_ours < peak_keep <= peak_ours + keep + CHUNK * MV * 4, (peak_ours, peak_keep, keep)
 
 
 # ------------------------------------------------- drop-in for completion_logprobs

@@ -115,9 +115,9 @@ def test_no_dense_copy_stays_resident(bases, fmt):
         out = policy(input_ids=_ids(shape=(1, 5))).logits.sum()
     assert saved and not [s for s in saved if s[0] in weight_shapes and s[1].is_floating_point]
     out.backward()
-    # 3. at most one decoded layer alive at any time during forward+backward
+    # 3. at most one decoded layer alive at any time during forward+backward, with its W + sBA (the fused LoRA)
     mem = measure_training_memory(policy, _ids(shape=(1, 5)))
-    assert 0 < mem["peak_dense_transient"] <= layer_bytes
+    assert 0 < mem["peak_dense_transient"] <= 2 * layer_bytes
     assert DENSE_TRACKER.live == DENSE_TRACKER.baseline
     # 4. resident bytes of the packed linears: 4.5 bits a weight (+ one fp32 global scale each)
     numel = sum(m.out_features * m.in_features for m in packed)
@@ -200,3 +200,51 @@ def test_tied_lm_head_is_never_quantized(tmp_path):
     policy = build_policy(tmp_path / "b", "nvfp4", _lora(), dtype=torch.float32)
     base = policy.get_base_model()
     assert base.lm_head.weight is base.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+def test_fused_lora_forward_equals_peft(bases, fmt, monkeypatch):
+    """``PackedLoraLinear``'s one-matmul LoRA (``_PackedLoraMatmul``) against PEFT's own forward."""
+    from qerl_pipeline.quantization import policy as pol
+
+    root, _ = bases
+    policy = build_policy(root / fmt, fmt, _lora(train_norms=True), dtype=torch.float32).train()
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    ids = _ids(shape=(3, 9))
+    fused_calls = []
+    real = pol._PackedLoraMatmul.apply
+    monkeypatch.setattr(pol._PackedLoraMatmul, "apply", lambda *a: fused_calls.append(1) or real(*a))
+
+    def run():
+        policy.zero_grad(set_to_none=True)
+        logits = policy(input_ids=ids).logits
+        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+    fused = run()
+    assert len(fused_calls) == LAYERS * len(TARGETS)
+    fused_calls.clear()
+    lora_layers = [m for m in policy.modules() if type(m).__name__ == "PackedLoraLinear"]
+    monkeypatch.setattr(type(lora_layers[0]), "_fused_adapter", lambda self, x, args, kwargs: None)
+    peft = run()
+    assert not fused_calls
+    torch.testing.assert_close(fused[0], peft[0], atol=1e-5, rtol=1e-5)
+    assert fused[1].keys() == peft[1].keys() and any("lora_A" in k for k in peft[1]) and any("norm" in k for k in peft[1])
+    for name, want in peft[1].items():
+        assert float((fused[1][name] - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-8, name
+
+
+def test_fused_lora_steps_aside(bases):
+    root, _ = bases
+    x = torch.randn(2, 5, 64)
+    drop = build_policy(root / "nvfp4", "nvfp4", _lora(dropout=0.1), dtype=torch.float32)
+    plain = build_policy(root / "nvfp4", "nvfp4", _lora(), dtype=torch.float32)
+    layer = next(m for m in plain.modules() if type(m).__name__ == "PackedLoraLinear")
+    assert layer._fused_adapter(x, (), {}) == "default"
+    assert next(m for m in drop.modules() if type(m).__name__ == "PackedLoraLinear")._fused_adapter(x, (), {}) is None
+    assert layer._fused_adapter(x.bfloat16(), (), {}) is None  # bf16: W + sBA would round the delta away
+    with plain.disable_adapter():
+        assert layer._fused_adapter(x, (), {}) is None

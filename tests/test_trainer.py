@@ -155,7 +155,16 @@ def test_reference_run_trains_and_logs(reference, tracking):
     # CPU: the dense copy decoded from the NVFP4 codes, computed in fp32 (model.dtype auto)
     assert run.data.tags["rollout.served_format"] == "dense-decoded-nvfp4"
     assert run.data.tags["rollout.served_dtype"] == "float32"
-    for key in ("reward/mean", "reward/std", "reward/accuracy", "reward/format", "policy/entropy", "policy/kl_to_base",
+    # the KL diagnostic's reference forward runs on steps 1, 1 + N, ... (grpo.log_kl_to_base_every)
+    import yaml
+
+    conf = Path(__file__).parents[1] / "conf"
+    grpo_conf = {**yaml.safe_load((conf / "base/parameters.yml").read_text())["grpo"],
+                 **(yaml.safe_load((conf / "smoke/parameters.yml").read_text()).get("grpo") or {})}
+    every = grpo_conf["log_kl_to_base_every"]
+    kl_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "policy/kl_to_base"))
+    assert kl_steps == list(range(1, STEPS + 1, every)), kl_steps
+    for key in ("reward/mean", "reward/std", "reward/accuracy", "reward/format", "policy/entropy",
                 "policy/clip_fraction", "mismatch/kl", "completion/length", "groups/zero_std_fraction", "aqn/sigma", "aqn/sigma_effective",
                 "optim/lr", "rollout/tokens_per_s", "time/update_s", "memory/peak_gb"):
         hist = client.get_metric_history(run.info.run_id, key)

@@ -314,7 +314,14 @@ class GRPOConfig(Section):
     clip_eps_high: float = Field(0.28, ge=0, description="Upper clip of the ratio: 1 + eps_high (DAPO clip-higher).")
     kl_beta: float = Field(0.0, ge=0, description="Weight of KL to the base (the base without LoRA is the reference).")
     log_kl_to_base: bool = Field(
-        True, description="Log the KL to the base even when kl_beta is 0 (one extra no-grad forward per step)."
+        True, description="Log the KL to the base even when kl_beta is 0 (one extra no-grad forward on the steps of "
+        "log_kl_to_base_every)."
+    )
+    log_kl_to_base_every: int = Field(
+        5, gt=0,
+        description="With kl_beta 0, the diagnostic KL to the base is computed on steps 1, 1+N, 1+2N, ... only: its "
+        "no-grad reference forward cost a third of the update when run every step (issue 'Faster than TRL'; TRL "
+        "computes no reference at beta 0). kl_beta > 0 needs the reference in the loss: every step.",
     )
     updates_per_rollout: int = Field(1, gt=0, description="Policy updates per rollout batch (paper: 4 on GSM8K).")
     mask_truncated: bool = Field(False, description="Exclude completions cut at max_new_tokens from the loss.")
@@ -429,6 +436,22 @@ class TrainConfig(Section):
     steps: int = Field(20, gt=0, description="Optimizer steps (rollout batches).")
     prompts_per_step: int = Field(8, gt=0, description="Prompts drawn per step; each gets num_generations samples.")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation over the rest).")
+    keep_decoded_weights: Literal["auto"] | bool = Field(
+        "auto",
+        description="Decode each packed (NVFP4/NF4) base linear once per policy update and reuse it in every forward "
+        "and backward of that update (quantization/policy.py decoded_weights), instead of decoding per use. auto: on "
+        "on CPU (the torch codec runs per use there), off on CUDA (the Triton kernels read the codes directly; a dense "
+        "copy of a large base would cost the memory the packed base saves). The dense base is alive during the "
+        "update; no effect on a bf16 base.",
+    )
+    share_prompt_forward: bool = Field(
+        True,
+        description="Score each GRPO group's prompt once: the decoder runs the distinct prompts of a micro-batch, "
+        "then every completion against its prompt's KV cache (rl/prefix.py); the gradient into the prompt is the sum "
+        "over its completions, as with full rows. Same log-probs and gradients as full rows up to float rounding, "
+        "U*P + n*T decoder tokens instead of n*(P+T). Not applied with lora.gradient_checkpointing (Hugging Face's "
+        "checkpointed layers drop the cache) or when every row's prompt differs. TRL scores full rows.",
+    )
     checkpoint_every: int = Field(5, gt=0, description="Save a checkpoint every N steps (atomically).")
     log_completions_every: int = Field(5, gt=0, description="Log a table of sampled completions every N steps.")
     output_dir: str = Field("data/06_models/train", description="Checkpoints and the final adapter go under <output_dir>/<method>.")

@@ -87,7 +87,10 @@ layer's saved tensors (taken as one layer's saved set again); the head's chunk b
 ``chunk (2f + c) V`` with ``chunk = min(512, P)`` rows, plus the gradient of the hidden states ``c N h``
 (head and layers do not overlap: the larger counts); the decoded dense weight of the largest
 quantized linear on the torch decode path, ``13 out*in`` (uint8 codes, int64 indices, fp32
-values; zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen). Peak =
+values; zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen), plus the whole
+dense base ``c * sum(out*in)`` with ``train.keep_decoded_weights: true`` (``auto`` is off on
+CUDA); the head's softmax chunks kept for backward, whole chunks up to 256 MiB
+(``kept_softmax``; with V = 152k not even one 512-row chunk fits). Peak =
 saved + transient. A no-grad reference forward (``grpo.log_kl_to_base``) keeps less. The
 process peak (VmHWM) of a small CPU policy was measured against it twice and is not a test (a
 process's peak depends on the machine's allocator and libraries): once below the planned peak,
@@ -149,6 +152,8 @@ GIB = 1024**3
 F32 = 4
 #: Rows of the lm_head processed at a time by ``rl/logprobs.py`` (its ``DEFAULT_CHUNK_TOKENS``).
 HEAD_CHUNK = 512
+#: Softmax bytes ``rl/logprobs.py`` keeps for backward instead of recomputing (its ``DEFAULT_KEEP_BYTES``).
+KEEP_SOFTMAX_BYTES = 256 * 2**20
 #: Bytes per weight alive at once while the torch codec decodes one linear (codes, int64 indices, fp32 values).
 DECODE_BYTES_PER_WEIGHT = 13
 #: bitsandbytes AdamW8bit: tensors below this many elements keep fp32 moments; absmax block; map entries.
@@ -383,12 +388,23 @@ def activation_bytes(cfg: QerlConfig, shape: ModelShape, b: int, seq_len: int | 
         saved = layer0 + (n_l - 1) * layer + rotary + head
         recompute = 0
     head_work = min(HEAD_CHUNK, P) * (2 * f + c) * shape.vocab_size + c * N * h
+    # the head's softmax chunks kept for backward while they fit in rl/logprobs.py's DEFAULT_KEEP_BYTES
+    kept, left = 0, KEEP_SOFTMAX_BYTES
+    for start in range(0, P, HEAD_CHUNK):
+        one = min(HEAD_CHUNK, P - start) * f * shape.vocab_size
+        if one > left:
+            break
+        kept, left = kept + one, left - one
     fmt = METHOD_FORMAT[cfg.method]
     biggest = max(n_in * n_out for n_in, n_out, _b in shape.linears().values())
     decode = DECODE_BYTES_PER_WEIGHT * biggest if fmt != "bf16" else 0
+    if fmt != "bf16" and cfg.train.keep_decoded_weights is True:  # the dense base alive through the update
+        decode += c * shape.num_hidden_layers * sum(n_in * n_out for name, (n_in, n_out, _b) in shape.linears().items()
+                                                    if _quantized(fmt, name, n_in, cfg.quantize.ignore))
     transient = max(head_work, layer) + decode
-    return {"saved": saved, "recompute": recompute, "transient": transient, "peak": saved + recompute + transient,
-            "per_layer": layer, "layer0": layer0, "head": head, "rotary": rotary}
+    return {"saved": saved, "recompute": recompute, "transient": transient + kept,
+            "peak": saved + recompute + transient + kept, "per_layer": layer, "layer0": layer0, "head": head,
+            "rotary": rotary, "kept_softmax": kept}
 
 
 def kv_bytes_per_token(cfg: QerlConfig, shape: ModelShape) -> int:

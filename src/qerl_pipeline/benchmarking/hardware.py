@@ -241,6 +241,7 @@ def training_step_flops(
     logit_positions: int | None = None,
     gradient_checkpointing: bool = False,
     forwards_without_grad: float = 0,
+    shared_prompts: tuple[int, int] | None = None,
 ) -> float:
     """Matmul FLOPs of one optimizer step of LoRA over a frozen base.
 
@@ -253,6 +254,12 @@ def training_step_flops(
     forward (QK^T and AV over half the square), twice that backward. Gradient
     checkpointing recomputes one forward; ``forwards_without_grad`` adds forwards that need
     no backward (e.g. old-policy or reference log-probs computed in a separate pass).
+
+    ``shared_prompts = (groups, prompt_len)``: the sequences are ``groups`` prompts of
+    ``prompt_len`` tokens with their completions, scored with each prompt run once
+    (``rl/prefix.py``): the decoder runs ``groups x (prompt_len - 1)`` prefix tokens and
+    ``num_sequences x T`` suffix tokens (``T = seq_len - prompt_len``); attention covers each
+    prefix's causal square once and each suffix's queries over its prefix and itself.
     """
     s = model_shape(config)
     body = matmul_params(config, include_lm_head=False)
@@ -260,7 +267,13 @@ def training_step_flops(
     lora = lora_params(config, lora_rank, target_modules)
     tokens = num_sequences * seq_len
     logit_tokens = num_sequences * (seq_len if logit_positions is None else logit_positions)
-    attn_fwd = num_sequences * s["layers"] * 2.0 * s["heads"] * s["head_dim"] * seq_len**2
+    pairs = num_sequences * seq_len**2 / 2.0  # (query, key) pairs of causal attention, summed over sequences
+    if shared_prompts is not None:
+        groups, prompt_len = shared_prompts
+        prefix, suffix = prompt_len - 1, seq_len - prompt_len
+        tokens = groups * prefix + num_sequences * suffix
+        pairs = groups * prefix**2 / 2.0 + num_sequences * (suffix * prefix + suffix**2 / 2.0)
+    attn_fwd = s["layers"] * 4.0 * s["heads"] * s["head_dim"] * pairs
     fwd = 2.0 * (body + lora) * tokens + 2.0 * head * logit_tokens + attn_fwd
     bwd = 2.0 * body * tokens + 4.0 * lora * tokens + 2.0 * head * logit_tokens + 2.0 * attn_fwd
     extra = (1 if gradient_checkpointing else 0) + forwards_without_grad

@@ -13,7 +13,10 @@ plain bf16 base, with PEFT LoRA), makes one fixed GRPO batch, and times optimize
   counted), random group rewards, rollout log-probs set to a constant. Only shapes matter
   for speed; no value is asserted anywhere.
 * One untimed warm-up step (allocator, thread pools), then ``steps`` timed ones; the
-  figure is their median. With ``grpo.updates_per_rollout = u`` one call does u optimizer
+  figure is their median. When the KL reference forward runs one step in N
+  (``grpo.log_kl_to_base_every``), the timed steps are ones without it, one more step
+  with it is timed (``reference_step_s``), and the figure is the average step
+  ``median + (reference_step - median) / N``. With ``grpo.updates_per_rollout = u`` one call does u optimizer
   steps and the time per optimizer step is divided by u.
 * Memory: ``parameter_bytes(policy)`` (packed base, LoRA, other) and the optimiser state
   bytes after a step; peak process memory is ``memory.peak_memory_bytes`` (the one home:
@@ -67,12 +70,17 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def make_batch(vocab: int, num_prompts: int, group: int, prompt_len: int, completion_len: int, seed: int = 0) -> dict:
-    """A fixed GRPO batch: right-padded ids (no padding: all lengths equal), masks, advantages."""
+    """A fixed GRPO batch: right-padded ids (no padding: all lengths equal), masks, advantages.
+
+    As in a real GRPO batch, the ``group`` rows of a prompt share its tokens (what
+    ``train.share_prompt_forward`` exploits); completions differ row by row.
+    """
     from qerl_pipeline.rl import grpo
 
     gen = torch.Generator().manual_seed(seed)
     n = num_prompts * group
-    ids = torch.randint(3, vocab, (n, prompt_len + completion_len), generator=gen)
+    prompts = torch.randint(3, vocab, (num_prompts, prompt_len), generator=gen).repeat_interleave(group, dim=0)
+    ids = torch.cat([prompts, torch.randint(3, vocab, (n, completion_len), generator=gen)], dim=1)
     rewards = torch.rand(n, generator=gen)
     return {
         "ids": ids,
@@ -121,11 +129,14 @@ def _step_function(policy, optimizer, scheduler, params, cfg: QerlConfig, batch:
     return plain, "plain (trainer._update signature changed)"
 
 
-def _reference_forwards(cfg: QerlConfig) -> int:
-    """No-grad forwards per rollout batch besides the trained ones: the base without LoRA
-    (the KL reference) when ``kl_beta > 0`` or ``log_kl_to_base`` asks for it."""
-    g = cfg.grpo
-    return int(g.kl_beta > 0 or bool(getattr(g, "log_kl_to_base", False)))
+def _reference_forwards(cfg: QerlConfig) -> float:
+    """No-grad forwards per rollout batch besides the trained ones, on average: the base without
+    LoRA (the KL reference), every step with ``kl_beta > 0``, one step in ``log_kl_to_base_every``
+    for the diagnostic (``rl.step.reference_every``)."""
+    from qerl_pipeline.rl.step import reference_every
+
+    every = reference_every(cfg)
+    return 1.0 / every if every else 0.0
 
 
 def measure_training(
@@ -164,28 +175,40 @@ def measure_training(
     batch = make_batch(int(model_config["vocab_size"]), num_prompts, group, prompt_len, completion_len, seed)
     step, impl = _step_function(policy, optimizer, scheduler, params, cfg, batch)
 
-    rss_before = peak_memory_bytes()
-    t_warm = time.perf_counter()
-    step(0)
-    warmup_s = time.perf_counter() - t_warm
-    times = []
-    for i in range(steps):
+    from qerl_pipeline.rl.step import reference_every
+
+    every = reference_every(cfg)
+    # step indices as the trainer numbers them: with a periodic reference (every > 1) the timed steps
+    # skip it and one more timed step has it, so the figure is the average step: plain + (ref - plain) / every
+    plain = [i for i in range(1, 10 * (steps + 2)) if every <= 1 or i % every][: steps + 1]
+
+    def timed(i: int) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        step(i + 1)
+        step(i)
         if device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        return time.perf_counter() - t
+
+    rss_before = peak_memory_bytes()
+    warmup_s = timed(plain[0])
+    times = [timed(i) for i in plain[1:]]
     updates = cfg.grpo.updates_per_rollout
     step_s = statistics.median(times) / updates
+    ref_step_s = None
+    if every > 1:
+        ref_step_s = timed(every) / updates  # a step with the reference forward
+        step_s += (ref_step_s - step_s) / every
     n_seq = num_prompts * group
     tokens = n_seq * (prompt_len + completion_len)
     pbytes = parameter_bytes(policy)
+    shared = (cfg.train.share_prompt_forward and not cfg.lora.gradient_checkpointing and group > 1 and prompt_len >= 2)
     flops = hardware.training_step_flops(
         model_config, n_seq, prompt_len + completion_len, cfg.lora.rank, list(cfg.lora.target_modules),
         logit_positions=completion_len, gradient_checkpointing=cfg.lora.gradient_checkpointing,
         forwards_without_grad=_reference_forwards(cfg) / updates,
+        shared_prompts=(num_prompts, prompt_len) if shared else None,
     )
     return {
         "method": method,
@@ -198,6 +221,7 @@ def measure_training(
         "completion_tokens_per_step": n_seq * completion_len,
         "step_time_s": step_s,
         "step_times_s": times,
+        "reference_step_s": ref_step_s,
         "warmup_step_s": warmup_s,
         "tokens_per_s": tokens / step_s,
         "build_policy_s": build_s,

@@ -9,8 +9,8 @@
   weight). Its forward runs a custom autograd function that decodes the dense weight,
   multiplies, and drops it; backward decodes again to compute ``grad_out @ W``. The base is
   frozen, so no weight gradient exists and nothing weight-sized is saved for backward: at
-  any moment at most one layer's dense weight is alive. ``DENSE_TRACKER`` counts the live
-  decoded bytes so that this is measured, not assumed.
+  any moment at most one layer's dense weight is alive (two with the fused LoRA below: W and
+  W + sBA). ``DENSE_TRACKER`` counts the live decoded bytes so that this is measured, not assumed.
 * Decoding is done in float32 and then cast to the compute dtype (float32 on CPU, bf16 on
   GPU): the same numbers as the ``serving/`` copy that vLLM on CPU serves.
 * Float scales are held as integer bit patterns (``view``), so a stray ``model.to(dtype)``
@@ -22,8 +22,19 @@
   frozen); PEFT wraps them natively.
 * LoRA comes from PEFT: ``PackedLinear`` is registered through ``LoraConfig``'s custom-module
   mapping with ``PackedLoraLinear`` (PEFT's LoRA ``Linear`` minus merging, which has no
-  meaning on packed codes; merge LoRA into ``dense_state_dict`` instead). Adapters stay
+  meaning on packed codes; merge LoRA into ``dense_state_dict`` instead). In fp32 with one
+  plain adapter (no dropout) its forward is ``_PackedLoraMatmul``: the adapter folded into
+  the decoded weight, one matmul each way instead of PEFT's activation-sized rank-r products
+  (deviation from PEFT's order of operations, same function; bf16 and everything else take
+  PEFT's forward). Adapters stay
   float32 (PEFT's default) whatever the compute dtype.
+* ``decoded_weights(policy)``: a context in which each ``PackedLinear`` decodes once and
+  reuses that weight in every forward and backward until the context ends (the trainer
+  opens it around one update when ``train.keep_decoded_weights`` resolves to on: CPU, see
+  :func:`keeps_decoded_weights`). Outside it, nothing decoded outlives its matmul. Inside
+  it, the whole base is alive dense (``DENSE_TRACKER`` counts it): a step's decodes drop
+  from one per linear per pass (prefix and suffix forwards, their backwards) to one per
+  linear per update, for the dense model's bytes during the update.
 * ``lora.train_norms`` makes every RMSNorm weight trainable (the paper's ``ln=True``);
   PEFT's ``save_pretrained`` does not store them, so the trainer saves
   ``trainable_state_dict(policy)``.
@@ -33,7 +44,8 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -147,10 +159,21 @@ class PackedLinear(nn.Module):
             self.register_buffer("bias", bias.detach().to(compute_dtype))
         else:
             self.bias = None
+        self._kept: dict[torch.dtype, torch.Tensor] | None = None  # decoded_weights(): dtype -> weight
 
     def dense_weight(self, dtype: torch.dtype | None = None, *, track: bool = True) -> torch.Tensor:
-        """The decoded ``[out, in]`` weight (float32 math, then ``dtype``); tracked while alive."""
+        """The decoded ``[out, in]`` weight (float32 math, then ``dtype``); tracked while alive.
+
+        Inside ``decoded_weights`` the first decode per dtype is kept and returned again."""
         dtype = dtype or self.compute_dtype
+        if self._kept is not None and track:
+            w = self._kept.get(dtype)
+            if w is None:
+                w = self._kept[dtype] = self._decode(dtype, track=True)
+            return w
+        return self._decode(dtype, track=track)
+
+    def _decode(self, dtype: torch.dtype, *, track: bool) -> torch.Tensor:
         with torch.no_grad():
             if self.fmt == "nvfp4":
                 w = nvfp4.decode(self.packed, self.scale_bits.view(torch.float8_e4m3fn), self.gs_bits.view(torch.float32), dtype)
@@ -204,7 +227,113 @@ def _packed_lora_class():
         def get_delta_weight(self, adapter):  # used by merge/unmerge only
             raise NotImplementedError("packed base: use the adapters' lora_A/lora_B weights directly")
 
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            adapter = self._fused_adapter(x, args, kwargs)
+            if adapter is None:
+                return super().forward(x, *args, **kwargs)
+            base = self.base_layer
+            out = _PackedLoraMatmul.apply(x, base, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
+                                          float(self.scaling[adapter]))
+            return out + base.bias.to(out.dtype) if base.bias is not None else out
+
+        def _fused_adapter(self, x, args, kwargs) -> str | None:
+            """The one plain LoRA adapter ``_PackedLoraMatmul`` can run, or None (PEFT's own forward)."""
+            if args or kwargs or self.disable_adapters or self.merged or x.dtype != torch.float32:
+                return None
+            active = [a for a in self.active_adapters if a in self.lora_A]
+            if len(active) != 1 or active[0] in self.lora_variant:
+                return None
+            a = active[0]
+            if not isinstance(self.lora_dropout[a], nn.Identity) or self.lora_A[a].weight.dtype != torch.float32:
+                return None
+            x2 = x.reshape(-1, x.shape[-1])
+            if self.base_layer.uses_triton("fwd", x2):
+                return None
+            return a
+
     return PackedLoraLinear
+
+
+class _PackedLoraMatmul(torch.autograd.Function):
+    """``x @ (W + s B A).T`` for a packed W and one plain fp32 LoRA adapter, in one matmul each way.
+
+    PEFT's LoRA forward is ``x W.T + s (x A.T) B.T``: two rank-r products whose outputs are
+    activation-sized (``[N, out]``, and ``[N, in]`` in backward), a scale and an add, per
+    adapted linear. Their inner dimension is r = 16, so they run far below the matmul rate
+    and cost as much as the elementwise passes around them. Here the adapter is folded into
+    the (decoded) weight first, ``W_eff = W + s B A`` (a weight-sized product, ``out x in x r``),
+    and the activations see one matmul: ``y = x W_eff.T``, ``dx = dy W_eff``. The adapter's
+    gradients come from rank-r products with rank-r outputs: ``dB = s dy.T (x A.T)``,
+    ``dA = s (dy B).T x``. The same function as PEFT's; the rounding differs (the delta is added
+    to W before the product). fp32 only: in bf16 ``W + s B A`` would round a small delta into
+    the weight (PEFT's path keeps it in fp32), so bf16 compute takes PEFT's forward. ``W_eff`` is
+    rebuilt in backward, never saved; ``x A.T`` (``[N, r]``) is. ``W_eff`` is weight-sized and
+    counted by ``DENSE_TRACKER``: outside ``decoded_weights`` a decoded W and its ``W_eff`` are
+    alive together for an instant (two layers' bytes at most, not one).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: PackedLinear, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        w_eff = DENSE_TRACKER.track(torch.addmm(layer.dense_weight(x.dtype), b, a, alpha=scale))
+        y = x2 @ w_eff.t()
+        xa = x2 @ a.t()
+        ctx.save_for_backward(x, a, b, xa)
+        ctx.layer, ctx.scale = layer, scale
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, a, b, xa = ctx.saved_tensors
+        layer, scale = ctx.layer, ctx.scale
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = da = db = None
+        if ctx.needs_input_grad[0]:
+            w_eff = DENSE_TRACKER.track(torch.addmm(layer.dense_weight(grad_out.dtype), b, a, alpha=scale))
+            dx = (g2 @ w_eff).reshape(x.shape)
+        if ctx.needs_input_grad[2]:
+            da = (g2 @ b).t() @ x.reshape(-1, x.shape[-1])
+            da.mul_(scale)
+        if ctx.needs_input_grad[3]:
+            db = g2.t() @ xa
+            db.mul_(scale)
+        return dx, None, da, db, None
+
+
+KEEP_DECODED_MODES = ("auto", True, False)
+
+
+def keeps_decoded_weights(setting: str | bool, device_type: str) -> bool:
+    """``train.keep_decoded_weights`` for a policy on ``device_type`` (pure).
+
+    ``auto``: on on CPU, where decoding is a torch codec pass per linear per use (the
+    update's largest non-matmul cost after the elementwise ops) and the dense copy of a
+    CPU-sized model is small; off on CUDA, where the NVFP4 forward and ``dx`` go through
+    the fused Triton kernel (no decode at all) and a dense copy of a 7B-32B base would undo
+    the packed base's memory saving.
+    """
+    if setting not in KEEP_DECODED_MODES:
+        raise ValueError(f"train.keep_decoded_weights {setting!r} unknown; allowed: auto, true, false")
+    if setting == "auto":
+        return device_type == "cpu"
+    return bool(setting)
+
+
+@contextmanager
+def decoded_weights(policy: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within the block every ``PackedLinear`` of ``policy`` decodes once and reuses it (module docstring).
+
+    The base is frozen, so a kept weight is the one a fresh decode would give. Nested use
+    keeps the outer context's weights; they are dropped when the outermost block ends.
+    """
+    layers = [m for m in policy.modules() if isinstance(m, PackedLinear) and m._kept is None] if enabled else []
+    for m in layers:
+        m._kept = {}
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._kept = None
 
 
 # ----------------------------------------------------------------------------- loading

@@ -22,7 +22,17 @@ walks the flattened positions in chunks of ``chunk_tokens`` rows:
   the parameter's dtype). Rows whose upstream gradient is exactly zero (masked
   positions, padding) are skipped: they contribute nothing.
 
-Memory bound. Besides the inputs and the outputs (``[rows]`` each), the extra memory is
+Kept probabilities (``keep_bytes``, default ``DEFAULT_KEEP_BYTES`` = 256 MiB): the forward
+computes each chunk's softmax anyway (for the entropy). While the kept chunks fit in
+``keep_bytes``, a chunk's fp32 probabilities are saved for backward, and that chunk's
+backward skips the recompute (one lm_head matmul and an exp over ``[c, V]``). The rest is
+recomputed as below. A CPU-sized batch (135M model, V = 49k, 1024 completion positions:
+201 MB) keeps everything; a 7B batch (V = 152k: 311 MB per 512-row chunk) keeps nothing,
+so the memory bound below holds there unchanged. ``keep_bytes=0`` always recomputes. The
+kept and recomputed gradients are the same up to float rounding: the kept softmax comes from
+the forward's log-softmax, the recomputed one from the saved max and log-sum.
+
+Memory bound (``keep_bytes=0``; otherwise plus at most ``keep_bytes``). Besides the inputs and the outputs (``[rows]`` each), the extra memory is
 O(chunk_tokens x V): about two fp32 ``[chunk_tokens, V]`` tensors at a time (plus one
 ``[chunk_tokens, V]`` in the matmul dtype when it is not fp32), in forward and in backward;
 with a weight that requires grad, one fp32 ``[V, H]`` accumulator too. Nothing
@@ -44,9 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "token_logprobs"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_KEEP_BYTES", "token_logprobs"]
 
 DEFAULT_CHUNK_TOKENS = 512  # V = 152k: ~0.3 GB per fp32 [chunk, V] buffer
+DEFAULT_KEEP_BYTES = 256 * 2**20  # softmax chunks saved for backward instead of recomputed (module docstring)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,7 +76,7 @@ def _chunk_logits(h_c, weight, bias, temperature: float, acc: torch.dtype) -> to
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, keep_bytes):
         # hidden [N, H], weight [V, H], bias [V] | None, targets [N] (long)
         cdt = weight.dtype
         acc = _acc_dtype(cdt)
@@ -75,6 +86,8 @@ class _TokenLogprobs(torch.autograd.Function):
         # log_softmax's own order, (z - max) - log(sum(exp(z - max))): the same rounding as the naive path
         zmax = torch.empty(n, dtype=acc, device=hidden.device)
         logsum = torch.empty(n, dtype=acc, device=hidden.device)
+        kept: dict[int, torch.Tensor] = {}  # chunk start -> its softmax [c, V], while it fits in keep_bytes
+        budget = keep_bytes if any(ctx.needs_input_grad[:3]) else 0  # no backward to come: keep nothing
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             z = _chunk_logits(hidden[s:e].to(cdt), weight, bias, temperature, acc)  # [c, V]
@@ -85,12 +98,16 @@ class _TokenLogprobs(torch.autograd.Function):
             z.sub_(ls)  # z is now log-softmax
             logp[s:e] = z.gather(1, targets[s:e].unsqueeze(1)).squeeze(1)
             torch.exp(z, out=p)
-            entropy[s:e] = p.mul_(z).sum(-1).neg_()
+            entropy[s:e] = z.mul_(p).sum(-1).neg_()  # z is free after the gather; p stays the softmax
+            if p.numel() * p.element_size() <= budget:
+                kept[s] = p
+                budget -= p.numel() * p.element_size()
             zmax[s:e], logsum[s:e] = m.squeeze(1), ls.squeeze(1)
             del z, p
         ctx.save_for_backward(hidden, weight, bias, targets, zmax, logsum)
         ctx.temperature = temperature
         ctx.chunk = chunk
+        ctx.kept = kept
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -100,7 +117,7 @@ class _TokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, zmax, logsum = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         t, chunk = ctx.temperature, ctx.chunk
         acc = zmax.dtype
         cdt = weight.dtype
@@ -110,14 +127,25 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
 
         g_all = grad_logp.to(acc)
-        rows = torch.nonzero(g_all != 0).squeeze(1)  # masked / padded positions contribute nothing
-        for s in range(0, rows.numel(), chunk):
-            r = rows[s : s + chunk]
+        n = hidden.shape[0]
+        kept = ctx.kept  # freed with the graph (a retained graph's next backward reuses them: same result)
+        # the forward's chunks whose softmax was kept, then the remaining rows with a nonzero gradient, recomputed
+        work = [torch.arange(s, min(s + chunk, n), device=hidden.device) for s in kept]
+        todo = torch.ones(n, dtype=torch.bool, device=hidden.device)
+        for r in work:
+            todo[r] = False
+        rows = torch.nonzero((g_all != 0) & todo).squeeze(1)  # masked / padded positions contribute nothing
+        work += [rows[s : s + chunk] for s in range(0, rows.numel(), chunk)]
+        starts = list(kept)
+        for k, r in enumerate(work):
             h_c = hidden.index_select(0, r).to(cdt)
             g = g_all.index_select(0, r).unsqueeze(1)  # [c, 1]
-            z = _chunk_logits(h_c, weight, bias, t, acc)
-            z.sub_(zmax.index_select(0, r).unsqueeze(1)).sub_(logsum.index_select(0, r).unsqueeze(1)).exp_()  # softmax
-            dz = z.mul_(g.neg())  # -g * p
+            if k < len(starts):
+                dz = kept[starts[k]] * g.neg()  # -g * p (a new tensor: the kept softmax stays as saved)
+            else:
+                z = _chunk_logits(h_c, weight, bias, t, acc)
+                z.sub_(zmax.index_select(0, r).unsqueeze(1)).sub_(logsum.index_select(0, r).unsqueeze(1)).exp_()  # softmax
+                dz = z.mul_(g.neg())  # -g * p
             dz.scatter_add_(1, targets.index_select(0, r).unsqueeze(1), g)  # + g * onehot
             if t != 1.0:
                 dz.div_(t)
@@ -128,12 +156,12 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_w.add_(dz_c.t() @ h_c)
             if need_b:
                 grad_b.add_(dz.sum(0))
-            del z, dz, dz_c
+            del dz, dz_c
         if need_w:
             grad_w = grad_w.to(weight.dtype)
         if need_b:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def token_logprobs(
@@ -144,6 +172,7 @@ def token_logprobs(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    keep_bytes: int = DEFAULT_KEEP_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target and the entropy, under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -153,7 +182,8 @@ def token_logprobs(
     ``targets``, in fp32 (fp64 for fp64 inputs). ``logp`` is differentiable w.r.t.
     ``hidden``, and w.r.t. ``weight``/``bias`` when they require grad; ``entropy`` is
     detached. Positions are processed ``chunk_tokens`` rows at a time, so the extra
-    memory is O(chunk_tokens x V) (see the module docstring).
+    memory is O(chunk_tokens x V), plus up to ``keep_bytes`` of softmax chunks kept for
+    backward instead of recomputed (see the module docstring).
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: leading shapes differ")
@@ -178,5 +208,7 @@ def token_logprobs(
     weight = weight.to(cdt)  # a no-op (same tensor) in the usual same-dtype case
     bias = bias.to(cdt) if bias is not None else None
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = _TokenLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature), int(chunk_tokens))
+    if int(keep_bytes) < 0:
+        raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
+    logp, entropy = _TokenLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature), int(chunk_tokens), int(keep_bytes))
     return logp.view(targets.shape), entropy.view(targets.shape)

@@ -32,8 +32,10 @@ from pathlib import Path
 import torch
 
 from qerl_pipeline.config import QerlConfig
+from qerl_pipeline.quantization.policy import decoded_weights, keeps_decoded_weights
 from qerl_pipeline.rl import aqn, grpo
 from qerl_pipeline.rl.logprobs import token_logprobs
+from qerl_pipeline.rl.prefix import shared_prompt_hidden
 
 
 class TrainingDiverged(RuntimeError):
@@ -177,31 +179,39 @@ def collate(samples: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def completion_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int, temperature: float
+    model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int, temperature: float,
+    *, share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs ``[n, T]`` of the completion tokens and the policy entropy ``[n, T]`` (detached).
 
-    ``model``: a (PEFT-wrapped) causal LM; the decoder runs on the full right-padded rows
-    (causal attention never lets a real token see the padding after it), lm_head only on
-    the ``T`` positions that predict completion tokens.
+    ``model``: a (PEFT-wrapped) causal LM; lm_head runs only on the ``T`` positions that
+    predict completion tokens. ``share_prompts`` (``train.share_prompt_forward``): rows
+    that share a prompt (a GRPO group) run it once (``rl/prefix.py``); otherwise, or when
+    that path does not apply, the decoder runs on the full right-padded rows (causal
+    attention never lets a real token see the padding after it).
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     device = next(inner.parameters()).device
     input_ids = input_ids.to(device)
-    hidden = inner.model(input_ids=input_ids).last_hidden_state  # [n, L, H]
-    length = input_ids.shape[1]
-    pos = (prompt_lens.to(device).unsqueeze(1) - 1 + torch.arange(t_max, device=device).unsqueeze(0)).clamp(max=length - 2)
-    rows = torch.arange(input_ids.shape[0], device=device).unsqueeze(1)
-    targets = input_ids[rows, pos + 1]
+    shared = shared_prompt_hidden(inner.model, input_ids, prompt_lens, t_max) if share_prompts else None
+    if shared is not None:
+        hidden, targets = shared  # [n, T, H], [n, T]
+    else:
+        hidden = inner.model(input_ids=input_ids, use_cache=False).last_hidden_state  # [n, L, H]
+        length = input_ids.shape[1]
+        pos = (prompt_lens.to(device).unsqueeze(1) - 1 + torch.arange(t_max, device=device).unsqueeze(0)).clamp(max=length - 2)
+        rows = torch.arange(input_ids.shape[0], device=device).unsqueeze(1)
+        targets = input_ids[rows, pos + 1]
+        hidden = hidden[rows, pos]
     head = inner.lm_head
     if type(head) is not torch.nn.Linear:  # a wrapped head (LoRA on lm_head, ...): its own forward, [n, T, V]
-        logits = head(hidden[rows, pos]).float() / temperature
+        logits = head(hidden).float() / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
     # chunked: log-softmax at the targets and the entropy without materialising [n, T, V] (rl/logprobs.py)
-    return token_logprobs(hidden[rows, pos], head.weight, targets, bias=head.bias, temperature=temperature)
+    return token_logprobs(hidden, head.weight, targets, bias=head.bias, temperature=temperature)
 
 
 # ------------------------------------------------------------ rollout + update
@@ -305,6 +315,15 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
     }
     return kept_groups, rewards, info, {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
 
+def reference_every(cfg: QerlConfig) -> int:
+    """Steps between the KL reference's forwards (0: never): 1 with ``kl_beta > 0`` (the loss needs it),
+    ``log_kl_to_base_every`` when only the diagnostic asks (on 0-based steps that are its multiples)."""
+    g = cfg.grpo
+    if g.kl_beta > 0:
+        return 1
+    return g.log_kl_to_base_every if g.log_kl_to_base else 0
+
+
 def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg: QerlConfig, step: int,
                   ref_norms: dict[str, torch.Tensor] | None = None, dist=None) -> dict:
     """``updates_per_rollout`` optimizer steps on one rollout batch.
@@ -314,7 +333,8 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
     the noisy point); the clean values are back before ``optimizer.step()``, so trained
     norms (``lora.train_norms``) step from their clean values and keep their updates.
 
-    The KL reference (``kl_beta > 0`` or ``log_kl_to_base``) is the clean base: adapter
+    The KL reference (``kl_beta > 0`` every step, or ``log_kl_to_base`` on the steps of
+    :func:`reference_every`) is the clean base: adapter
     disabled, no noise, and the base's own norm values ``ref_norms`` in place of trained
     ones (``None``: the norms are not trained, the clean ones are the base's).
 
@@ -331,6 +351,14 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
     share of the global batch; the normalisers (sequences, tokens), the entropy threshold, the
     gradients (summed before clipping) and every returned statistic are the global batch's.
     """
+    keep = keeps_decoded_weights(cfg.train.keep_decoded_weights, next(policy.parameters()).device.type)
+    with decoded_weights(policy, keep):  # each packed linear decoded once for the whole update (CPU default)
+        return _policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv,
+                              cfg, step, ref_norms, dist)
+
+
+def _policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv,
+                   cfg: QerlConfig, step: int, ref_norms, dist) -> dict:
     from qerl_pipeline.rl.distributed import SINGLE
 
     d = dist or SINGLE
@@ -339,13 +367,15 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
     n = int(d.sum(n_local))  # sequences of the global batch
     n_tok = d.sum(float(mask.sum()))  # real tokens of the global batch
     mb = tc.micro_batch_size
+    share = tc.share_prompt_forward
     chunks = [slice(i, min(n_local, i + mb)) for i in range(0, n_local, mb)]
     old_logp: dict[int, torch.Tensor] = {}
     is_w: dict[int, torch.Tensor | None] = {}
     select: dict[int, torch.Tensor] = {}
     ref_logp: dict[int, torch.Tensor] = {}
     is_parts: list[grpo.ISStats] = []
-    want_ref = gc.kl_beta > 0 or gc.log_kl_to_base
+    every = reference_every(cfg)
+    want_ref = every > 0 and step % every == 0
     stats_acc: dict[str, float] = {"entropy": 0.0, "mismatch_kl": 0.0, "is_weight": 0.0, "kl_to_base": 0.0}
     clip_sum = clip_low = clip_high = 0.0
     grad_norms, losses = [], []
@@ -353,12 +383,12 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
     if want_ref:
         with torch.no_grad(), policy.disable_adapter(), aqn.noisy_norms(norm_params, ref_norms):
             for k, sl in enumerate(chunks):
-                ref_logp[k] = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)[0].detach().cpu()
+                ref_logp[k] = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share)[0].detach().cpu()
     if gc.top_entropy_quantile < 1.0:  # the batch's entropies before the first backward (and pi_old with them)
         ents = []
         with torch.no_grad(), aqn.noisy_norms(norm_params, noisy):
             for k, sl in enumerate(chunks):
-                logp0, ent0 = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)
+                logp0, ent0 = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share)
                 old_logp[k] = logp0.detach().cpu()
                 ents.append(ent0.detach().cpu())
         ent_all = torch.cat(ents)
@@ -375,7 +405,7 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
         total = 0.0
         with aqn.noisy_norms(norm_params, noisy):
             for k, sl in enumerate(chunks):
-                logp, ent = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature)
+                logp, ent = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share)
                 logp = logp.cpu() if logp.device.type != "cpu" else logp
                 m = mask[sl]
                 if u == 0:

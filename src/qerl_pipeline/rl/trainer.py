@@ -29,7 +29,7 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
    between vLLM's and the trainer's log-probs are logged under ``mismatch/``. Options of the
    loss (``rl/grpo.py``): GSPO's sequence-level ratio (``grpo.importance_sampling_level``),
    the KL's bias correction, entropy-based token selection (``grpo.top_entropy_quantile``). With ``kl_beta > 0``
-   (or ``log_kl_to_base``) the reference log-probs are the clean base's: the same model
+   (or ``log_kl_to_base``, on every ``log_kl_to_base_every``-th step) the reference log-probs are the clean base's: the same model
    with the adapter disabled, no noise, and the base's norm values (no second model).
    What the engine serves (``rollout/serving.py``: FP4 on CUDA, the decoded dense copy on
    CPU) and in which dtype is tagged on the run (``rollout.served_format``/``_dtype``).

@@ -248,3 +248,6 @@ def test_fused_lora_steps_aside(bases):
     assert layer._fused_adapter(x.bfloat16(), (), {}) is None  # bf16: W + sBA would round the delta away
     with plain.disable_adapter():
         assert layer._fused_adapter(x, (), {}) is None
+    # CUDA, where the dispatcher picks the fused Triton NVFP4 kernel: PEFT's forward over it
+    layer.base_layer.uses_triton = lambda op, a: True
+    assert layer._fused_adapter(x, (), {}) is None

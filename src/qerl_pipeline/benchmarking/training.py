@@ -129,13 +129,10 @@ def _step_function(policy, optimizer, scheduler, params, cfg: QerlConfig, batch:
     return plain, "plain (trainer._update signature changed)"
 
 
-def _reference_forwards(cfg: QerlConfig) -> float:
+def _reference_forwards(every: int) -> float:
     """No-grad forwards per rollout batch besides the trained ones, on average: the base without
-    LoRA (the KL reference), every step with ``kl_beta > 0``, one step in ``log_kl_to_base_every``
-    for the diagnostic (``rl.step.reference_every``)."""
-    from qerl_pipeline.rl.step import reference_every
-
-    every = reference_every(cfg)
+    LoRA (the KL reference) on one step in ``every`` (``rl.step.reference_every``: 1 with
+    ``kl_beta > 0``, ``log_kl_to_base_every`` for the diagnostic, 0 for none)."""
     return 1.0 / every if every else 0.0
 
 
@@ -203,12 +200,15 @@ def measure_training(
     n_seq = num_prompts * group
     tokens = n_seq * (prompt_len + completion_len)
     pbytes = parameter_bytes(policy)
-    shared = (cfg.train.share_prompt_forward and not cfg.lora.gradient_checkpointing and group > 1 and prompt_len >= 2)
+    from qerl_pipeline.rl.prefix import share_plan
+
+    plan = share_plan(batch["ids"], batch["p_lens"], completion_len, cfg.lora.gradient_checkpointing) \
+        if cfg.train.share_prompt_forward else None
     flops = hardware.training_step_flops(
         model_config, n_seq, prompt_len + completion_len, cfg.lora.rank, list(cfg.lora.target_modules),
         logit_positions=completion_len, gradient_checkpointing=cfg.lora.gradient_checkpointing,
-        forwards_without_grad=_reference_forwards(cfg) / updates,
-        shared_prompts=(num_prompts, prompt_len) if shared else None,
+        forwards_without_grad=_reference_forwards(every) / updates,
+        shared_prompts=(len(plan[0]), prompt_len) if plan else None,
     )
     return {
         "method": method,
@@ -226,7 +226,7 @@ def measure_training(
         "tokens_per_s": tokens / step_s,
         "build_policy_s": build_s,
         "flops_per_step": flops,
-        "reference_forwards_per_batch": _reference_forwards(cfg),
+        "reference_forwards_per_batch": _reference_forwards(every),
         "param_bytes_packed_base": pbytes["packed_base"],
         "param_bytes_lora": pbytes["lora"],
         "param_bytes_other": pbytes["other"],

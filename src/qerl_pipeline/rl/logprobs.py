@@ -129,19 +129,22 @@ class _TokenLogprobs(torch.autograd.Function):
         g_all = grad_logp.to(acc)
         n = hidden.shape[0]
         kept = ctx.kept  # freed with the graph (a retained graph's next backward reuses them: same result)
-        # the forward's chunks whose softmax was kept, then the remaining rows with a nonzero gradient, recomputed
-        work = [torch.arange(s, min(s + chunk, n), device=hidden.device) for s in kept]
-        todo = torch.ones(n, dtype=torch.bool, device=hidden.device)
-        for r in work:
-            todo[r] = False
-        rows = torch.nonzero((g_all != 0) & todo).squeeze(1)  # masked / padded positions contribute nothing
-        work += [rows[s : s + chunk] for s in range(0, rows.numel(), chunk)]
-        starts = list(kept)
-        for k, r in enumerate(work):
+        live = g_all != 0  # masked / padded positions contribute nothing
+        # the forward's chunks whose softmax was kept (their live rows), then the other live rows, recomputed
+        work: list[tuple[torch.Tensor, int | None]] = []  # (rows, start of their kept chunk or None)
+        todo = live.clone()
+        for s, p in kept.items():
+            work.append((torch.nonzero(live[s : s + p.shape[0]]).squeeze(1) + s, s))
+            todo[s : s + p.shape[0]] = False
+        rows = torch.nonzero(todo).squeeze(1)
+        work += [(rows[s : s + chunk], None) for s in range(0, rows.numel(), chunk)]
+        for r, s in work:
+            if r.numel() == 0:
+                continue
             h_c = hidden.index_select(0, r).to(cdt)
             g = g_all.index_select(0, r).unsqueeze(1)  # [c, 1]
-            if k < len(starts):
-                dz = kept[starts[k]] * g.neg()  # -g * p (a new tensor: the kept softmax stays as saved)
+            if s is not None:  # the kept softmax's live rows (a fresh copy: the kept one stays as saved)
+                dz = kept[s].index_select(0, r - s).mul_(g.neg())  # -g * p
             else:
                 z = _chunk_logits(h_c, weight, bias, t, acc)
                 z.sub_(zmax.index_select(0, r).unsqueeze(1)).sub_(logsum.index_select(0, r).unsqueeze(1)).exp_()  # softmax

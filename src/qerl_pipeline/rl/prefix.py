@@ -47,7 +47,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["prompt_groups", "shared_prompt_hidden"]
+__all__ = ["prompt_groups", "share_plan", "shared_prompt_hidden"]
 
 _warned: set[str] = set()
 
@@ -81,6 +81,19 @@ def _checkpointing(decoder: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in decoder.modules())
 
 
+def share_plan(input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int,
+               checkpointing: bool) -> tuple[list[int], torch.Tensor] | None:
+    """``prompt_groups`` of the batch when the shared path applies to it, else ``None``
+    (two rows at least, a completion position, prompts of 2+ tokens, no gradient
+    checkpointing, some prompt shared: the module docstring). The benchmark counts its
+    FLOPs from the same answer."""
+    n = input_ids.shape[0]
+    if n < 2 or t_max < 1 or int(prompt_lens.min()) < 2 or checkpointing:
+        return None
+    first, of_row = prompt_groups(input_ids, prompt_lens)
+    return None if len(first) == n else (first, of_row)
+
+
 def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
                          t_max: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Hidden states ``[n, T, H]`` at the positions that predict completion tokens, and the targets ``[n, T]``.
@@ -94,11 +107,10 @@ def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: torch.Tensor, prom
     n, length = input_ids.shape
     device = input_ids.device
     p_lens = prompt_lens.to(torch.long).cpu()
-    if n < 2 or t_max < 1 or int(p_lens.min()) < 2 or _checkpointing(decoder):
+    plan = share_plan(input_ids, p_lens, t_max, _checkpointing(decoder))
+    if plan is None:
         return None
-    first, of_row = prompt_groups(input_ids, p_lens)
-    if len(first) == n:
-        return None
+    first, of_row = plan
     u_lens = p_lens[first] - 1  # prefix lengths
     p_max = int(u_lens.max())
     prefix = torch.zeros(len(first), p_max, dtype=input_ids.dtype, device=device)

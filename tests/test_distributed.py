@@ -25,7 +25,7 @@ N_SEQ, P_LEN, C_LEN = 8, 5, 6
 
 
 def test_decisions_by_platform_and_environment():
-    assert D.backend_for("cpu") == "gloo" and D.backend_for("cuda") == "nccl"
+    assert D.backend_for("cpu") == "gloo" and D.backend_for("cuda") == "cpu:gloo,cuda:nccl"
     assert D.rank_device("cuda", 3) == "cuda:3" and D.rank_device("cpu", 3) == "cpu"
     assert D.from_env({}) is D.SINGLE and not D.SINGLE.active
     d = D.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})

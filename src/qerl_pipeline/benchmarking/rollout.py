@@ -255,7 +255,7 @@ def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkCon
         base = Path(bases[fmt])
         served = served_model(base)
         try:
-            used, used_error = resolve_sync(rcfg.sync, served), None
+            used, used_error = resolve_sync(rcfg.sync, served, rcfg.tensor_parallel_size), None
         except ValueError as err:
             used, used_error = None, str(err)
         kept: dict[str, dict[int, list]] = {"adapter": {}, "merge": {}}

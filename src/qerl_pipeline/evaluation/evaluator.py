@@ -142,8 +142,11 @@ def _generate_chunks(engine, prompt_ids, *, n, temperature, top_p, max_new_token
     return samples, seconds, tokens
 
 
-def resolve_adapter_mode(mode: str, served=None) -> str:
+def resolve_adapter_mode(mode: str, served=None, tensor_parallel_size: int = 1) -> str:
     """``auto`` -> ``merged`` where the served linears are dense, else ``lora``; else ``mode`` itself.
+
+    ``tensor_parallel_size > 1``: the engine's linears are sharded over its workers and cannot
+    take a merge (rollout/worker_ext.py), so ``auto`` is ``lora`` and ``merged`` is refused.
 
     ``served``: the engine's ``rollout.serving.ServedModel``. Without it (served base
     unknown) the platform decides: ``merged`` on CPU, where every base is served dense,
@@ -158,6 +161,14 @@ def resolve_adapter_mode(mode: str, served=None) -> str:
         dense = not torch.cuda.is_available()
     else:
         dense = served.dense
+    if tensor_parallel_size > 1:
+        if mode == "merged":
+            raise ValueError(
+                f"evaluate.adapter_mode merged: the engine spans {tensor_parallel_size} GPUs "
+                "(rollout.tensor_parallel_size), whose workers each hold a shard of the linears and cannot take a "
+                "merge; use adapter_mode lora or auto"
+            )
+        return "lora"
     if mode == "merged" and served is not None and not dense:
         raise ValueError(
             f"evaluate.adapter_mode merged: the engine serves {served.path} as {served.served_format!r} (packed "
@@ -235,7 +246,7 @@ def evaluate_on_engine(
     result = EvalResult(records=[])
     gen_s = gen_tokens = 0.0
     t_apply = time.perf_counter()
-    mode = resolve_adapter_mode(cfg.adapter_mode, served)
+    mode = resolve_adapter_mode(cfg.adapter_mode, served, getattr(engine, "tensor_parallel_size", 1))
     with applied_adapter(engine, lora_path, mode) as lora_path, _progress(show_progress) as progress:
         apply_s = time.perf_counter() - t_apply
         for bench, recs in groups.items():
@@ -344,7 +355,8 @@ def evaluate_policies(
     for name, path in adapters.items():
         if not path.is_dir():
             raise FileNotFoundError(f"policy {name!r}: adapter folder {path} does not exist")
-    lora_needed = bool(adapters) and resolve_adapter_mode(cfg.adapter_mode, served) == "lora"
+    tp = int(getattr(engine, "tensor_parallel_size", None) or getattr(rollout_cfg, "tensor_parallel_size", 1) or 1)
+    lora_needed = bool(adapters) and resolve_adapter_mode(cfg.adapter_mode, served, tp) == "lora"
     rank = max(adapter_rank(p) for p in adapters.values()) if lora_needed else None
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(served.path)
     total = EvalResult(records=[])

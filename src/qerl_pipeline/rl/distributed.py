@@ -1,7 +1,19 @@
 """Data-parallel training with torch.distributed: the launch, the rank's view, and the collectives.
 
 Design (issue "Beyond one GPU"): ``train.nproc`` ranks, launched by PyTorch's elastic
-launcher (``python -m torch.distributed.run``, i.e. torchrun), gloo on CPU and NCCL on CUDA.
+launcher (``python -m torch.distributed.run``, i.e. torchrun), gloo on CPU; on CUDA one
+process group with two backends, ``cpu:gloo,cuda:nccl`` (``backend_for``).
+
+* Why two backends on CUDA: NCCL serves CUDA tensors only (torch maps the ``nccl`` backend
+  to the ``cuda`` device alone; a CPU tensor in a plain ``nccl`` group fails with "No backend
+  type associated with device type cpu"), while the update's scalar bookkeeping (sequence and
+  token counts, loss sums, clip statistics) lives on the host. Moving each scalar to the GPU
+  would add a host-device round trip per collective for a few bytes, and every future CPU
+  collective would be a crash waiting on a GPU run. With the device map, CUDA tensors (the
+  gradients) go over NCCL and CPU tensors over gloo, and torch picks gloo for object
+  collectives and barriers (``_get_object_coll_device``: "cpu" when it is in the map), so no
+  object is pickled into GPU memory. The cost: gloo's TCP connections beside NCCL's (on
+  multi-node jobs gloo needs a routable interface, ``GLOO_SOCKET_IFNAME``).
 
 * Every rank holds the whole packed base and the LoRA (no sharding of weights: the point
   is more rollouts per step, the adapter is small) and owns its own rollout engine (one
@@ -66,10 +78,12 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    #: run the collectives with one rank too (the GPU acceptance check joins an NCCL group of world size 1)
+    always_collect: bool = False
 
     @property
     def active(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.always_collect
 
     @property
     def is_main(self) -> bool:
@@ -136,8 +150,8 @@ def from_env(env: dict[str, str] | None = None) -> Dist:
 
 
 def backend_for(platform: str) -> str:
-    """gloo on CPU, NCCL on CUDA."""
-    return "nccl" if platform == "cuda" else "gloo"
+    """gloo on CPU; on CUDA NCCL for CUDA tensors and gloo for CPU ones (module docstring)."""
+    return "cpu:gloo,cuda:nccl" if platform == "cuda" else "gloo"
 
 
 def rank_device(platform: str, local_rank: int) -> str:

@@ -290,12 +290,6 @@ def train(
     # rank 0 opens (or moves aside) the run folder; the others take its decision
     run_dir, latest, moved_aside = d.broadcast_object(open_run_dir(cfg, output_dir) if d.is_main else None)
     stored = ckpt.peek_state(latest) if latest is not None else {}
-    if rc.tensor_parallel_size > 1:
-        raise ValueError(
-            f"rollout.tensor_parallel_size {rc.tensor_parallel_size}: training writes AQN noise and trained norms into the "
-            "engine in place, which supports one GPU per engine only (rollout/worker_ext.py); train with 1 (more GPUs: "
-            "train.nproc), use tensor parallelism for evaluate"
-        )
     if latest is not None and int(stored.get("world_size", 1)) != d.world_size:
         raise ValueError(
             f"{latest} was written by a training on {stored.get('world_size', 1)} rank(s); this run has {d.world_size} "
@@ -319,7 +313,7 @@ def train(
     check_noise_precision(cfg, dtype)  # before any model loads
     limit_heap_fragmentation()  # glibc: -58% peak RSS of an update on CPU (qerl_pipeline.memory)
     served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=platform)
-    sync = resolve_sync(rc.sync, served)  # adapter | merge, before any model loads (rollout/serving.py)
+    sync = resolve_sync(rc.sync, served, rc.tensor_parallel_size)  # adapter | merge, before any model loads (rollout/serving.py)
     policy = build_policy(base_dir, METHOD_FORMAT[cfg.method], cfg.lora, dtype=dtype, device=device,
                           norm_dtype=cfg.model.norm_dtype)
     policy.train()

@@ -166,6 +166,8 @@ class RolloutEngine:
         self._param_names: dict[str, str] | None = None
         self._seq = 0
         self.norm_dtype = norm_dtype
+        #: GPUs the engine spans (its workers each hold a shard of the linears when > 1: no merges)
+        self.tensor_parallel_size = int((extra_engine_args or {}).get("tensor_parallel_size", 1))
         _LIVE.add(self)
         spec = {
             "model": str(self.model_dir),

@@ -102,6 +102,30 @@ WORKER_EXTENSION = "qerl_pipeline.rollout.worker_ext.QerlWorkerExtension"
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
+#: torch's switch for asking NVML, not the CUDA runtime, whether a GPU is there (torch/cuda/__init__.py).
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def cuda_present(environ=os.environ) -> bool:
+    """Whether this process sees a CUDA GPU, asked without initialising the CUDA driver.
+
+    ``torch.cuda.is_available()`` calls ``cudaGetDeviceCount`` (which runs ``cuInit``) unless
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``. vLLM sets that variable itself, but only when it is
+    imported (vllm/env_override.py), and it switches its workers to spawn only when
+    ``torch.cuda.is_initialized()``, which ``is_available()`` does not set: asking torch first
+    would make vLLM fork EngineCore from a process whose driver is initialised, and CUDA does
+    not survive a fork. So the variable is set here, before the question (vLLM's own value);
+    the alternative, forcing spawn (``VLLM_WORKER_MULTIPROC_METHOD=spawn``), would work too
+    but re-imports vLLM and torch in every engine process and overrides vLLM's own choice.
+    When NVML cannot answer, torch falls back to the runtime query (its documented weaker
+    guarantee); vLLM's spawn rule still sees an uninitialised torch then.
+    """
+    environ[NVML_CHECK_ENV] = "1"
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def in_process_engine(cuda: bool, environ=os.environ) -> bool:
     """Whether vLLM's EngineCore and worker run in this process: on CPU unless
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` says otherwise; never on CUDA. Sets the variable
@@ -231,9 +255,7 @@ class Server:
     """Owns the ``vllm.LLM`` and answers requests."""
 
     def __init__(self, spec: dict):
-        import torch
-
-        one_process = in_process_engine(torch.cuda.is_available())
+        one_process = in_process_engine(cuda_present())  # before vLLM's import: no cuInit (cuda_present)
         from vllm import LLM
         from vllm.platforms import current_platform
 

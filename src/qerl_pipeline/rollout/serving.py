@@ -173,11 +173,13 @@ def decide(fmt: str, platform: str, *, bitsandbytes_in_vllm: bool = False) -> Se
 SYNC_MODES = ("auto", "adapter", "merge")
 
 
-def resolve_sync(sync: str, served: ServedModel) -> str:
+def resolve_sync(sync: str, served: ServedModel, tensor_parallel_size: int = 1) -> str:
     """``rollout.sync`` -> ``adapter`` or ``merge`` for an engine serving ``served`` (pure; module docstring).
 
     ``auto``: ``merge`` on CPU (every base is served dense there), ``adapter`` on CUDA.
-    ``merge`` on a packed served base raises ``ValueError`` naming the field.
+    ``merge`` on a packed served base, or on an engine over ``tensor_parallel_size > 1`` GPUs
+    (each worker holds a shard of the linears: rollout/worker_ext.py), raises ``ValueError``
+    naming the field.
     """
     if sync not in SYNC_MODES:
         raise ValueError(f"rollout.sync {sync!r} unknown; allowed: {', '.join(SYNC_MODES)}")
@@ -186,9 +188,14 @@ def resolve_sync(sync: str, served: ServedModel) -> str:
             f"rollout.sync: merge needs dense served linears, but this engine serves the {served.base_format} base "
             f"as {served.served_format!r} (packed) on {served.platform}; use rollout.sync: adapter or auto"
         )
+    if sync == "merge" and tensor_parallel_size > 1:
+        raise ValueError(
+            f"rollout.sync: merge needs each engine worker to hold whole linears, but rollout.tensor_parallel_size "
+            f"{tensor_parallel_size} shards them; use rollout.sync: adapter or auto"
+        )
     if sync != "auto":
         return sync
-    return "merge" if served.platform == "cpu" and served.dense else "adapter"
+    return "merge" if served.platform == "cpu" and served.dense and tensor_parallel_size == 1 else "adapter"
 
 
 #: KV cache of engines that do not size theirs (evaluation, compare's pool), GiB: the engine process's

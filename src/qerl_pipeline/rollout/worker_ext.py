@@ -40,8 +40,19 @@ Design choices:
   restores every merged layer. A later ``qerl_update_weights``/``qerl_read_weights`` of a
   merged linear sees the merged value (the shadow, if one is seeded, starts from it).
 * Quantized served layers (NVFP4/compressed-tensors on CUDA) cannot take dense weights:
-  the update fails with an error naming the layer and pointing at ``sync: adapter``.
-* Tensor parallel size 1 only (the rollout engine of this project is single-device).
+  a write or a merge fails with an error naming the layer and its quantization and pointing
+  at ``sync: adapter``. Their parameters are indexed under the HF names of the modules they
+  hold (``...q_proj.weight`` for the fused ``qkv_proj``), so a merge into them reaches that
+  refusal; vLLM renames the checkpoint's ``weight_packed`` to ``weight`` and its kernel
+  (Marlin on CUDA) repacks it at load, so the served bytes are not the checkpoint's and a
+  read of them is refused too.
+* Tensor parallelism: vLLM replicates RMSNorm weights on every tensor-parallel worker and
+  shards the linears and the embedding. ``collective_rpc`` runs each method on every worker,
+  so a norm write (AQN noise, trained norms) is the same whole write on each, and norm reads
+  return worker 0's copy, equal to the others. Dense writes, merges and reads of sharded
+  layers are refused (no worker holds the whole weight, and slicing the HF tensor per rank
+  is not built): with ``tensor_parallel_size > 1`` the LoRA reaches the engine as a
+  LoRARequest (``rollout.sync: adapter``, ``evaluate.adapter_mode: lora``).
 """
 
 from __future__ import annotations
@@ -67,12 +78,28 @@ class _Target:
     kind: str  # norm | linear | embedding | other
     fused_names: tuple[str, ...]  # HF names sharing the same vLLM parameter (for shadow seeding)
     users: tuple[torch.nn.Module, ...] = ()  # modules holding this tensor (tied weights), fixed at index time
+    sharded: int = 1  # tensor-parallel workers this parameter is split over (1: whole here; norms are replicated)
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while "base_layer" in module._modules:
         module = module._modules["base_layer"]
     return module
+
+
+def _refuse(name: str, target: _Target, action: str) -> None:
+    """Raise for an ``action`` (write, merge, read) the served layer of ``target`` cannot take (module docstring)."""
+    if target.kind == "quantized":
+        quant = type(getattr(target.module, "quant_method", None)).__name__
+        why = ("its served bytes are the kernel's repacked layout, not the checkpoint's" if action == "read" else
+               "dense weights cannot be written there (use rollout.sync: adapter on a quantized base)")
+        raise NotImplementedError(f"{name}: served layer is quantized ({quant}); {action} refused: {why}")
+    if target.sharded > 1:
+        raise NotImplementedError(
+            f"{name}: served layer is sharded over {target.sharded} tensor-parallel workers; {action} refused: no "
+            "worker holds the whole weight (norm weights are replicated and can be written; with "
+            "tensor_parallel_size > 1 use rollout.sync: adapter and evaluate.adapter_mode: lora)"
+        )
 
 
 class QerlWorkerExtension:
@@ -90,8 +117,7 @@ class QerlWorkerExtension:
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-        if self.vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise NotImplementedError("qerl weight updates support tensor_parallel_size=1 only")
+        tp = int(self.vllm_config.parallel_config.tensor_parallel_size)
         model = self._qerl_model()
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         index: dict[str, _Target] = {}
@@ -127,7 +153,12 @@ class QerlWorkerExtension:
                     full = (sum(module.output_partition_sizes), module.input_size_per_partition)
                 parts = packed.get(leaf)
                 sizes = getattr(module, "output_sizes", None)
-                if parts and kind == "linear" and sizes and len(sizes) == len(parts):
+                if parts and kind == "quantized":
+                    # one entry per HF module held (``q_proj.weight`` ...): writes, merges and reads name the quantization
+                    names = tuple(f"{prefix}.{p}.{pname}" if prefix else f"{p}.{pname}" for p in parts)
+                    for hf_name in names:
+                        index[hf_name] = _Target(module, pname, None, full, full, kind, names)
+                elif parts and kind == "linear" and sizes and len(sizes) == len(parts):
                     names = tuple(f"{prefix}.{p}.{pname}" if prefix else f"{p}.{pname}" for p in parts)
                     offset = 0
                     for hf_name, size in zip(names, sizes):
@@ -143,6 +174,8 @@ class QerlWorkerExtension:
                     name = f"{clean}.{pname}"
                     index[name] = _Target(module, pname, None, full, full, kind, (name,))
         for target in index.values():
+            if tp > 1 and target.kind != "norm":
+                target.sharded = tp  # vLLM replicates norms only (module docstring)
             # by module object, not by id(param): params replaced by an update are freed
             # and their ids reused, so an id-keyed map would go stale
             target.users = tuple(sharers.get(id(getattr(target.module, target.param)), [target.module]))
@@ -153,8 +186,8 @@ class QerlWorkerExtension:
     def qerl_param_names(self) -> dict[str, str]:
         """HF parameter name -> kind (norm, linear, embedding, quantized, other) of the served model.
 
-        Parameters of quantized layers keep vLLM's names (e.g. ``...qkv_proj.weight_packed``)
-        and are read-only.
+        Parameters of quantized layers are listed under the HF names of the modules they hold
+        (``...q_proj.weight``); they can be neither written nor read (module docstring).
         """
         return {name: t.kind for name, t in self._qerl_index().items()}
 
@@ -224,17 +257,15 @@ class QerlWorkerExtension:
             if tuple(value.shape) != target.shape:
                 raise ValueError(f"{name}: shape {tuple(value.shape)} does not match served {target.shape}")
             by_module.setdefault((id(target.module), target.param), []).append((target, value))
+        for items in by_module.values():  # all refusals before the first write: nothing half-applied
+            target = items[0][0]
+            if target.kind == "quantized" or target.sharded > 1:
+                _refuse(items[0][0].fused_names[0], target, "write")
         is_cpu = current_platform.is_cpu()
         with torch.no_grad():
             for items in by_module.values():
                 target = items[0][0]
                 module = target.module
-                if target.kind == "quantized":
-                    raise NotImplementedError(
-                        f"{target.fused_names[0]}: served layer is quantized "
-                        f"({type(module.quant_method).__name__}); dense weights cannot be written there "
-                        "(use rollout.sync: adapter on a quantized base)"
-                    )
                 if target.kind in ("norm", "other"):
                     param = getattr(module, target.param)
                     for t, value in items:
@@ -279,6 +310,8 @@ class QerlWorkerExtension:
         modules: dict[int, _Target] = {}
         for name in touched:
             target = index[name]
+            if target.kind == "quantized" or target.sharded > 1:
+                _refuse(name, target, "merge")
             if target.kind != "linear":
                 raise NotImplementedError(
                     f"{name}: served layer is {target.kind} "
@@ -310,6 +343,8 @@ class QerlWorkerExtension:
             if name not in index:
                 raise KeyError(f"unknown parameter name {name!r}")
             target = index[name]
+            if target.kind == "quantized" or target.sharded > 1:
+                _refuse(name, target, "read")
             if target.kind in ("linear", "embedding"):
                 value = self._qerl_dense(target)
             else:

@@ -1,0 +1,319 @@
+"""CUDA's constraints, driven on this CPU: what would crash the first GPU run, refused here as CUDA refuses it.
+
+A CPU stand-in for a CUDA behaviour is worth something only if it refuses what CUDA refuses
+(gloo accepts CPU tensors, so two gloo ranks never saw NCCL's refusal). Each test below says
+which CUDA behaviour it stands in for and reads it from torch's or vLLM's own code:
+
+1. NCCL serves CUDA tensors only: a stand-in backend registered for the ``cuda`` device alone
+   takes NCCL's place in the process group, and the real ``policy_update`` runs on two ranks.
+2. ``torch.cuda.is_available()`` without ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` runs ``cuInit``;
+   vLLM then forks EngineCore from an initialised driver: torch's CUDA query is made to raise
+   when it would call ``cuInit``, and the engine server's start-up runs up to vLLM's import.
+3. vLLM replicates RMSNorm weights on every tensor-parallel rank and shards the linears: two
+   worker extensions over fake TP=2 model runners take the norm write, and refuse a merge.
+4. NVFP4 layers are served quantized (vLLM renames ``weight_packed`` to ``weight`` and Marlin
+   repacks it): a merge into them names the quantization, a read of them is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from qerl_pipeline.rl import distributed as D
+from tests.test_distributed import N_SEQ, _free_port, _update
+from tests.test_policy_update import base_dir  # noqa: F401 - the tiny packed base fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = Path(__import__("qerl_pipeline").__file__).resolve().parents[1]  # the src/ under test
+
+
+# ------------------------------------------------------------------ 1. NCCL refuses CPU tensors
+STANDIN = "qerl_nccl_standin"
+
+
+def _standin_backend(store, rank, world_size, timeout):
+    """gloo's collectives, registered for the ``cuda`` device only (as torch registers NCCL)."""
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def _as_on_cuda(monkeypatch_like: dict) -> None:
+    """In a rank process: NCCL's place taken by the stand-in, ``torch.cuda.set_device`` a no-op."""
+    torch.distributed.Backend.register_backend(STANDIN, _standin_backend, devices=["cuda"])
+    real_init = torch.distributed.init_process_group
+
+    def init_process_group(backend=None, *args, **kwargs):
+        monkeypatch_like["asked"] = backend
+        return real_init(str(backend).replace("nccl", STANDIN), *args, **kwargs)
+
+    torch.distributed.init_process_group = init_process_group
+    torch.cuda.set_device = lambda device: None
+
+
+def _standin_rank(rank: int, world: int, port: int, base_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    seen: dict = {}
+    _as_on_cuda(seen)
+    d = D.init("cuda")  # the trainer's own join, as on a GPU machine
+    result: dict = {"asked": seen.get("asked")}
+    try:
+        lo, hi = D.shard_bounds(N_SEQ, rank, world)
+        state, metrics = _update(Path(base_dir), d, slice(lo, hi))
+        result.update(state=state, loss=metrics["loss"], gather=d.all_gather_object(rank))
+        d.barrier()
+    except Exception as exc:  # reported to the test, which names the failure
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_the_standin_refuses_cpu_tensors_as_nccl_does(tmp_path):
+    """NCCL, as torch registers it, serves the ``cuda`` device alone; so does the stand-in (a group of one)."""
+    port = _free_port()
+    mp.spawn(_refusal_rank, args=(port, str(tmp_path)), nprocs=1, join=True)
+    assert "No backend type associated with device type cpu" in (tmp_path / "refused.txt").read_text()
+
+
+def _refusal_rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    _as_on_cuda({})
+    torch.distributed.init_process_group("nccl")  # plain NCCL, as the trainer joined before
+    try:
+        torch.distributed.all_reduce(torch.ones(1))
+        msg = "accepted"
+    except Exception as exc:
+        msg = str(exc)
+    Path(out, "refused.txt").write_text(msg)
+    torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_update_in_a_group_whose_cuda_backend_refuses_cpu_tensors(base_dir, tmp_path):  # noqa: F811
+    """Stands in for NCCL at the first update on two GPUs: the group the trainer joins on CUDA
+    (``distributed.init("cuda")``) must serve the update's CPU scalars (sequence and token counts,
+    loss sums, statistics) and its object gathers; the stand-in refuses every CPU tensor it gets."""
+    single, _ = _update(base_dir, D.SINGLE, slice(0, N_SEQ))
+    mp.spawn(_standin_rank, args=(2, _free_port(), str(base_dir), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r, got in enumerate(ranks):
+        assert "error" not in got, f"rank {r}: {got['error']}"
+        assert "nccl" in str(got["asked"])  # NCCL is still what serves CUDA tensors
+        assert got["gather"] == [0, 1]
+        for name, want in single.items():
+            torch.testing.assert_close(got["state"][name], want, rtol=1e-5, atol=1e-6, msg=f"rank {r}: {name}")
+
+
+# ------------------------------------------------- 2. no cuInit in the engine server before vLLM
+_FAKE_VLLM = '''
+import os, sys
+STATE = {"nvml_check_at_import": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")}
+
+class LLM:
+    def __init__(self, **kwargs):
+        STATE["kwargs"] = kwargs
+        raise RuntimeError("reached vLLM's LLM")
+'''
+_FAKE_PLATFORMS = '''
+class _Cuda:
+    def is_cuda(self): return True
+    def is_cpu(self): return False
+
+current_platform = _Cuda()
+'''
+_START = '''
+import json, os, sys
+import torch
+
+calls = []
+def cu_init(*args):  # what cudaGetDeviceCount does first on a GPU machine
+    calls.append("cuInit")
+    raise RuntimeError("cuInit in the engine server before vLLM's import")
+
+torch.cuda._is_compiled = lambda: True        # a CUDA build of torch ...
+torch._C._cuda_getDeviceCount = cu_init       # ... whose runtime query initialises the driver
+torch.cuda._device_count_nvml = lambda: 1     # ... on a machine whose NVML sees one GPU
+from qerl_pipeline.rollout import server
+spec = {"model": "m", "dtype": "auto", "max_model_len": 64, "seed": 0, "enable_lora": False, "enforce_eager": True,
+        "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": 0.5, "sleep_between_steps": False}
+try:
+    server.Server(spec)
+    outcome = "started"
+except Exception as exc:
+    outcome = f"{type(exc).__name__}: {exc}"
+import vllm
+print(json.dumps({"outcome": outcome, "calls": calls, "vllm": {k: v for k, v in vllm.STATE.items() if k != "kwargs"},
+                  "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
+                  "backend": vllm.STATE.get("kwargs", {}).get("distributed_executor_backend")}))
+'''
+
+
+def test_engine_server_asks_for_cuda_without_initialising_it_before_vllm(tmp_path):
+    """Stands in for a CUDA machine's engine start: ``torch.cuda.is_available()`` without
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` calls ``cudaGetDeviceCount``, i.e. ``cuInit``
+    (torch/cuda/__init__.py), and vLLM, imported after it, forks EngineCore from that process
+    (it switches to spawn only on ``torch.cuda.is_initialized()``, which the query does not set).
+    Here the runtime query raises, NVML reports one GPU, and a stand-in ``vllm`` package records
+    the variable at its import; the server's start-up must reach vLLM's ``LLM`` with it set,
+    take the CUDA branch (EngineCore in its own process) and never call the runtime query."""
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(_FAKE_VLLM)
+    (fake / "platforms.py").write_text(_FAKE_PLATFORMS)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_NVML_BASED_CUDA_CHECK", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), str(SRC), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _START], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert got["calls"] == [], f"the CUDA driver was initialised before vLLM's import: {got['outcome']}"
+    assert got["outcome"] == "RuntimeError: reached vLLM's LLM"
+    assert got["vllm"]["nvml_check_at_import"] == "1"
+    assert got["multiprocessing"] is None and got["backend"] is None  # CUDA: vLLM's own process chain
+
+
+# ------------------------------------------- 3, 4. the worker extension under TP and on packed bases
+H, Q, KV = 8, 8, 4  # hidden size, q rows, k/v rows of the fake model
+
+
+def _module(cls, **attrs):
+    """An instance of one of vLLM's layer classes without its constructor (which needs vLLM's parallel state)."""
+    m = cls.__new__(cls)
+    torch.nn.Module.__init__(m)
+    for k, v in attrs.items():
+        if isinstance(v, torch.nn.Parameter):
+            m.register_parameter(k, v)
+        else:
+            setattr(m, k, v)
+    return m
+
+
+class _PackedMethod:
+    """Stands in for a quantized linear method (compressed-tensors NVFP4 under Marlin): not vLLM's unquantized one."""
+
+
+def _fake_worker(tp: int, *, quantized: bool = False, rank: int = 0):
+    """A worker extension over a fake model runner: a Qwen2-like layer as vLLM builds it on tensor-parallel rank
+    ``rank`` of ``tp`` (the norm whole on every rank, qkv_proj holding its 1/tp of the rows)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    from qerl_pipeline.rollout.worker_ext import QerlWorkerExtension
+
+    sizes = [Q // tp, KV // tp, KV // tp]
+    norm = _module(RMSNorm, weight=torch.nn.Parameter(torch.full((H,), 1.0 + rank), requires_grad=False))
+    qkv = _module(LinearBase, weight=torch.nn.Parameter(torch.zeros(sum(sizes), H), requires_grad=False),
+                  output_partition_sizes=sizes, input_size_per_partition=H, output_sizes=[Q, KV, KV],
+                  quant_method=_PackedMethod() if quantized else UnquantizedLinearMethod())
+    attn = torch.nn.Module()
+    attn.qkv_proj = qkv
+    layer = torch.nn.Module()
+    layer.input_layernorm, layer.self_attn = norm, attn
+    inner = torch.nn.Module()
+    inner.layers = torch.nn.ModuleList([layer])
+    model = torch.nn.Module()
+    model.model = inner
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    worker = QerlWorkerExtension()
+    worker.model_runner = SimpleNamespace(get_model=lambda: model)
+    worker.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                                         model_config=SimpleNamespace(model="unused"))
+    return worker, norm
+
+
+def _collective_rpc(workers, method: str, *args):
+    """``LLM.collective_rpc``: the method on every worker, their results in rank order."""
+    return [getattr(w, method)(*args) for w in workers]
+
+
+def _adapter(folder: Path, module: str = "q_proj", rows: int = Q) -> Path:
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
+    key = f"base_model.model.model.layers.0.self_attn.{module}"
+    save_file({f"{key}.lora_A.weight": torch.ones(2, H), f"{key}.lora_B.weight": torch.ones(rows, 2)},
+              str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+NORM = "model.layers.0.input_layernorm.weight"
+
+
+def test_norm_writes_reach_every_tensor_parallel_worker_and_sharded_merges_are_refused(tmp_path):
+    """Stands in for a TP=2 engine (evaluate with trained norms, a shared engine's hand-out, AQN): vLLM
+    replicates RMSNorm weights on each tensor-parallel worker and ``collective_rpc`` calls each, so a norm
+    write is the same whole write on both; linears are sharded, and a merge or a dense read of them is refused
+    with the reason, on every worker, before anything is written."""
+    from safetensors.torch import save_file
+
+    workers, norms = zip(*(_fake_worker(2, rank=r) for r in range(2)))
+    names = _collective_rpc(workers, "qerl_param_names")
+    assert names[0] == names[1] and names[0][NORM] == "norm"
+    noisy = torch.linspace(0.5, 1.5, H)
+    save_file({NORM: noisy}, str(tmp_path / "norms.safetensors"))
+    assert _collective_rpc(workers, "qerl_update_weights", str(tmp_path / "norms.safetensors")) == [[NORM], [NORM]]
+    for norm in norms:
+        assert torch.equal(norm.weight.data, noisy)
+    back = _collective_rpc(workers, "qerl_read_weights", [NORM], str(tmp_path / "back.safetensors"))[0]
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(back)[NORM], noisy)
+    assert _collective_rpc(workers, "qerl_merge_lora", None) == [[], []]  # unmerge of nothing: a hand-out's first op
+    adapter = _adapter(tmp_path / "adapter")
+    for w in workers:
+        with pytest.raises(NotImplementedError, match=r"q_proj\.weight: served layer is sharded over 2 tensor-parallel"):
+            w.qerl_merge_lora(str(adapter))
+        with pytest.raises(NotImplementedError, match="sharded over 2"):
+            w.qerl_read_weights(["model.layers.0.self_attn.q_proj.weight"], str(tmp_path / "x.safetensors"))
+    save_file({NORM: torch.ones(H), "model.layers.0.self_attn.k_proj.weight": torch.ones(KV, H)},
+              str(tmp_path / "mixed.safetensors"))
+    with pytest.raises(NotImplementedError, match="sharded"):
+        workers[0].qerl_update_weights(str(tmp_path / "mixed.safetensors"))
+    assert torch.equal(norms[0].weight.data, noisy)  # refused whole: the norm in the same file was not written
+
+
+def test_packed_base_merge_and_read_name_the_quantization(tmp_path):
+    """Stands in for an NVFP4 base served on CUDA: vLLM builds ``qkv_proj`` with the compressed-tensors
+    method (not ``UnquantizedLinearMethod``), renames ``weight_packed`` to ``weight`` and Marlin repacks it.
+    A merge into ``q_proj`` must say the layer is quantized (not "the served model does not have"), and a
+    read must be refused (the served bytes are the kernel's layout, not the checkpoint's)."""
+    worker, _ = _fake_worker(1, quantized=True)
+    assert worker.qerl_param_names()["model.layers.0.self_attn.q_proj.weight"] == "quantized"
+    with pytest.raises(NotImplementedError, match=r"q_proj\.weight: served layer is quantized \(_PackedMethod\).*adapter"):
+        worker.qerl_merge_lora(str(_adapter(tmp_path / "adapter")))
+    with pytest.raises(NotImplementedError, match="quantized.*repacked"):
+        worker.qerl_read_weights(["model.layers.0.self_attn.v_proj.weight"], str(tmp_path / "x.safetensors"))
+    dense, _ = _fake_worker(1)  # the same layer unquantized: its parts are addressable and readable
+    assert dense.qerl_param_names()["model.layers.0.self_attn.q_proj.weight"] == "linear"
+
+
+def test_tensor_parallel_engines_take_the_lora_as_an_adapter_and_refuse_merges():
+    """With the linears sharded (the worker test above), the decisions that would ask for a merge choose the
+    LoRARequest path under ``auto`` and refuse ``merge``/``merged`` up front, naming the field; a TP=2 training is
+    no longer refused (norm writes reach every worker), and the trainer advises nothing that fails."""
+    from qerl_pipeline.evaluation.evaluator import resolve_adapter_mode
+    from qerl_pipeline.rollout.serving import ServedModel, resolve_sync
+
+    bf16 = ServedModel(Path("b"), "bf16", True, base_format="bf16", platform="cuda")
+    assert resolve_sync("auto", bf16, 2) == "adapter" and resolve_sync("adapter", bf16, 2) == "adapter"
+    assert resolve_sync("merge", bf16, 1) == "merge"
+    with pytest.raises(ValueError, match="rollout.sync: merge .*tensor_parallel_size 2"):
+        resolve_sync("merge", bf16, 2)
+    assert resolve_adapter_mode("auto", bf16) == "merged" and resolve_adapter_mode("auto", bf16, 2) == "lora"
+    with pytest.raises(ValueError, match="evaluate.adapter_mode merged: .*2 GPUs"):
+        resolve_adapter_mode("merged", bf16, 2)
+    trainer = (SRC / "qerl_pipeline" / "rl" / "trainer.py").read_text()
+    assert "use tensor parallelism for evaluate" not in trainer

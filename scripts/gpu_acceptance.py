@@ -263,7 +263,7 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
             out = step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
         sync(device)
         seconds = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_memory_bytes()
+        peak = peak_memory_bytes()  # CUDA's max allocated since the reset above, else the process VmHWM
         runs.append({"seconds": seconds, "loss": float(out["loss"]), "peak": peak, "resident": resident, "counts": counts})
     moved_a = max((float((lora[n].detach() - start[n]).abs().max()) for n in lora if "lora_A" in n), default=0.0)
     moved_b = max((float((lora[n].detach() - start[n]).abs().max()) for n in lora if "lora_B" in n), default=0.0)

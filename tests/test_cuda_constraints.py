@@ -46,13 +46,14 @@ def _standin_backend(store, rank, world_size, timeout):
     return ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def _as_on_cuda(monkeypatch_like: dict) -> None:
-    """In a rank process: NCCL's place taken by the stand-in, ``torch.cuda.set_device`` a no-op."""
+def _as_on_cuda(seen: dict) -> None:
+    """In a rank process: NCCL's place taken by the stand-in, ``torch.cuda.set_device`` a no-op; ``seen["asked"]``
+    records the backend string the code under test asked for."""
     torch.distributed.Backend.register_backend(STANDIN, _standin_backend, devices=["cuda"])
     real_init = torch.distributed.init_process_group
 
     def init_process_group(backend=None, *args, **kwargs):
-        monkeypatch_like["asked"] = backend
+        seen["asked"] = backend
         return real_init(str(backend).replace("nccl", STANDIN), *args, **kwargs)
 
     torch.distributed.init_process_group = init_process_group

@@ -155,12 +155,6 @@ def resolve_adapter_mode(mode: str, served=None, tensor_parallel_size: int = 1) 
     """
     if mode not in ADAPTER_MODES:
         raise ValueError(f"evaluate.adapter_mode {mode!r} unknown; allowed: {', '.join(ADAPTER_MODES)}")
-    if served is None:
-        import torch
-
-        dense = not torch.cuda.is_available()
-    else:
-        dense = served.dense
     if tensor_parallel_size > 1:
         if mode == "merged":
             raise ValueError(
@@ -169,6 +163,12 @@ def resolve_adapter_mode(mode: str, served=None, tensor_parallel_size: int = 1) 
                 "merge; use adapter_mode lora or auto"
             )
         return "lora"
+    if served is None:
+        import torch
+
+        dense = not torch.cuda.is_available()
+    else:
+        dense = served.dense
     if mode == "merged" and served is not None and not dense:
         raise ValueError(
             f"evaluate.adapter_mode merged: the engine serves {served.path} as {served.served_format!r} (packed "

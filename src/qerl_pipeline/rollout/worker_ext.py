@@ -87,8 +87,9 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _refuse(name: str, target: _Target, action: str) -> None:
-    """Raise for an ``action`` (write, merge, read) the served layer of ``target`` cannot take (module docstring)."""
+def _refuse_unservable(name: str, target: _Target, action: str) -> None:
+    """Raise when the served layer of ``target`` cannot take ``action`` (write, merge, read): it is quantized, or
+    sharded over tensor-parallel workers (module docstring); return otherwise."""
     if target.kind == "quantized":
         quant = type(getattr(target.module, "quant_method", None)).__name__
         why = ("its served bytes are the kernel's repacked layout, not the checkpoint's" if action == "read" else
@@ -259,8 +260,7 @@ class QerlWorkerExtension:
             by_module.setdefault((id(target.module), target.param), []).append((target, value))
         for items in by_module.values():  # all refusals before the first write: nothing half-applied
             target = items[0][0]
-            if target.kind == "quantized" or target.sharded > 1:
-                _refuse(items[0][0].fused_names[0], target, "write")
+            _refuse_unservable(target.fused_names[0], target, "write")
         is_cpu = current_platform.is_cpu()
         with torch.no_grad():
             for items in by_module.values():
@@ -310,8 +310,7 @@ class QerlWorkerExtension:
         modules: dict[int, _Target] = {}
         for name in touched:
             target = index[name]
-            if target.kind == "quantized" or target.sharded > 1:
-                _refuse(name, target, "merge")
+            _refuse_unservable(name, target, "merge")
             if target.kind != "linear":
                 raise NotImplementedError(
                     f"{name}: served layer is {target.kind} "
@@ -343,8 +342,7 @@ class QerlWorkerExtension:
             if name not in index:
                 raise KeyError(f"unknown parameter name {name!r}")
             target = index[name]
-            if target.kind == "quantized" or target.sharded > 1:
-                _refuse(name, target, "read")
+            _refuse_unservable(name, target, "read")
             if target.kind in ("linear", "embedding"):
                 value = self._qerl_dense(target)
             else:

@@ -54,6 +54,8 @@ def compared(tmp_path_factory):
     from mlflow.tracking import MlflowClient
 
     root = project_copy(tmp_path_factory.mktemp("compare") / "project", shared=["gsm8k/test.jsonl"])
+    from qerl_pipeline.rl import checkpoint as ckpt
+
     log1 = root / "first.log"
     proc = start_kedro(root, *ARGS, log=log1)
     third, deadline = None, time.monotonic() + 1500
@@ -64,7 +66,10 @@ def compared(tmp_path_factory):
             if len(names) >= 3:
                 third = names[2]
                 tail = text[text.index(f"compare branch {third} seed {SEEDS[0]}"):]
-                if re.search(rf"step 2/{SMOKE_STEPS} ", tail):
+                # the step-2 checkpoint is on disk at once; the log line may reach the file late (block-buffered
+                # output), by when the branch can have finished its last step and its run (nothing left to resume)
+                newest = ckpt.find_latest(root / "data/06_models/train_smoke/compare" / f"seed-{SEEDS[0]}" / third)
+                if re.search(rf"step 2/{SMOKE_STEPS} ", tail) or (newest and int(ckpt.peek_state(newest)["step"]) >= 2):
                     break
             if proc.poll() is not None:
                 pytest.fail(f"compare ended (rc {proc.returncode}) before its third branch's step 2\n{text[-6000:]}")
@@ -73,7 +78,6 @@ def compared(tmp_path_factory):
             pytest.fail("no third branch at step 2 within the deadline\n" + log1.read_text(errors="replace")[-6000:])
     finally:
         stop_kedro(proc)  # SIGKILL of kedro's process group; the engines end through their guards (rollout/server.py)
-    from qerl_pipeline.rl import checkpoint as ckpt
 
     # the step the kill left as newest checkpoint: 2, or 3 when the log line reached the file late (block-buffered
     # output) and the last step's checkpoint was written before the kill; the resume must start from it

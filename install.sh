@@ -10,7 +10,7 @@
 #   QERL_SKIP_RUN=1            install only
 #   PYTHON=python3.11          the interpreter that creates the venv
 #
-# Why the install happens in steps (see README, "Install"): vLLM 0.32.0 pins
+# Why the install happens in steps (see docs/install.md): vLLM 0.32.0 pins
 # compressed-tensors==0.17.0 and llmcompressor 0.14.0.1 pins compressed-tensors==0.19.0.
 # No single resolver run satisfies both, so we install vLLM (with 0.17.0) first, then put
 # compressed-tensors 0.19.0 and llmcompressor over it without dependency resolution.

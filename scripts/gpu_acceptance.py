@@ -228,8 +228,10 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
     from qerl_pipeline.memory import peak_memory_bytes
     from qerl_pipeline.quantization import triton_nvfp4
     from qerl_pipeline.quantization.policy import build_policy
-    from qerl_pipeline.rl import aqn, step
-    from qerl_pipeline.rl.trainer import build_optimizer, lr_factor, trained_norms
+    from qerl_pipeline.quantization import aqn
+    from qerl_pipeline.rl import step
+    from qerl_pipeline.adapter import trained_norms
+    from qerl_pipeline.rl.optim import build_optimizer, lr_factor
 
     cfg = train_cfg(method, b)
     torch.manual_seed(0)
@@ -260,7 +262,7 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
         resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         t0 = time.perf_counter()
         with count_kernels(counts):
-            out = step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
+            out = step.policy_update(policy, step.Optim(opt, sched, params, norm_params), step.Batch(ids, p_lens, roll, mask, adv), cfg, 0)
         sync(device)
         seconds = time.perf_counter() - t0
         peak = peak_memory_bytes()  # CUDA's max allocated since the reset above, else the process VmHWM
@@ -424,7 +426,7 @@ def rendezvous_env():
 def check_collectives(use_cuda: bool):
     import torch.distributed as tdist
 
-    from qerl_pipeline.rl import distributed as D
+    from qerl_pipeline.rl import dist as D
 
     if tdist.is_initialized():
         raise RuntimeError("a process group is already initialized in this process")
@@ -484,7 +486,7 @@ def check_collectives(use_cuda: bool):
 # ------------------------------------------------------------------------------- (c) engine
 ENGINE_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=768)  # head_dim 64; every projection a multiple of 128 (Marlin FP4 tiles)
-SIGMA = 5e-4  # the paper's last AQN stage: what bf16 norm weights cannot carry (rl/norms.py)
+SIGMA = 5e-4  # the paper's last AQN stage: what bf16 norm weights cannot carry (quantization/norms.py)
 
 
 def engine_skip_reason(dry: bool) -> str | None:
@@ -607,7 +609,7 @@ class EngineChecks:
                                                             "max_logprob_diff": max_lp_diff}
 
     def _noisy_norms(self, engine, seed: int):
-        from qerl_pipeline.rl import aqn
+        from qerl_pipeline.quantization import aqn
 
         names = engine.norm_weight_names()
         clean = engine.read_weights(names)
@@ -617,7 +619,7 @@ class EngineChecks:
         return names, clean, noisy_names, noisy
 
     def norms_noise(self):
-        from qerl_pipeline.rl.norms import SIGMA_TOLERANCE, sigma_effective
+        from qerl_pipeline.quantization.norms import SIGMA_TOLERANCE, sigma_effective
 
         engine = self.need_engine()
         names, clean, noisy_names, noisy = self._noisy_norms(engine, seed=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qerl_pipeline.config import AQNConfig
-from qerl_pipeline.rl import aqn
+from qerl_pipeline.quantization import aqn
 
 
 def test_stages_split_total_steps():

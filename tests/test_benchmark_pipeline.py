@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import kedro_session, project_copy
+from tests.helpers.models import fake_base
+from tests.helpers.project import kedro_session, project_copy
 
 PROJECT = Path(__file__).resolve().parents[1]
 HAVE_TRL = importlib.util.find_spec("trl") is not None
@@ -115,7 +116,7 @@ def test_every_figure_reaches_mlflow_and_the_table(run):
     for t in raw["training"]:
         assert t["sequences"] == s["train_prompts"] * s["group"]
         assert t["tokens_per_step"] == t["sequences"] * (s["prompt_len"] + s["completion_len"])
-        assert t["step_impl"] == "rl.trainer._update"
+        assert t["step_impl"] == "rl.step.policy_update"
     if HAVE_TRL:
         assert raw["trl"]["prompt_len"] == s["prompt_len"]
         assert raw["trl"]["completion_len_mean"] == s["completion_len"]
@@ -166,27 +167,13 @@ def test_rollout_engines_honour_model_dtype(run):
     assert all(r["served_dtype"] == want for r in raw["rollout"]["rows"])
 
 
-def _fake_base(folder: Path, dtype_bytes: int) -> None:
-    """A base folder with config.json and a serving/ copy: one q_proj, a separate lm_head."""
-    import torch
-    from safetensors.torch import save_file
-
-    config = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 16,
-              "vocab_size": 10}
-    for f, dt in ((folder, torch.uint8 if dtype_bytes == 1 else torch.float32), (folder / "serving", torch.float32)):
-        f.mkdir(parents=True)
-        (f / "config.json").write_text(json.dumps(config))
-        save_file({"lm_head.weight": torch.zeros(10, 16), "model.layers.0.self_attn.q_proj.weight": torch.zeros(16, 16, dtype=dt)},
-                  str(f / "model.safetensors"))
-
-
 def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
     """Results without ``used``/``reward``/engine memory (older ones): our step = rollout of the training batch +
     the configured sync (the recommended one under auto) + the training step; ratios against TRL."""
     from qerl_pipeline.pipelines.benchmark.nodes import build_table
     from qerl_pipeline.benchmarking.table import metric_name
 
-    _fake_base(tmp_path / "base_nvfp4", 1)
+    fake_base(tmp_path / "base_nvfp4", 1)
     hw = {"device": "cpu", "cpu": "x", "cpu_cores": 2, "bandwidth_gbs": 10.0, "matmul_flops": 1e12,
           "matmul_dtype": "float32"}
     rollout = {

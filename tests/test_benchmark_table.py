@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_benchmark_pipeline import _fake_base
+from tests.helpers.models import fake_base
 
 HW = {"device": "cpu", "cpu": "x", "cpu_cores": 2, "bandwidth_gbs": 10.0, "matmul_flops": 1e12, "matmul_dtype": "float32"}
 TRL = {"skipped": False, "trl_version": "1.16.0", "generation": "transformers", "step_time_s": 8.0,
@@ -50,7 +50,7 @@ def _table(tmp_path: Path, rollout: dict, trl: dict = TRL) -> dict:
     from qerl_pipeline.pipelines.benchmark.nodes import build_table
 
     if not (tmp_path / "base_nvfp4").exists():
-        _fake_base(tmp_path / "base_nvfp4", 1)
+        fake_base(tmp_path / "base_nvfp4", 1)
     rollout["served"]["nvfp4"]["path"] = str(tmp_path / "base_nvfp4" / "serving")
     table = build_table(HW, {"nvfp4": str(tmp_path / "base_nvfp4")}, rollout, _training(), trl, BENCH)
     return table, {metric_name(r): r for r in table["rows"]}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROJECT, project_copy, run_kedro, start_kedro, stop_kedro, tracking_uri, wait_kedro
+from tests.helpers.project import PROJECT, project_copy, run_kedro, start_kedro, stop_kedro, tracking_uri, wait_kedro
 
 pytestmark = [pytest.mark.kedro_run, pytest.mark.vllm]
 

@@ -9,7 +9,7 @@ from kedro.config import OmegaConfigLoader
 from qerl_pipeline.config import AQNConfig, ConfigError, QerlConfig, flatten, validate
 from qerl_pipeline.profile import engine_env, load_profile
 
-from .conftest import PROJECT, project_copy, run_kedro
+from tests.helpers.project import PROJECT, project_copy, run_kedro
 
 ENVS = sorted(p.name for p in (PROJECT / "conf").iterdir() if p.is_dir() and p.name not in ("base", "local"))
 

@@ -20,16 +20,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from qerl_pipeline.rl import distributed as D
-from tests.test_distributed import N_SEQ, _free_port, _update
-from tests.test_policy_update import base_dir  # noqa: F401 - the tiny packed base fixture
+from qerl_pipeline.rl import dist as D
+from tests.helpers.policy_update import N_SEQ, free_port, update_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = Path(__import__("qerl_pipeline").__file__).resolve().parents[1]  # the src/ under test
@@ -70,7 +68,7 @@ def _standin_rank(rank: int, world: int, port: int, base_dir: str, out: str) -> 
     result: dict = {"asked": seen.get("asked")}
     try:
         lo, hi = D.shard_bounds(N_SEQ, rank, world)
-        state, metrics = _update(Path(base_dir), d, slice(lo, hi))
+        state, metrics = update_rows(Path(base_dir), d, slice(lo, hi))
         result.update(state=state, loss=metrics["loss"], gather=d.all_gather_object(rank))
         d.barrier()
     except Exception as exc:  # reported to the test, which names the failure
@@ -81,7 +79,7 @@ def _standin_rank(rank: int, world: int, port: int, base_dir: str, out: str) -> 
 
 def test_the_standin_refuses_cpu_tensors_as_nccl_does(tmp_path):
     """NCCL, as torch registers it, serves the ``cuda`` device alone; so does the stand-in (a group of one)."""
-    port = _free_port()
+    port = free_port()
     mp.spawn(_refusal_rank, args=(port, str(tmp_path)), nprocs=1, join=True)
     assert "No backend type associated with device type cpu" in (tmp_path / "refused.txt").read_text()
 
@@ -99,12 +97,12 @@ def _refusal_rank(rank: int, port: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_update_in_a_group_whose_cuda_backend_refuses_cpu_tensors(base_dir, tmp_path):  # noqa: F811
+def test_two_ranks_update_in_a_group_whose_cuda_backend_refuses_cpu_tensors(base_dir, tmp_path):
     """Stands in for NCCL at the first update on two GPUs: the group the trainer joins on CUDA
     (``distributed.init("cuda")``) must serve the update's CPU scalars (sequence and token counts,
     loss sums, statistics) and its object gathers; the stand-in refuses every CPU tensor it gets."""
-    single, _ = _update(base_dir, D.SINGLE, slice(0, N_SEQ))
-    mp.spawn(_standin_rank, args=(2, _free_port(), str(base_dir), str(tmp_path)), nprocs=2, join=True)
+    single, _ = update_rows(base_dir, D.SINGLE, slice(0, N_SEQ))
+    mp.spawn(_standin_rank, args=(2, free_port(), str(base_dir), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r, got in enumerate(ranks):
         assert "error" not in got, f"rank {r}: {got['error']}"
@@ -272,11 +270,11 @@ def test_norm_writes_reach_every_tensor_parallel_worker_and_sharded_merges_are_r
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(back)[NORM], noisy)
-    assert _collective_rpc(workers, "qerl_merge_lora", None) == [[], []]  # unmerge of nothing: a hand-out's first op
+    assert _collective_rpc(workers, "qerl_merge_adapter", None) == [[], []]  # unmerge of nothing: a hand-out's first op
     adapter = _adapter(tmp_path / "adapter")
     for w in workers:
         with pytest.raises(NotImplementedError, match=r"q_proj\.weight: served layer is sharded over 2 tensor-parallel"):
-            w.qerl_merge_lora(str(adapter))
+            w.qerl_merge_adapter(str(adapter))
         with pytest.raises(NotImplementedError, match="sharded over 2"):
             w.qerl_read_weights(["model.layers.0.self_attn.q_proj.weight"], str(tmp_path / "x.safetensors"))
     save_file({NORM: torch.ones(H), "model.layers.0.self_attn.k_proj.weight": torch.ones(KV, H)},
@@ -294,7 +292,7 @@ def test_packed_base_merge_and_read_name_the_quantization(tmp_path):
     worker, _ = _fake_worker(1, quantized=True)
     assert worker.qerl_param_names()["model.layers.0.self_attn.q_proj.weight"] == "quantized"
     with pytest.raises(NotImplementedError, match=r"q_proj\.weight: served layer is quantized \(_PackedMethod\).*adapter"):
-        worker.qerl_merge_lora(str(_adapter(tmp_path / "adapter")))
+        worker.qerl_merge_adapter(str(_adapter(tmp_path / "adapter")))
     with pytest.raises(NotImplementedError, match="quantized.*repacked"):
         worker.qerl_read_weights(["model.layers.0.self_attn.v_proj.weight"], str(tmp_path / "x.safetensors"))
     dense, _ = _fake_worker(1)  # the same layer unquantized: its parts are addressable and readable

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import project_copy, run_kedro
+from tests.helpers.project import project_copy, run_kedro
 
 pytestmark = pytest.mark.kedro_run
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import project_copy, start_kedro, stop_kedro
+from tests.helpers.project import project_copy, start_kedro, stop_kedro
 
 DEADLINE_S = 20.0
 

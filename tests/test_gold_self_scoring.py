@@ -9,40 +9,17 @@ scorer's workers run, cheap checks included), about 20 s for the ~1,900 golds x 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from qerl_pipeline.data.sources import normalise_row
-from qerl_pipeline.rewards import math as rm
-from qerl_pipeline.rewards.math import normalise_tex_shorthand, score_accuracy
-from tests.conftest import SHARED
+from qerl_pipeline.rewards.extraction import KNOWN_PLAIN_MISSES, MATH500_PLAIN_FLOOR, score_accuracy
+from qerl_pipeline.rewards.tex import normalise_tex_shorthand
+from tests.helpers.golds import all_golds
 
-#: set name -> (folder under ../shared/data, source kind, split)
-SETS = {
-    "gsm8k": ("gsm8k", "gsm8k", "test"),
-    "math500": ("math500", "math500", "test"),
-    "aime24": ("aime24", "aime", "test"),
-    "amc23": ("amc23", "amc", "test"),
-}
 FORMS = {
     "boxed": "\\boxed{{{}}}",
     "plain": "The answer is {}.",
     "tagged": "<think>I work it out.</think><answer>{}</answer>",
 }
-
-
-def all_golds() -> dict[str, list[str]]:
-    """The golds of each set, as the project normalises them (skips when ../shared is absent)."""
-    out = {}
-    for name, (folder, kind, split) in SETS.items():
-        path = SHARED / "data" / folder / f"{split}.jsonl"
-        if not path.is_file():
-            pytest.skip(f"offline data copy not found at {path} (../shared beside the checkout)")
-        rows = [normalise_row(kind, name, split, i, json.loads(line)) for i, line in enumerate(path.open())]
-        out[name] = [r["gold"] for r in rows]
-        assert all(out[name]), f"{path}: a row without a gold"
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +54,8 @@ def test_plain_answer_form(golds):
     misses = _misses(golds["math500"], "plain")
     # the floor measured 2026-12-01 after the fix: 500 of 500 (391 before); every miss that
     # remains must be one the module docstring lists and explains
-    assert len(golds["math500"]) - len(misses) >= rm.MATH500_PLAIN_FLOOR
-    assert misses == list(rm.KNOWN_PLAIN_MISSES)
+    assert len(golds["math500"]) - len(misses) >= MATH500_PLAIN_FLOOR
+    assert misses == list(KNOWN_PLAIN_MISSES)
 
 
 # ----------------------------------------------------------------------- wrong answers stay wrong

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from qerl_pipeline.config import METHOD_FORMAT, METHODS, QerlConfig, validate
-from tests.conftest import project_copy, run_kedro
+from tests.helpers.project import project_copy, run_kedro
 
 
 def _producer(pipe, dataset):

@@ -6,7 +6,7 @@ does), 2 steps each, one BF16 base and one engine shared by the runs (``train(en
 as compare's shared engines): each run is the trainer's loop end to end (rollout, rewards,
 update, adapter sync) and must finish and log what its option promises. The math reward
 never fires on a random model, so the runs use the custom-reward hook
-(``tests.rewards_for_tests:letter_fraction``) and their advantages are not all zero.
+(``tests.helpers.rewards:letter_fraction``) and their advantages are not all zero.
 The values are unit-tested against hand computations and TRL in test_grpo.py,
 test_trl_oracle.py and test_policy_update.py; here the options meet a live engine.
 """
@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import PROJECT
-from tests.rewards_for_tests import letter_fraction
+from tests.helpers.project import PROJECT
+from tests.helpers.rewards import letter_fraction
 
 pytestmark = [pytest.mark.vllm]
 

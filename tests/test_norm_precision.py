@@ -1,4 +1,4 @@
-"""Norm weights in fp32 under a bf16 model (rl/norms.py, rollout/vllm_plugin.py).
+"""Norm weights in fp32 under a bf16 model (quantization/norms.py, rollout/vllm_plugin.py).
 
 Fast tier: the trainer's ``Fp32WeightRMSNorm`` against Hugging Face's and vLLM's RMSNorm
 math, the swap in a bf16 policy, the served-noise check of config validation, and the vLLM
@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from qerl_pipeline.config import ConfigError, QerlConfig
-from qerl_pipeline.rl import aqn, norms
+from qerl_pipeline.quantization import aqn, norms
 
 PROJECT = Path(__file__).resolve().parents[1]
 PAPER_ENVS = sorted(p.name for p in (PROJECT / "conf").glob("paper_*"))

@@ -6,9 +6,8 @@ computes is compared with bytes measured on those objects: the packed base and t
 the policy's parameters and buffers, the LoRA, the AdamW (torch and bitsandbytes 8-bit) state
 after one step, and the activations autograd saves in a forward through
 ``step.completion_logprobs`` (counted with ``saved_tensors_hooks``), with and without
-gradient checkpointing; and the process peak (VmHWM, in a fresh interpreter, about 30 s of
-CPU) of one forward+backward must lie between the planned saved bytes and the planned peak.
-The engine-side figures (vLLM) have no CPU counterpart here.
+gradient checkpointing. The config is read through Kedro's own loader, compared with the
+loader ``kedro run`` builds. The engine-side figures (vLLM) have no CPU counterpart here.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_pipeline import planner
+from qerl_pipeline.planner import cli, inputs, sizing
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.quantization import checkpoint
 from qerl_pipeline.quantization.policy import PackedLinear, build_policy
@@ -47,7 +46,7 @@ def bases(tmp_path_factory):
     out = {}
     for kind in ("llama", "qwen2"):
         model = _tiny(kind)
-        shape = planner.ModelShape.from_config(model.config)
+        shape = sizing.ModelShape.from_config(model.config)
         for fmt in ("nvfp4", "nf4", "bf16"):
             folder = root / f"{kind}_{fmt}"
             checkpoint.write_base(model, None, fmt, folder, nf4_blocksize=NF4_BLOCK)
@@ -105,9 +104,9 @@ def test_resident_bytes_equal_the_policys_tensors(bases, kind, fmt):
     lora = sum(_nbytes(p) for n, p in policy.named_parameters() if "lora_" in n)
     everything = _unique_bytes([*policy.parameters(), *policy.buffers()])
 
-    planned = planner.weight_bytes(cfg, shape)
+    planned = sizing.weight_bytes(cfg, shape)
     assert planned["base_linears"] == base_linear
-    assert planner._trainer_resident(cfg, shape)["lora"] == lora
+    assert sizing._trainer_resident(cfg, shape)["lora"] == lora
     assert sum(planned.values()) + lora == everything
     if fmt == "nvfp4":  # 4.5 bits a weight: the codes and one FP8 scale per 16 (+ 4 bytes per tensor)
         numel = shape.num_hidden_layers * sum(a * b for a, b, _ in shape.linears().values())
@@ -118,7 +117,7 @@ def test_trainable_tensors_are_the_policys(bases):
     cfg = _cfg("nvfp4", train_norms=True)
     policy, shape = _policy(bases, "llama", "nvfp4", cfg)
     measured = sorted((p.numel(), p.element_size()) for p in policy.parameters() if p.requires_grad)
-    assert sorted(planner.trainable_tensors(cfg, shape)) == measured
+    assert sorted(sizing.trainable_tensors(cfg, shape)) == measured
 
 
 # ----------------------------------------------------------------------------- optimizer state
@@ -131,7 +130,7 @@ def _one_step(opt, params):
 
 @pytest.mark.parametrize("train_norms", [False, True])
 def test_torch_adamw_state_after_one_step(bases, train_norms):
-    from qerl_pipeline.rl.trainer import build_optimizer
+    from qerl_pipeline.rl.optim import build_optimizer
 
     cfg = _cfg("nvfp4", train_norms=train_norms)
     policy, shape = _policy(bases, "llama", "nvfp4", cfg)
@@ -139,9 +138,9 @@ def test_torch_adamw_state_after_one_step(bases, train_norms):
     opt, note = build_optimizer(params, cfg)
     assert note == "torch AdamW"
     state = _one_step(opt, params)
-    planned = planner.optimizer_bytes(cfg, planner.trainable_tensors(cfg, shape))
+    planned = sizing.optimizer_bytes(cfg, sizing.trainable_tensors(cfg, shape))
     assert planned["gpu"] + planned["host"] == _unique_bytes(state)
-    assert planner._trainer_resident(cfg, shape)["grads"] == sum(_nbytes(p.grad) for p in params)
+    assert sizing._trainer_resident(cfg, shape)["grads"] == sum(_nbytes(p.grad) for p in params)
 
 
 def test_bitsandbytes_adamw8bit_state_after_one_step(bases):
@@ -151,10 +150,10 @@ def test_bitsandbytes_adamw8bit_state_after_one_step(bases):
     policy, shape = _policy(bases, "llama", "nvfp4", cfg)
     params = [p for p in policy.parameters() if p.requires_grad]
     sizes = {p.numel() for p in params}
-    assert min(sizes) < planner.BNB_MIN_8BIT_SIZE <= max(sizes)  # both kinds of state occur
+    assert min(sizes) < sizing.BNB_MIN_8BIT_SIZE <= max(sizes)  # both kinds of state occur
     opt = bnb.optim.AdamW8bit(params, lr=1e-3)
     state = _one_step(opt, params)
-    assert planner.optimizer_bytes(cfg, planner.trainable_tensors(cfg, shape))["gpu"] == _unique_bytes(state)
+    assert sizing.optimizer_bytes(cfg, sizing.trainable_tensors(cfg, shape))["gpu"] == _unique_bytes(state)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -191,10 +190,10 @@ def test_saved_activations_equal_autograds(bases, kind, fmt, dtype, train_norms,
     cfg = _cfg(fmt, dtype=dtype, train_norms=train_norms, gc=gc, seq=seq, completion=completion)
     policy, shape = _policy(bases, kind, fmt, cfg)
     policy.train()
-    acts = planner.activation_bytes(cfg, shape, b)
+    acts = sizing.activation_bytes(cfg, shape, b)
     assert acts["saved"] == _saved_bytes(policy, b, seq, completion)
     if gc:  # checkpointing keeps less, and pays one layer's recompute in backward
-        full = planner.activation_bytes(_cfg(fmt, dtype=dtype, train_norms=train_norms, seq=seq, completion=completion), shape, b)
+        full = sizing.activation_bytes(_cfg(fmt, dtype=dtype, train_norms=train_norms, seq=seq, completion=completion), shape, b)
         assert acts["saved"] < full["saved"] and acts["recompute"] == full["per_layer"] + full["rotary"]
 
 
@@ -203,61 +202,62 @@ def test_saved_activations_scale_with_the_micro_batch(bases):
     policy, shape = _policy(bases, "llama", "nvfp4", cfg)
     policy.train()
     for b in (1, 2, 5):
-        assert planner.activation_bytes(cfg, shape, b)["saved"] == _saved_bytes(policy, b, 40, 20)
+        assert sizing.activation_bytes(cfg, shape, b)["saved"] == _saved_bytes(policy, b, 40, 20)
 
 
 # ----------------------------------------------------------------------------- the plan
 def _paper(env: str, **params) -> QerlConfig:
     over = ",".join(f"{k}={v}" for k, v in params.items())
-    return planner.load_config(env, over or None, CONF)
+    return inputs.load_config(env, over or None, CONF)
 
 
 def test_largest_micro_batch_is_the_boundary():
     cfg = _paper("paper_bigmath_7b")
-    shape = planner.PRESETS["qwen2.5-7b"]
-    p = planner.plan(cfg, shape, 80)
+    shape = inputs.PRESETS["qwen2.5-7b"]
+    p = sizing.plan(cfg, shape, 80)
     assert 0 < p.max_micro_batch < p.rollout_batch
-    assert planner.plan(cfg, shape, 80, micro_batch=p.max_micro_batch).peak <= p.gpu_bytes
-    assert planner.plan(cfg, shape, 80, micro_batch=p.max_micro_batch + 1).peak > p.gpu_bytes
+    assert sizing.plan(cfg, shape, 80, micro_batch=p.max_micro_batch).peak <= p.gpu_bytes
+    assert sizing.plan(cfg, shape, 80, micro_batch=p.max_micro_batch + 1).peak > p.gpu_bytes
     assert p.peak == max(p.rollout_phase, p.update_phase) and p.fits == (p.engine_starts and p.peak <= p.gpu_bytes)
 
 
 def test_sleep_gradient_checkpointing_and_utilization_move_the_plan():
-    shape = planner.PRESETS["qwen2.5-14b"]
+    shape = inputs.PRESETS["qwen2.5-14b"]
     awake_cfg = _paper("paper_bigmath_14b", **{"rollout.sleep_between_steps": "false"})
     asleep_cfg = _paper("paper_bigmath_14b", **{"rollout.sleep_between_steps": "true"})
-    awake, asleep = planner.plan(awake_cfg, shape, 80), planner.plan(asleep_cfg, shape, 80, empty_cache=False)
+    awake, asleep = sizing.plan(awake_cfg, shape, 80), sizing.plan(asleep_cfg, shape, 80, empty_cache=False)
     # the default follows the code: the sleeper empties the trainer's cache, an awake engine never has it emptied
-    assert planner.plan(asleep_cfg, shape, 80).to_dict() == planner.plan(asleep_cfg, shape, 80, empty_cache=True).to_dict()
-    assert awake.to_dict() == planner.plan(awake_cfg, shape, 80, empty_cache=False).to_dict()
+    assert sizing.plan(asleep_cfg, shape, 80).to_dict() == sizing.plan(asleep_cfg, shape, 80, empty_cache=True).to_dict()
+    assert awake.to_dict() == sizing.plan(awake_cfg, shape, 80, empty_cache=False).to_dict()
     assert awake.update_phase - asleep.update_phase == awake.engine_reserved - asleep.engine_asleep
     # the trainer's cached activations meet the waking engine: sleep alone buys no larger micro-batch ...
     assert awake.max_micro_batch == asleep.max_micro_batch
     assert asleep.rollout_phase == asleep.update_phase - asleep.engine_asleep + asleep.engine_reserved
     # ... an emptied cache does
-    emptied = planner.plan(asleep_cfg, shape, 80, empty_cache=True)
+    emptied = sizing.plan(asleep_cfg, shape, 80, empty_cache=True)
     assert asleep.rollout_phase - emptied.rollout_phase == asleep.activations["peak"]
     assert emptied.max_micro_batch > asleep.max_micro_batch
     assert emptied.max_gpu_memory_utilization > asleep.max_gpu_memory_utilization
-    assert planner.plan(awake_cfg, shape, 80, empty_cache=True).max_micro_batch == awake.max_micro_batch
-    no_gc = planner.plan(_paper("paper_bigmath_14b", **{"lora.gradient_checkpointing": "false"}), shape, 80)
+    assert sizing.plan(awake_cfg, shape, 80, empty_cache=True).max_micro_batch == awake.max_micro_batch
+    no_gc = sizing.plan(_paper("paper_bigmath_14b", **{"lora.gradient_checkpointing": "false"}), shape, 80)
     assert no_gc.activations["peak"] > asleep.activations["peak"]
-    low = planner.plan(_paper("paper_bigmath_14b", **{"rollout.gpu_memory_utilization": 0.05}), shape, 80)
+    low = sizing.plan(_paper("paper_bigmath_14b", **{"rollout.gpu_memory_utilization": 0.05}), shape, 80)
     assert not low.engine_starts and not low.fits and low.notes
     assert low.min_gpu_memory_utilization == asleep.min_gpu_memory_utilization
-    starts = planner.plan(_paper("paper_bigmath_14b", **{"rollout.gpu_memory_utilization": asleep.min_gpu_memory_utilization + 1e-3}), shape, 80)
+    starts = sizing.plan(_paper("paper_bigmath_14b", **{"rollout.gpu_memory_utilization": asleep.min_gpu_memory_utilization + 1e-3}), shape, 80)
     assert starts.engine_starts and starts.max_concurrent_rollouts >= 1
 
 
 def test_kv_cache_per_token():
-    cfg, shape = _paper("paper_bigmath_32b"), planner.PRESETS["qwen2.5-32b"]
-    assert planner.kv_bytes_per_token(cfg, shape) == 2 * 64 * 8 * 128 * 2  # K and V, 64 layers, 8 KV heads of 128, bf16
+    cfg, shape = _paper("paper_bigmath_32b"), inputs.PRESETS["qwen2.5-32b"]
+    # K and V, 64 layers, 8 KV heads of 128, bf16
+    assert sizing.plan(cfg, shape, 80).kv_per_token == 2 * 64 * 8 * 128 * 2
 
 
 def test_nf4_double_quant_is_refused_like_the_trainer():
     cfg = _paper("paper_bigmath_7b", method="qlora", **{"quantize.nf4_double_quant": "true"})
     with pytest.raises(ValueError, match="nf4_double_quant"):
-        planner.plan(cfg, planner.PRESETS["qwen2.5-7b"], 80)
+        sizing.plan(cfg, inputs.PRESETS["qwen2.5-7b"], 80)
 
 
 # ----------------------------------------------------------------------------- config and CLI
@@ -265,41 +265,53 @@ def test_nf4_double_quant_is_refused_like_the_trainer():
 def test_load_config_matches_kedros_loader(env):
     from kedro.config import OmegaConfigLoader
 
-    loader = OmegaConfigLoader(conf_source=str(CONF), base_env="base", default_run_env=env,
-                               merge_strategy={"parameters": "soft"})
+    from qerl_pipeline import settings
+
+    loader = OmegaConfigLoader(conf_source=str(CONF), env=env, **settings.CONFIG_LOADER_ARGS)
     expected = QerlConfig.model_validate(loader["parameters"]).model_dump()
-    assert planner.load_config(env, conf_dir=CONF).model_dump() == expected
+    assert inputs.load_config(env, conf_dir=CONF).model_dump() == expected
+
+
+@pytest.mark.parametrize("text", ["train.micro_batch_size=3,lora.gradient_checkpointing=false",
+                                  "model.name=/tmp/a:b, rollout.gpu_memory_utilization=0.05,method=qlora", "a=", ""])
+def test_params_parse_as_kedro_runs_callback(text):
+    import click
+    from kedro.framework.cli.utils import _split_params
+
+    assert inputs.parse_params(text) == _split_params(click.Context(click.Command("run")), None, text)
+    with pytest.raises(ValueError, match="not key=value"):
+        inputs.parse_params("train.micro_batch_size")
 
 
 def test_params_override_and_bad_values_name_the_field():
-    cfg = planner.load_config("paper_bigmath_7b", "train.micro_batch_size=3,lora.gradient_checkpointing=false", CONF)
+    cfg = inputs.load_config("paper_bigmath_7b", "train.micro_batch_size=3,lora.gradient_checkpointing=false", CONF)
     assert cfg.train.micro_batch_size == 3 and cfg.lora.gradient_checkpointing is False
     with pytest.raises(ValueError, match="train.micro_batch_size"):
-        planner.load_config("paper_bigmath_7b", "train.micro_batch_size=-1", CONF)
+        inputs.load_config("paper_bigmath_7b", "train.micro_batch_size=-1", CONF)
 
 
 def test_shape_from_a_local_config_folder(tmp_path):
     model = _tiny("qwen2")
     model.config.save_pretrained(tmp_path)
-    cfg = planner.load_config(None, f"model.name={tmp_path}", CONF)
-    shape = planner.resolve_shape(cfg)
+    cfg = inputs.load_config(None, f"model.name={tmp_path}", CONF)
+    shape = inputs.resolve_shape(cfg)
     assert shape.attention_bias and shape.tie_word_embeddings and shape.parameters() == sum(
         p.numel() for p in model.parameters())
 
 
 def test_cli_prints_the_table_and_json(capsys):
-    assert planner.main(["--conf-dir", str(CONF), "--env", "paper_bigmath_32b", "--gpu-gb", "80", "--methods", "qerl,lora"]) == 0
+    assert cli.main(["--conf-dir", str(CONF), "--env", "paper_bigmath_32b", "--gpu-gb", "80", "--methods", "qerl,lora"]) == 0
     out = capsys.readouterr().out
     assert "qerl (nvfp4)" in out and "lora (bf16)" in out and "fits" in out
-    assert planner.main(["--conf-dir", str(CONF), "--env", "paper_bigmath_32b", "--gpu-gb", "80", "--format", "json"]) == 0
+    assert cli.main(["--conf-dir", str(CONF), "--env", "paper_bigmath_32b", "--gpu-gb", "80", "--format", "json"]) == 0
     (p,) = json.loads(capsys.readouterr().out)
     assert p["model"] == "Qwen/Qwen2.5-32B-Instruct" and p["method"] == "qerl"
 
 
 def test_cli_errors_are_one_line(capsys):
-    assert planner.main(["--conf-dir", str(CONF), "--gpu-gb", "80"]) == 0  # the base env's SmolLM2 resolves through its preset
+    assert cli.main(["--conf-dir", str(CONF), "--gpu-gb", "80"]) == 0  # the base env's SmolLM2 resolves through its preset
     capsys.readouterr()
-    assert planner.main(["--conf-dir", str(CONF), "--gpu-gb", "80", "--params", "model.name=org/unknown-model"]) == 1
+    assert cli.main(["--conf-dir", str(CONF), "--gpu-gb", "80", "--params", "model.name=org/unknown-model"]) == 1
     assert "--model-preset" in capsys.readouterr().err
 
 

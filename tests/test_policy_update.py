@@ -8,29 +8,13 @@ import pytest
 import torch
 
 from qerl_pipeline.config import QerlConfig
-from qerl_pipeline.quantization import checkpoint
 from qerl_pipeline.quantization.policy import build_policy
-from qerl_pipeline.rl import aqn, grpo, step
-from qerl_pipeline.rl.trainer import build_optimizer, lr_factor, trained_norms
+from qerl_pipeline.quantization import aqn
+from qerl_pipeline.rl import grpo, step
+from qerl_pipeline.adapter import trained_norms
+from qerl_pipeline.rl.optim import build_optimizer, lr_factor
 
 LR = 1e-3
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    out = tmp_path_factory.mktemp("pu") / "nvfp4"
-    checkpoint.write_base(model, None, "nvfp4", out)
-    return out
 
 
 def _cfg(**over) -> QerlConfig:
@@ -84,7 +68,7 @@ def test_trained_norms_step_from_clean_values_and_keep_the_update(base_dir):
     clean = {n: p.detach().clone() for n, p in norm_params.items()}
     noisy = _noisy(clean, names)
     ids, p_lens, roll, mask, adv = _batch()
-    step.policy_update(policy, opt, sched, params, norm_params, noisy, ids, p_lens, roll, mask, adv, cfg, 0)
+    step.policy_update(policy, step.Optim(opt, sched, params, norm_params), step.Batch(ids, p_lens, roll, mask, adv, noisy), cfg, 0)
     moved = max(float((norm_params[n].detach() - clean[n]).abs().max()) for n in names)
     assert moved > 0.1 * LR, "trained norms did not move (the update was undone)"
     # Adam's first step moves each entry by at most ~lr; the noise (sigma 0.3) must not stay behind
@@ -112,7 +96,7 @@ def test_kl_reference_is_the_clean_base(base_dir, monkeypatch):
 
     monkeypatch.setattr(grpo, "policy_loss", spy)
     ref_norms = {n: base[n] for n in norm_params}
-    step.policy_update(policy, opt, sched, params, norm_params, noisy, ids, p_lens, roll, mask, adv, cfg, 0, ref_norms=ref_norms)
+    step.policy_update(policy, step.Optim(opt, sched, params, norm_params), step.Batch(ids, p_lens, roll, mask, adv, noisy), cfg, 0, ref_norms=ref_norms)
     got = torch.cat(seen, 0)
     fresh = build_policy(base_dir, "nvfp4", cfg.lora, dtype=torch.float32).eval()  # the base: no adapter effect, base norms
     with torch.no_grad():
@@ -137,7 +121,7 @@ def test_missing_rollout_logprob_gets_pi_old_in_every_update(base_dir, monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(grpo, "policy_loss", spy)
-    step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
+    step.policy_update(policy, step.Optim(opt, sched, params, norm_params), step.Batch(ids, p_lens, roll, mask, adv), cfg, 0)
     assert len(seen) == 4  # 2 updates x 2 micro-batches
     for u in range(2):
         first, second = seen[2 * u], seen[2 * u + 1]
@@ -161,7 +145,7 @@ def test_entropy_selection_is_over_the_whole_batch_and_pi_old_unchanged(base_dir
         return real(logp, old_logp, *args, **kwargs)
 
     monkeypatch.setattr(grpo, "policy_loss", spy)
-    out = step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
+    out = step.policy_update(policy, step.Optim(opt, sched, params, norm_params), step.Batch(ids, p_lens, roll, mask, adv), cfg, 0)
     chosen = torch.cat([sel for sel, _ in seen], 0)
     assert chosen.shape == mask.shape and float((chosen * (1 - mask)).sum()) == 0.0
     n_real = int(mask.sum())
@@ -180,7 +164,7 @@ def test_each_is_mode_logs_its_ratios_and_fractions(base_dir, mode):
     cfg = _cfg(grpo={"kl_beta": 0.0, "log_kl_to_base": False, "is_mode": mode, "is_cap": 1.05, "is_lower": 0.95})
     policy, params, opt, sched, base, names, norm_params = _setup(base_dir, cfg)
     ids, p_lens, roll, mask, adv = _batch()
-    out = step.policy_update(policy, opt, sched, params, norm_params, {}, ids, p_lens, roll, mask, adv, cfg, 0)
+    out = step.policy_update(policy, step.Optim(opt, sched, params, norm_params), step.Batch(ids, p_lens, roll, mask, adv), cfg, 0)
     if mode == "none":
         assert not any(k.startswith("mismatch/is_") for k in out)
         return

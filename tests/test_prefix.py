@@ -201,7 +201,7 @@ def test_decoded_weights_decode_once_and_change_nothing(nvfp4_base, monkeypatch)
 
 
 def test_policy_update_keeps_weights_on_cpu_by_default(nvfp4_base, monkeypatch):
-    from qerl_pipeline.rl.trainer import build_optimizer
+    from qerl_pipeline.rl.optim import build_optimizer
 
     cfg = QerlConfig.model_validate({
         "method": "qerl", "lora": {"rank": 4, "alpha": 8}, "grpo": {"num_generations": 3, "kl_beta": 0.0},
@@ -228,12 +228,12 @@ def test_policy_update_keeps_weights_on_cpu_by_default(nvfp4_base, monkeypatch):
 
     monkeypatch.setattr(step, "completion_logprobs", spy)
     # step 0: the KL diagnostic's reference forward (no grad) runs; decodes stay one per linear for the whole update
-    out0 = step.policy_update(policy, opt, sched, params, {}, None, ids, p_lens, roll, mask, adv, cfg, 0)
+    out0 = step.policy_update(policy, step.Optim(opt, sched, params, {}), step.Batch(ids, p_lens, roll, mask, adv), cfg, 0)
     assert refs == [False, True] and "policy/kl_to_base" in out0
     assert len(decodes) == len(packed)
     # step 1 (log_kl_to_base_every 5): no reference forward, no KL logged
     refs.clear()
-    out1 = step.policy_update(policy, opt, sched, params, {}, None, ids, p_lens, roll, mask, adv, cfg, 1)
+    out1 = step.policy_update(policy, step.Optim(opt, sched, params, {}), step.Batch(ids, p_lens, roll, mask, adv), cfg, 1)
     assert refs == [True] and "policy/kl_to_base" not in out1
     assert step.reference_every(cfg) == 5
     assert step.reference_every(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"kl_beta": 0.1})})) == 1
@@ -244,9 +244,9 @@ def test_benchmark_batch_groups_share_their_prompt():
     from qerl_pipeline.benchmarking.training import make_batch
 
     b = make_batch(256, num_prompts=2, group=4, prompt_len=6, completion_len=5)
-    first, of_row = prefix.prompt_groups(b["ids"], b["p_lens"])
+    first, of_row = prefix.prompt_groups(b.ids, b.p_lens)
     assert first == [0, 4] and of_row.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert len({tuple(r) for r in b["ids"][:, 6:].tolist()}) == 8  # completions differ
+    assert len({tuple(r) for r in b.ids[:, 6:].tolist()}) == 8  # completions differ
 
 
 def test_training_flops_count_the_shared_prompt_once():
@@ -273,7 +273,7 @@ def test_training_flops_count_the_shared_prompt_once():
 
 
 def test_planner_counts_what_the_head_keeps():
-    from qerl_pipeline import planner
+    from qerl_pipeline.planner import sizing as planner
     from qerl_pipeline.rl import logprobs
 
     assert planner.KEEP_SOFTMAX_BYTES == logprobs.DEFAULT_KEEP_BYTES and planner.HEAD_CHUNK == logprobs.DEFAULT_CHUNK_TOKENS

@@ -1,7 +1,7 @@
 """The Kedro project as a user meets it: pipelines registered, lineage renders.
 
 The CLI runs in a throw-away project copy (``kedro viz build`` writes ``build/`` where it
-runs), through the conftest's ``run_kedro``.
+runs), through ``tests/helpers/project.py``'s ``run_kedro``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from .conftest import PROJECT, project_copy, run_kedro
+from tests.helpers.project import PROJECT, project_copy, run_kedro
 
 PIPELINES = {"data_prep", "quantize", "train", "evaluate", "compare", "benchmark"}
 
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_kedro
+from tests.helpers.project import run_kedro
 
 KEDRO = str(Path(sys.executable).with_name("kedro"))
 
@@ -123,3 +123,58 @@ def test_fast_tier_deselects_integration_and_fails_tests_that_start_kedro_or_an_
     assert "fast tier: the Kedro CLI" in out and "fast tier: a KedroSession" in out
     assert "fast tier: the vLLM rollout engine" in out
     assert outcomes.get("errors") == 4 and re.search(r"PASSED test_tiers.py::test_plain_subprocess", out), out[-4000:]
+
+
+# ----------------------------------------------------------------------------- the README and docs/
+README_MAX_LINES = 250
+FIRST_SCREEN = 40
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_anchor(m.group(1)) for m in re.finditer(r"^#+\s+(.+)$", text, flags=re.M)}
+
+
+def test_readme_is_the_newcomers_page():
+    """At most 250 lines, and both commands (install, tests) on its first screen."""
+    lines = (PROJECT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, len(lines)
+    first_screen = "\n".join(lines[:FIRST_SCREEN])
+    assert "bash install.sh" in first_screen and ".venv/bin/python -m pytest" in first_screen
+
+
+def test_every_relative_link_in_readme_and_docs_resolves():
+    """Each relative link in README.md and docs/*.md names an existing file, and its #anchor a heading there."""
+    pages = [PROJECT / "README.md", *sorted((PROJECT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        text = re.sub(r"`[^`\n]*`", "", text)
+        for target in LINK.findall(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_every_module_path_in_readme_and_docs_exists():
+    """Each ``dir/file.py`` that README.md or docs/*.md names (from the root or under src/qerl_pipeline) exists."""
+    pages = [PROJECT / "README.md", *sorted((PROJECT / "docs").glob("*.md"))]
+    missing = [
+        f"{page.name}: {path}"
+        for page in pages
+        for path in re.findall(r"`([\w./-]+/[\w.-]+\.py)(?:::\w+)?`", page.read_text())
+        if not ((PROJECT / path).exists() or (PROJECT / "src" / "qerl_pipeline" / path).exists())
+    ]
+    assert not missing, missing

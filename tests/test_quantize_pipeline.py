@@ -16,7 +16,8 @@ import torch
 from qerl_pipeline.datasets.hf_model_folder import HFModelFolderDataset
 from qerl_pipeline.quantization import checkpoint, nvfp4
 
-from .conftest import project_copy
+from tests.helpers.files import rewritten, snapshot
+from tests.helpers.project import project_copy, run_kedro, tracking_uri
 
 PROJECT = Path(__file__).resolve().parents[1]
 METHODS = {"qerl": "nvfp4", "qlora": "nf4", "lora": "bf16"}
@@ -128,8 +129,6 @@ def test_second_run_reuses_the_base_untouched(tmp_path):
     """`kedro run --pipelines=quantize` twice on one config: the second keeps every file and says so; force rewrites."""
     from mlflow.tracking import MlflowClient
 
-    from .conftest import run_kedro, tracking_uri
-    from .test_base_store import rewritten, snapshot
 
     root = project_copy(tmp_path / "project")
     args = ("run", "--pipelines=quantize", "--env=smoke")

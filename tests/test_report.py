@@ -15,8 +15,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from qerl_pipeline.evaluation import metrics as M
-from qerl_pipeline.evaluation import report as R
+from qerl_pipeline.evaluation import plots as P
+from qerl_pipeline.evaluation import report_claims as C
+from qerl_pipeline.evaluation import report_runs as R
+from qerl_pipeline.evaluation import report_tables as T
 from qerl_pipeline.evaluation import stats as S
+from qerl_pipeline.evaluation.report import REPORT_FILES, report_artifacts
+from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["qerl", "qerl_noaqn", "qlora", "lora", "lora_aqn"]
@@ -56,7 +61,7 @@ def _log_records(client, rid, records):
 
 def _log_method_run(client, exp_id, method, i, seed=0, group="g1"):
     """A run as a compare branch leaves it: tagged (method, seed), per-step curves, eval/... metrics and records."""
-    tags = {"method": method, "model": "tiny", "dataset": "generator", R.GROUP_TAG: group, "seed": str(seed)}
+    tags = {"method": method, "model": "tiny", "dataset": "generator", GROUP_TAG: group, "seed": str(seed)}
     run = client.create_run(exp_id, tags=tags, run_name=f"{method}-run-{seed}")
     rid = run.info.run_id
     client.log_param(rid, "method", method)
@@ -64,14 +69,14 @@ def _log_method_run(client, exp_id, method, i, seed=0, group="g1"):
     aqn = method in ("qerl", "lora_aqn")
     for step in STEPS:
         reward, entropy = _curves(method, seed, step)
-        client.log_metric(rid, R.CURVES["reward"][1][0], reward, step=step)
-        client.log_metric(rid, R.CURVES["entropy"][1][0], entropy, step=step)
+        client.log_metric(rid, R.CURVES["reward"][1], reward, step=step)
+        client.log_metric(rid, R.CURVES["entropy"][1], entropy, step=step)
         client.log_metric(rid, "aqn/stage", STAGE[step] if aqn else 0, step=step)
         client.log_metric(rid, "aqn/sigma", SIGMA[STAGE[step]] if aqn else 0.0, step=step)
-        client.log_metric(rid, R.SYSTEM["rollout_tokens_per_s"][1][0], 100.0 * (i + 1) + step, step=step)
-        client.log_metric(rid, R.SYSTEM["step_time_s"][1][0], 2.0 + i, step=step)
-        client.log_metric(rid, R.SYSTEM["peak_memory_gib"][1][0], 1.0 + step * 0.1, step=step)
-    client.log_metric(rid, R.SYSTEM["weight_mib"][1][0], [10.0, 10.0, 12.0, 40.0, 40.0][i])
+        client.log_metric(rid, R.SYSTEM["rollout_tokens_per_s"][1], 100.0 * (i + 1) + step, step=step)
+        client.log_metric(rid, R.SYSTEM["step_time_s"][1], 2.0 + i, step=step)
+        client.log_metric(rid, R.SYSTEM["peak_memory_gib"][1], 1.0 + step * 0.1, step=step)
+    client.log_metric(rid, R.SYSTEM["weight_mib"][1], [10.0, 10.0, 12.0, 40.0, 40.0][i])
     # evaluation: 4 problems on two benchmarks, method i gets i+1 of 4 right on 'gsm8k'; qerl's seed 1 one more
     records = []
     for bench in ("gsm8k", "math500"):
@@ -93,9 +98,9 @@ def store(tmp_path_factory):
     client = MlflowClient(tracking_uri=uri)
     exp_id = client.create_experiment(EXPERIMENT, artifact_location=str(tmp / "artifacts"))
     # an older run of qerl in another group, and the compare parent run: neither may be picked
-    old = client.create_run(exp_id, tags={"method": "qerl", R.GROUP_TAG: "old"})
+    old = client.create_run(exp_id, tags={"method": "qerl", GROUP_TAG: "old"})
     client.log_metric(old.info.run_id, "eval/trained/gsm8k/pass1", 0.99)
-    parent = client.create_run(exp_id, tags={R.ROLE_TAG: "compare", "method": "qerl"})
+    parent = client.create_run(exp_id, tags={ROLE_TAG: "compare", "method": "qerl"})
     ids = {(m, k): _log_method_run(client, exp_id, m, i, k) for i, m in enumerate(METHODS) for k in SEEDS}
     return {"uri": uri, "client": client, "ids": ids, "old": old.info.run_id, "parent": parent.info.run_id}
 
@@ -116,15 +121,15 @@ def test_load_runs_picks_group_and_newest(store):
 
 def test_tables(store):
     runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    table = R.accuracy_table(runs)
+    table = T.accuracy_table(runs)
     assert list(table.columns) == METHODS and list(table.index) == ["gsm8k", "math500"]
     # lora (i=3) gets all 4 gsm8k problems right: 1.000 with Wilson interval [z^2... , 1]
     lo, hi = M.wilson_interval(1.0, 4)
     assert table.at["gsm8k", "lora"] == f"1.000 [{lo:.3f}, {hi:.3f}]"
     assert table.at["gsm8k", "qerl"].startswith("0.375 [")  # seed 0: 1 of 4, seed 1: 2 of 4
-    base = R.accuracy_table(runs, policy="base")
+    base = T.accuracy_table(runs, policy="base")
     assert base.at["math500", "qlora"].startswith("0.125 [")  # 1 of 8 samples, 1/2 on one of 4 problems
-    sys = R.system_table(runs)
+    sys = T.system_table(runs)
     assert sys.loc["qlora", "Rollout tokens/s"] == pytest.approx(303.0)  # mean of 301..305, both seeds
     assert sys.loc["qerl", "Peak memory (GiB)"] == pytest.approx(1.5)  # max over steps
     assert sys.loc["lora", "Base weight size (MiB)"] == pytest.approx(40.0)
@@ -132,7 +137,7 @@ def test_tables(store):
 
 def test_accuracy_over_seeds_and_problems(store):
     runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    summary = R.accuracy_summary(runs).set_index(["method", "policy", "benchmark"])
+    summary = T.accuracy_summary(runs).set_index(["method", "policy", "benchmark"])
     row = summary.loc[("qerl", "trained", "gsm8k")]
     expected = S.crossed_interval([[1, 0, 0, 0], [1, 1, 0, 0]])  # seeds x problems, aligned by problem id
     assert (row["n_seeds"], row["n_problems"], row["interval_over"]) == (2, 4, "seeds+problems")
@@ -145,7 +150,7 @@ def test_accuracy_over_seeds_and_problems(store):
 
 def test_curve_bands_over_seeds(store):
     runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    bands = R.curve_bands(runs)
+    bands = T.curve_bands(runs)
     qerl = bands[(bands["curve"] == "reward") & (bands["method"] == "qerl")].set_index("step")
     # step 1: rewards 0.10 and 0.12: mean 0.11, half t(1) * 0.01
     assert qerl.loc[1, "mean"] == pytest.approx(0.11) and qerl.loc[1, "n_seeds"] == 2
@@ -156,8 +161,8 @@ def test_curve_bands_over_seeds(store):
 
 def test_claims_by_hand(store):
     runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    assert R.first_aqn_stage_steps(runs) == [2, 3]
-    found = {c.id: c for c in R.claims(runs)}
+    assert C.first_aqn_stage_steps(runs) == [2, 3]
+    found = {c.id: c for c in C.claims(runs)}
     assert set(found) == {"a_qerl_entropy_gt_lora", "a_qerl_noaqn_entropy_gt_lora", "a_qlora_entropy_gt_lora",
                           "b_qerl_ge_qerl_noaqn", "b_qerl_noaqn_ge_lora", "c_lora_aqn_ge_lora"}
     # (a) per-seed entropy differences over steps 2-3: 0.2, 0.22 / -0.3, -0.28 / 0, 0.02; half t(1) * 0.01 = 0.127
@@ -169,54 +174,65 @@ def test_claims_by_hand(store):
     assert found["b_qerl_noaqn_ge_lora"].text == "cannot tell: difference 0.005, 95% interval [-0.059, 0.069], 2 seeds"
     assert found["c_lora_aqn_ge_lora"].text == "cannot tell: difference 0.000, 95% interval [0.000, 0.000], 2 seeds"
     # one seed: every claim says the data cannot tell
-    one = {c.id: c for c in R.claims([r for r in runs if r.seed == 0])}
+    one = {c.id: c for c in C.claims([r for r in runs if r.seed == 0])}
     assert all(c.verdict == "cannot tell" and "1 seed (no interval" in c.text for c in one.values())
     # a method not run: the claim says which
-    no_aqn = {c.id: c for c in R.claims([r for r in runs if r.method != "lora_aqn"])}
+    no_aqn = {c.id: c for c in C.claims([r for r in runs if r.method != "lora_aqn"])}
     assert no_aqn["c_lora_aqn_ge_lora"].text == "cannot tell: no data for lora_aqn"
-    metrics, tags = R.claim_metrics(found.values())
+    metrics, tags = C.claim_metrics(found.values())
     assert metrics["claims/b_qerl_ge_qerl_noaqn/difference"] == pytest.approx(0.155)
     assert metrics["claims/b_qerl_ge_qerl_noaqn/n_seeds"] == 2
     assert tags["claims.a_qlora_entropy_gt_lora"].startswith("cannot tell")
 
 
-def test_build_report_writes_pngs_and_self_contained_html(store, tmp_path):
+@pytest.mark.filterwarnings("ignore:register_new_resolver")  # omegaconf 2.4 on Kedro's loader (settings.py)
+def test_report_files_through_the_catalog(store, tmp_path):
+    """The report node's files, saved by the catalog's compare_report_* entries: into the folder a
+    ``--params`` value of ``compare.report_dir`` names, atomically, and into the compare run's ``report/``."""
+    import mlflow
+    from kedro.config import OmegaConfigLoader
+    from kedro.io import DataCatalog
+
+    from qerl_pipeline.pipelines.compare.pipeline import OUTPUTS
+
     runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    paths = R.build_report(runs, tmp_path / "report")
+    files = report_artifacts(runs)
+    assert tuple(files) == REPORT_FILES
+    out = tmp_path / "report"
+    loader = OmegaConfigLoader(str(ROOT / "conf"), base_env="base", default_run_env="local",
+                               runtime_params={"compare": {"report_dir": str(out)}})
+    catalog = DataCatalog.from_config(loader["catalog"])
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(store["uri"])
+    try:
+        with mlflow.start_run(run_id=store["parent"]):  # the compare run: kedro-mlflow's active run
+            for name, data in files.items():
+                catalog.save(OUTPUTS[name], data)
+    finally:
+        mlflow.set_tracking_uri(before)
+    paths = {name: out / name for name in REPORT_FILES}
     for stem in ("reward_curves", "entropy_curves", "accuracy", "system"):
-        data = paths[stem].read_bytes()
+        data = paths[f"{stem}.png"].read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
-    page = paths["html"].read_text()
+    page = paths["report.html"].read_text()
     for m in METHODS:
-        assert m in page and R.METHOD_LABEL[m] in page
+        assert m in page and P.method_label(m) in page
     imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert len(imgs) == 4
     assert all(base64.b64decode(i)[:4] == b"\x89PNG" for i in imgs)
     assert "http" not in page.split("<body>")[1]  # nothing fetched from elsewhere
-    assert not list((tmp_path / "report").glob(".*tmp"))  # atomic writes left no temp files
-    csv = paths["accuracy_csv"].read_text().splitlines()
+    assert not [p for p in out.iterdir() if p.name not in REPORT_FILES]  # atomic writes left no temp files
+    csv = paths["accuracy.csv"].read_text().splitlines()
     assert csv[0].startswith("method,seed,policy,benchmark") and len(csv) == 1 + 5 * 2 * 2 * 2  # methods x seeds x policies x benchmarks
-    claims = json.loads(paths["claims_json"].read_text())
+    claims = json.loads(paths["claims.json"].read_text())
     assert len(claims) == 6 and all(c["text"] in page for c in claims)
-    assert "supported: difference 0.210, 95% interval [0.083, 0.337], 2 seeds" in paths["claims_csv"].read_text()
-    curves = paths["curves_csv"].read_text().splitlines()
+    assert "supported: difference 0.210, 95% interval [0.083, 0.337], 2 seeds" in paths["claims.csv"].read_text()
+    curves = paths["curves.csv"].read_text().splitlines()
     assert curves[0] == "curve,method,step,mean,ci_low,ci_high,n_seeds" and len(curves) == 1 + 2 * 5 * 5
-    assert paths["accuracy_summary_csv"].read_text().startswith("method,policy,benchmark,n_seeds")
-
-
-def test_log_report_to_mlflow(store, tmp_path):
-    from qerl_pipeline.evaluation.report import log_report
-
-    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    paths = R.build_report(runs, tmp_path / "r2")
-
-    class ClientLogger:  # the MetricsLogger method the report needs, on an explicit run
-        def log_artifact(self, path, artifact_path=None):
-            store["client"].log_artifact(store["parent"], path, artifact_path)
-
-    log_report(paths, ClientLogger())
+    assert paths["accuracy_summary.csv"].read_text().startswith("method,policy,benchmark,n_seeds")
+    assert paths["system.csv"].read_text() == T.system_table(runs).to_csv()  # the method index as first column
     names = {Path(f.path).name for f in store["client"].list_artifacts(store["parent"], "report")}
-    assert {"report.html", "accuracy.png", "reward_curves.png"} <= names
+    assert set(REPORT_FILES) <= names
 
 
 def test_notebook_executes_headless(store, monkeypatch):
@@ -254,7 +270,7 @@ def test_separate_train_and_evaluate_runs_are_paired(tmp_path):
     assert run.run_id == train and run.eval_run_id == evaluate
     assert run.curve("reward") == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2))]
     assert run.metrics["eval/trained/gsm8k/pass1"] == 0.25 and run.system("weight_mib") == 3.0
-    assert R.runs_table([run]).loc["qlora", "eval_run_id"] == evaluate
+    assert T.runs_table([run]).loc["qlora", "eval_run_id"] == evaluate
     again = R.load_selected(R.selection([run]), client=client)[0]
     assert again.metrics == run.metrics and again.eval_run_id == evaluate
 
@@ -265,14 +281,14 @@ def test_training_figure_draws_every_curve_from_the_history():
          "completion/length": 90.0 - s, "aqn/sigma": 0.01 / s}
         for s in range(1, 6)
     ]
-    fig = R.plot_training(history, "qerl")
+    fig = P.plot_training(history, "qerl")
     axes = fig.get_axes()
     assert [ax.get_title() for ax in axes] == [R.CURVES[k][0] for k in ("reward", "accuracy", "format", "entropy", "length", "sigma")]
     for ax in axes:
         (line,) = ax.get_lines()
         assert list(line.get_xdata()) == [1, 2, 3, 4, 5]
     assert list(axes[0].get_lines()[0].get_ydata()) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
-    assert R.figure_png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert P.figure_png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
     # a curve the history lacks says so instead of drawing nothing silently
-    empty = R.plot_training([{"step": 1, "reward/mean": 0.5}], "lora").get_axes()[1]
+    empty = P.plot_training([{"step": 1, "reward/mean": 0.5}], "lora").get_axes()[1]
     assert not empty.get_lines() and "no runs log this metric" in empty.texts[0].get_text()

@@ -1,10 +1,10 @@
 """Cheap bounds before math-verify: degenerate completions are rejected by a named check, or
-what reaches math-verify is within the documented bounds (rewards/math.py docstring).
+what reaches math-verify is within the documented bounds (rewards/bounds.py docstring).
 
 No timed assertion: the facts asserted are machine-independent (which check fires, what
 reaches math-verify, that no completion hits the scorer's time limit). The cost of a
 degenerate batch against an ordinary one is measured by hand, with this module run as a
-script (numbers in the rewards/math.py docstring):
+script (numbers in docs/performance.md):
 
     .venv/bin/python -m tests.test_reward_bounds [N]     # N = 1000 completions per batch
 """
@@ -19,9 +19,11 @@ import time
 import pytest
 
 from qerl_pipeline.config import RewardConfig
-from qerl_pipeline.rewards import RewardScorer
-from qerl_pipeline.rewards import math as rm
-from qerl_pipeline.rewards.math import bounds_violation, prediction_trace, score_accuracy
+from qerl_pipeline.rewards import RewardScorer, bounds
+from qerl_pipeline.rewards.bounds import bounds_violation
+from qerl_pipeline.rewards.extraction import _CONTROL_CHARS, prediction_trace, score_accuracy
+from qerl_pipeline.rewards.tex import normalise_tex_shorthand
+from tests.helpers.golds import all_golds
 
 TH = "<think>I work it out.</think>"
 
@@ -105,13 +107,13 @@ def degenerate_completions() -> dict[str, str]:
 
 
 def _within_bounds(kind: str, text: str) -> None:
-    limit = rm.MAX_ANSWER_CHARS if kind == "boxed" else rm.ANCHOR_WINDOW_CHARS
+    limit = bounds.MAX_ANSWER_CHARS if kind == "boxed" else bounds.ANCHOR_WINDOW_CHARS
     assert len(text) <= limit
-    assert rm.nesting_depth(text) <= rm.MAX_NESTING_DEPTH
-    assert rm.max_number_digits(text) <= rm.MAX_NUMBER_DIGITS
-    assert rm.operator_count(text) <= rm.MAX_OPERATORS
-    assert rm.exponent_depth(text) <= rm.MAX_EXPONENT_DEPTH
-    assert not rm._CONTROL_CHARS.search(text)
+    assert bounds.nesting_depth(text) <= bounds.MAX_NESTING_DEPTH
+    assert bounds.max_number_digits(text) <= bounds.MAX_NUMBER_DIGITS
+    assert bounds.operator_count(text) <= bounds.MAX_OPERATORS
+    assert bounds.exponent_depth(text) <= bounds.MAX_EXPONENT_DEPTH
+    assert not _CONTROL_CHARS.search(text)
     assert bounds_violation(text, limit) is None
 
 
@@ -126,7 +128,7 @@ def test_degenerate_completions_are_rejected_or_bounded():
     for name, completion in degenerate_completions().items():
         for tag, plain in ((True, True), (False, False)):
             trace = prediction_trace(completion, tag, plain)
-            assert trace["rejected"] is None or trace["rejected"] in rm.REJECTION_REASONS, name
+            assert trace["rejected"] is None or trace["rejected"] in bounds.REJECTION_REASONS, name
             for kind, text in trace["inputs"]:  # what math-verify was handed
                 _within_bounds(kind, text)
             if tag:
@@ -162,7 +164,7 @@ def test_degenerate_batch_through_the_scorer_never_times_out():
     for name, row in zip(names, rows):
         assert row["timed_out"] is False, name
         if row["rejected"]:
-            assert row["accuracy"] == 0.0 and row["rejected"] in rm.REJECTION_REASONS, name
+            assert row["accuracy"] == 0.0 and row["rejected"] in bounds.REJECTION_REASONS, name
     assert sum(1 for r in rows if r["rejected"]) >= 30
 
 
@@ -179,7 +181,7 @@ def test_control_characters_are_blanked_not_scored():
     assert score_accuracy(f"{TH}<answer>18\x00\x0c</answer>", "18")["accuracy"] == 1.0
     assert score_accuracy("So \x07\\boxed{1\x002}", "12")["accuracy"] == 0.0  # "1 2", not "12"
     trace = prediction_trace("\x01\x02The answer is 7.\x03")
-    assert trace["parsed"] and all(not rm._CONTROL_CHARS.search(t) for _, t in trace["inputs"])
+    assert trace["parsed"] and all(not _CONTROL_CHARS.search(t) for _, t in trace["inputs"])
 
 
 # ------------------------------------------------------------------ each check at its threshold
@@ -189,34 +191,34 @@ def _at(reason: str, ok: str, bad: str) -> None:
 
 
 def test_length_threshold():
-    ok = "\\text{" + "a" * (rm.MAX_ANSWER_CHARS - 7) + "}"
-    assert len(ok) == rm.MAX_ANSWER_CHARS
+    ok = "\\text{" + "a" * (bounds.MAX_ANSWER_CHARS - 7) + "}"
+    assert len(ok) == bounds.MAX_ANSWER_CHARS
     _at("length", ok, ok + " ")
-    window = "answer " + "x" * (rm.ANCHOR_WINDOW_CHARS - 7)
-    assert bounds_violation(window, rm.ANCHOR_WINDOW_CHARS) is None
-    assert bounds_violation(window + "x", rm.ANCHOR_WINDOW_CHARS) == "length"
+    window = "answer " + "x" * (bounds.ANCHOR_WINDOW_CHARS - 7)
+    assert bounds_violation(window, bounds.ANCHOR_WINDOW_CHARS) is None
+    assert bounds_violation(window + "x", bounds.ANCHOR_WINDOW_CHARS) == "length"
 
 
 def test_nesting_threshold():
-    d = rm.MAX_NESTING_DEPTH
+    d = bounds.MAX_NESTING_DEPTH
     _at("nesting_depth", "{" * d + "1" + "}" * d, "{" * (d + 1) + "1" + "}" * (d + 1))
     _at("nesting_depth", "(" * (d - 1) + "[1]" + ")" * (d - 1), "\\left(" * d + "[1]" + "\\right)" * d)
-    assert rm.nesting_depth("(3,4]") == 1 and rm.nesting_depth("))((") == 2
+    assert bounds.nesting_depth("(3,4]") == 1 and bounds.nesting_depth("))((") == 2
 
 
 def test_digits_threshold():
-    d = rm.MAX_NUMBER_DIGITS
+    d = bounds.MAX_NUMBER_DIGITS
     _at("number_digits", "9" * d, "9" * (d + 1))
     _at("number_digits", "0." + "3" * d, "0." + "3" * (d + 1))
     grouped = "1" + ",000" * 33  # 100 digits once the separators are joined
     _at("number_digits", grouped, grouped + ",000")
-    assert rm.max_number_digits("10,\\!080") == 5 and rm.max_number_digits("1,-2") == 1
+    assert bounds.max_number_digits("10,\\!080") == 5 and bounds.max_number_digits("1,-2") == 1
 
 
 def test_operators_threshold():
-    n = rm.MAX_OPERATORS
+    n = bounds.MAX_OPERATORS
     _at("operators", "+".join(["1"] * (n + 1)), "+".join(["1"] * (n + 2)))
-    assert rm.operator_count("a \\cdot b \\times c \\pm d \\\\ e") == 4
+    assert bounds.operator_count("a \\cdot b \\times c \\pm d \\\\ e") == 4
 
 
 def test_big_operator_check():
@@ -228,13 +230,13 @@ def test_big_operator_check():
 def test_exponent_depth_threshold():
     _at("exponent_depth", "2^{2^{2^{x}}}", "2^{2^{2^{2^{x}}}}")
     _at("exponent_depth", "a^b^c^d", "a^b^c^d^e")
-    assert rm.exponent_depth("x^2 + y^2") == 1 and rm.exponent_depth("e^{-x^2}") == 2
-    assert rm.exponent_depth("{x^2}^3") == 1  # a power of a power is not a tower
-    assert rm.exponent_depth("2^\\frac{2^{2^{2}}}{3}") == 3  # superscripts inside a command operand count
+    assert bounds.exponent_depth("x^2 + y^2") == 1 and bounds.exponent_depth("e^{-x^2}") == 2
+    assert bounds.exponent_depth("{x^2}^3") == 1  # a power of a power is not a tower
+    assert bounds.exponent_depth("2^\\frac{2^{2^{2}}}{3}") == 3  # superscripts inside a command operand count
 
 
 def test_exponent_value_threshold():
-    v = rm.MAX_EXPONENT_VALUE
+    v = bounds.MAX_EXPONENT_VALUE
     _at("exponent_value", f"7^{{{v}}}", f"7^{{{v + 1}}}")
     _at("exponent_value", "9^{9^{5}}", "9^{9^{6}}")  # 59049 vs 531441
     _at("exponent_value", "x^{10^{5}}", "x^{10^{5}+1}")
@@ -242,7 +244,7 @@ def test_exponent_value_threshold():
 
 
 def test_power_expansion_threshold():
-    t = rm.MAX_EXPANSION_TERMS  # (x+1)^n expands to n+1 terms
+    t = bounds.MAX_EXPANSION_TERMS  # (x+1)^n expands to n+1 terms
     _at("power_expansion", f"(x+1)^{{{t - 1}}}", f"(x+1)^{{{t}}}")
     _at("power_expansion", "(a+b+c)^{12}", "(a+b+c)^{13}")  # C(14,2)=91, C(15,2)=105
     _at("power_expansion", f"\\sin^{{{t - 1}}}(x)", f"\\sin^{{{t}}}(x)")
@@ -251,7 +253,7 @@ def test_power_expansion_threshold():
 
 
 def test_combinatorial_threshold():
-    m = rm.MAX_COMBINATORIAL_ARG
+    m = bounds.MAX_COMBINATORIAL_ARG
     _at("combinatorial_arg", f"{m}!", f"{m + 1}!")
     _at("combinatorial_arg", "(10^4)!", "(10^{5})!")
     _at("combinatorial_arg", f"\\binom{{{m}}}{{2}}", f"\\dbinom{{{m + 1}}}{{2}}")
@@ -259,41 +261,37 @@ def test_combinatorial_threshold():
 
 
 def test_numeric_magnitude():
-    assert rm.numeric_log10("1000") == pytest.approx(3)
-    assert rm.numeric_log10("9^{9}") == pytest.approx(9 * 0.9542, rel=1e-3)
-    assert rm.numeric_log10("2 \\cdot 10^{3}") == pytest.approx(3.30103)
-    assert rm.numeric_log10("\\frac{10^{6}}{3}") == pytest.approx(6)
-    assert rm.numeric_log10("9^{9^{9}}") > 1e8
-    assert rm.numeric_log10("x+1") is None and rm.numeric_log10("") is None and rm.numeric_log10("(1") is None
+    assert bounds.numeric_log10("1000") == pytest.approx(3)
+    assert bounds.numeric_log10("9^{9}") == pytest.approx(9 * 0.9542, rel=1e-3)
+    assert bounds.numeric_log10("2 \\cdot 10^{3}") == pytest.approx(3.30103)
+    assert bounds.numeric_log10("\\frac{10^{6}}{3}") == pytest.approx(6)
+    assert bounds.numeric_log10("9^{9^{9}}") > 1e8
+    assert bounds.numeric_log10("x+1") is None and bounds.numeric_log10("") is None and bounds.numeric_log10("(1") is None
 
 
 def test_thresholds_are_above_every_gold():
     """The checks never reject a gold of the four benchmark sets (the floor each threshold
     must clear); tests/test_gold_self_scoring.py scores those golds through the same path."""
-    from tests.test_gold_self_scoring import all_golds
-
     golds = [g for gs in all_golds().values() for g in gs]
     assert len(golds) > 1500
     worst = {"len": 0, "nest": 0, "digits": 0, "ops": 0, "exp": 0}
     for gold in golds:
-        text = rm.normalise_tex_shorthand(gold)
+        text = normalise_tex_shorthand(gold)
         assert bounds_violation(text) is None, gold
         worst = {
-            "len": max(worst["len"], len(text)), "nest": max(worst["nest"], rm.nesting_depth(text)),
-            "digits": max(worst["digits"], rm.max_number_digits(text)), "ops": max(worst["ops"], rm.operator_count(text)),
-            "exp": max(worst["exp"], rm.exponent_depth(text)),
+            "len": max(worst["len"], len(text)), "nest": max(worst["nest"], bounds.nesting_depth(text)),
+            "digits": max(worst["digits"], bounds.max_number_digits(text)), "ops": max(worst["ops"], bounds.operator_count(text)),
+            "exp": max(worst["exp"], bounds.exponent_depth(text)),
         }
     # comfortably above: at least twice the largest gold value of each measure
-    assert 2 * worst["len"] <= rm.MAX_ANSWER_CHARS and 2 * worst["nest"] <= rm.MAX_NESTING_DEPTH
-    assert 2 * worst["digits"] <= rm.MAX_NUMBER_DIGITS and 2 * worst["ops"] <= rm.MAX_OPERATORS
-    assert 2 * worst["exp"] <= rm.MAX_EXPONENT_DEPTH
+    assert 2 * worst["len"] <= bounds.MAX_ANSWER_CHARS and 2 * worst["nest"] <= bounds.MAX_NESTING_DEPTH
+    assert 2 * worst["digits"] <= bounds.MAX_NUMBER_DIGITS and 2 * worst["ops"] <= bounds.MAX_OPERATORS
+    assert 2 * worst["exp"] <= bounds.MAX_EXPONENT_DEPTH
 
 
 # ----------------------------------------------------------------- measurement (run by hand)
 def ordinary_completions(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     """``n`` ordinary completions (half right) in the three answer forms, and their golds."""
-    from tests.test_gold_self_scoring import all_golds
-
     rng = random.Random(seed)
     g = all_golds()
     pool = [(x, "gsm8k") for x in g["gsm8k"]] + [(x, "math500") for x in g["math500"]]

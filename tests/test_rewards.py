@@ -13,7 +13,8 @@ import pytest
 
 from qerl_pipeline.config import RewardConfig
 from qerl_pipeline.rewards import RewardScorer, accuracy_reward, format_reward
-from qerl_pipeline.rewards.math import answer_region, gold_is_parseable, has_answer_format, parse_gold
+from qerl_pipeline.rewards.extraction import answer_region, gold_is_parseable, parse_gold
+from qerl_pipeline.rewards.format import has_answer_format
 
 TH = "<think>I add the numbers.</think>"
 

@@ -155,7 +155,7 @@ def test_changed_adapter_changes_outputs_and_restored_adapter_restores_them(engi
 
 
 def test_norm_noise_changes_outputs_and_clean_weights_restore_bit_exactly(engine, prompts, checkpoint):
-    from qerl_pipeline.rl.aqn import apply_noise, draw_noise, noisy_target_names
+    from qerl_pipeline.quantization.aqn import apply_noise, draw_noise, noisy_target_names
 
     names = engine.norm_weight_names()
     assert "model.norm.weight" in names and "model.layers.0.input_layernorm.weight" in names

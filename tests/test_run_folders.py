@@ -129,7 +129,7 @@ def test_resume_without_a_checkpoint_but_leftovers_starts_clean(tmp_path):
     """A run killed before its first checkpoint: nothing to resume, so its files go aside too."""
     run_dir = tmp_path / "qerl"
     (run_dir / "adapters" / "step-000001").mkdir(parents=True)
-    (run_dir / "checkpoints" / ".tmp-step-000002-123").mkdir(parents=True)  # a checkpoint cut off mid-write
+    (run_dir / "checkpoints" / ".step-000002.tmp-x1y2" / "step-000002").mkdir(parents=True)  # a save cut off mid-write
     _, latest, moved = trainer.open_run_dir(_cfg(tmp_path, resume=True))
     assert latest is None and moved is not None
     assert (moved / "adapters" / "step-000001").is_dir() and not any(run_dir.iterdir())

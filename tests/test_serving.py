@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from qerl_pipeline.quantization import checkpoint, nf4
-from qerl_pipeline.rollout import serving
+from qerl_pipeline.quantization.bnb import bnb_dir, bnb_nf4_tensors, ensure_bnb_nf4
+from qerl_pipeline.rollout import kv, serving
 from qerl_pipeline.rollout.serving import ServedModel, decide, engine_dtype, served_model, served_tags
 
 HAVE_BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -98,7 +99,7 @@ def test_served_model_on_real_bases(bases, monkeypatch):
     """Absolute folders that exist and hold a model; the bnb folder is written on first use, atomically."""
     for (fmt, platform, bnb), (path, tag, dense, args) in TABLE.items():
         monkeypatch.setattr(serving, "vllm_has_bitsandbytes", lambda bnb=bnb: bnb)
-        shutil.rmtree(checkpoint.bnb_dir(bases["nf4"]), ignore_errors=True)
+        shutil.rmtree(bnb_dir(bases["nf4"]), ignore_errors=True)
         got = served_model(bases[fmt], platform=platform)
         assert got.path == (bases[fmt] / path).resolve()
         assert (got.path / "config.json").is_file() and list(got.path.glob("*.safetensors"))
@@ -109,7 +110,7 @@ def test_served_model_on_real_bases(bases, monkeypatch):
             assert cfg["quantization_config"]["quant_method"] == "bitsandbytes" and "qerl_quantization" not in cfg
             assert not [p for p in bases["nf4"].iterdir() if p.name.startswith(".bnb")]  # no temporary left
     # the bnb folder does not count as base weight bytes (base/weight_mib)
-    checkpoint.ensure_bnb_nf4(bases["nf4"])
+    ensure_bnb_nf4(bases["nf4"])
     files = [p for p in bases["nf4"].iterdir() if p.is_file()]
     assert checkpoint.folder_bytes(bases["nf4"]) == sum(p.stat().st_size for p in files)
     with pytest.raises(ValueError, match="holds a 'nf4' base"):
@@ -181,8 +182,8 @@ def test_training_sync_by_platform(fmt, platform):
 def test_cpu_kv_cache_is_sized_to_the_step():
     # SmolLM2-135M: 30 layers, 3 KV heads of 64: 2 x 30 x 3 x 64 x 4 B = 46080 B per token in fp32
     config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
-    assert serving.kv_bytes_per_token(config, "float32") == 46080
-    assert serving.kv_bytes_per_token(config, "bfloat16") == 23040
+    assert kv.kv_bytes_per_token(config, "float32") == 46080
+    assert kv.kv_bytes_per_token(config, "bfloat16") == 23040
     # 32 sequences of 150 tokens: 2 blocks of vLLM-CPU's 128 tokens each, + the pool's null block -> 65 blocks
     got = serving.cpu_kv_cache_bytes(config, "float32", sequences=32, tokens_per_sequence=150, max_model_len=1024)
     assert got == -(-65 * 128 * 46080 // 2**20) * 2**20
@@ -196,7 +197,6 @@ def test_cpu_kv_cache_is_sized_to_the_step():
 
 def test_open_engine_passes_the_kv_cache_size_on_cpu_only(tmp_path, monkeypatch):
     from qerl_pipeline.config import ModelConfig, RolloutConfig
-    from qerl_pipeline.rollout import engine as engine_mod
 
     seen = {}
 
@@ -205,7 +205,7 @@ def test_open_engine_passes_the_kv_cache_size_on_cpu_only(tmp_path, monkeypatch)
             seen.clear()
             seen.update(kw)
 
-    monkeypatch.setattr(engine_mod, "RolloutEngine", Recorder)
+    monkeypatch.setattr(serving, "RolloutEngine", Recorder)
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}))
     served = ServedModel(tmp_path, "bf16", True, {}, "bf16", "cpu")
@@ -249,7 +249,7 @@ def test_bnb_folder_is_what_transformers_writes(tiny_model, bases, tmp_path):
                            llm_int8_skip_modules=["lm_head"])
     theirs = AutoModelForCausalLM.from_pretrained(folder, quantization_config=q, dtype=torch.bfloat16, device_map="cpu")
     theirs.save_pretrained(tmp_path / "theirs")
-    ours_dir = checkpoint.ensure_bnb_nf4(bases["nf4"])
+    ours_dir = ensure_bnb_nf4(bases["nf4"])
     ours, ref = checkpoint.read_tensors(ours_dir), checkpoint.read_tensors(tmp_path / "theirs")
     assert sorted(ours) == sorted(ref)
     for name, t in ref.items():
@@ -268,7 +268,7 @@ def test_bnb_folder_loads_in_transformers_with_our_nf4_values(bases):
     import bitsandbytes.functional as F
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint.ensure_bnb_nf4(bases["nf4"]), device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(ensure_bnb_nf4(bases["nf4"]), device_map="cpu")
     base = checkpoint.read_tensors(bases["nf4"])
     blocksize = json.loads((bases["nf4"] / "config.json").read_text())["qerl_quantization"]["blocksize"]
     linears = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
@@ -287,7 +287,7 @@ def test_bnb_folder_loads_in_transformers_with_our_nf4_values(bases):
 def test_vllm_bitsandbytes_config_parser_reads_the_folder(bases):
     """vLLM's bitsandbytes config (``vllm-bnb-plugin``'s; vLLM 0.32 has none in-tree) parses our config."""
     plugin = pytest.importorskip("vllm_bnb_plugin.bitsandbytes", reason="vllm-bnb-plugin not installed")
-    cfg = json.loads((checkpoint.ensure_bnb_nf4(bases["nf4"]) / "config.json").read_text())["quantization_config"]
+    cfg = json.loads((ensure_bnb_nf4(bases["nf4"]) / "config.json").read_text())["quantization_config"]
     parsed = plugin.BitsAndBytesConfig.from_config(cfg)
     assert parsed.load_in_4bit and not parsed.load_in_8bit
     assert parsed.bnb_4bit_quant_type == "nf4" and not parsed.bnb_4bit_use_double_quant
@@ -297,7 +297,7 @@ def test_vllm_bitsandbytes_config_parser_reads_the_folder(bases):
 def test_bnb_layout_refuses_block_sizes_without_a_kernel():
     code = nf4.encode(torch.randn(4, 96), blocksize=48)
     with pytest.raises(ValueError, match="no bitsandbytes kernel"):
-        checkpoint.bnb_nf4_tensors("x", code)
+        bnb_nf4_tensors("x", code)
 
 
 # ----------------------------------------------------------------------------- vLLM (slow)

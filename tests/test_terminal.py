@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from qerl_pipeline.config import ConfigError, QerlConfig, validate
 from qerl_pipeline.hooks import WHERE, ParameterError, ValidateConfigHook, config_error_message, section_keys
 
-from .conftest import project_copy, run_kedro
+from tests.helpers.project import project_copy, run_kedro
 
 
 def _error(params: dict) -> ConfigError:

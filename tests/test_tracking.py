@@ -7,7 +7,7 @@ import json
 import mlflow
 import pytest
 
-from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, MlflowLogger
+from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG, MemoryLogger, MetricsLogger, MlflowLogger, TrainingRun, label_run
 
 
 @pytest.fixture()
@@ -56,3 +56,36 @@ def test_failed_status(sqlite_store):
     log = MlflowLogger(experiment="t")
     log.end("FAILED")
     assert mlflow.tracking.MlflowClient().get_run(log.run_id).info.status == "FAILED"
+
+
+def test_training_run_standalone_resume_logs_into_the_checkpoints_run(sqlite_store):
+    client = mlflow.tracking.MlflowClient()
+    original = MlflowLogger(experiment="t")
+    original.end()  # the killed training's run
+    mlflow.set_experiment("t")
+    with mlflow.start_run() as active:  # the resuming kedro run's
+        run = TrainingRun("train qerl · random · seed 0", "qerl", {})
+        assert run.logger(original.run_id).run_id == original.run_id
+        run.finish(original.run_id, resumed=True)
+    assert client.get_run(active.info.run_id).data.tags["qerl.resumed_run_id"] == original.run_id
+    assert client.get_run(original.run_id).info.status == "FINISHED"
+    with mlflow.start_run() as fresh:  # a fresh training logs into the active run and names it
+        run = TrainingRun("train qerl · random · seed 0", "qerl", {})
+        assert run.logger(None).run_id == fresh.info.run_id
+        run.finish(fresh.info.run_id, resumed=False)
+        assert client.get_run(fresh.info.run_id).info.status == "RUNNING"  # kedro-mlflow closes its own run
+    tags = client.get_run(fresh.info.run_id).data.tags
+    assert tags["mlflow.runName"] == "train qerl · random · seed 0" and tags[ROLE_TAG] == "train"
+
+
+def test_training_run_in_a_branch_is_a_child_of_the_compare_run(sqlite_store):
+    client = mlflow.tracking.MlflowClient()
+    parent = label_run("compare · random", "compare", run_id=MlflowLogger(experiment="t").run_id)
+    run = TrainingRun("train qlora · random · seed 1", "qlora", {"lora.rank": 4}, parent, tags={"seed": "1"})
+    child = run.logger(None).run_id
+    run.finish(child, resumed=False)
+    got = client.get_run(child)
+    assert got.info.status == "FINISHED" and got.data.params == {"lora.rank": "4"}
+    assert {k: got.data.tags[k] for k in (GROUP_TAG, "mlflow.parentRunId", "method", "seed", ROLE_TAG)} == {
+        GROUP_TAG: parent, "mlflow.parentRunId": parent, "method": "qlora", "seed": "1", ROLE_TAG: "train"}
+    mlflow.end_run()

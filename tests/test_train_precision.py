@@ -7,7 +7,7 @@ schedule and trained norms: what issue "QeRL where it counts" asks to be seen wo
 - ``lora.train_norms``: the final adapter's norms differ from the base's.
 
 10 steps so that every noisy stage of the paper's 10-stage schedule (1e-2 .. 5e-4) is
-served once. The custom text reward (tests/rewards_for_tests.py) differs within groups, so
+served once. The custom text reward (tests/helpers/rewards.py) differs within groups, so
 the norms get gradients (a random model never earns a math reward).
 """
 
@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import project_copy, run_kedro, tracking_uri
+from tests.helpers.project import project_copy, run_kedro, tracking_uri
 
 STEPS = 10
 PARAMS = (
     f"model.dtype=bfloat16,lora.train_norms=true,aqn.num_stages=10,aqn.sigma_start=0.01,aqn.sigma_end=0.0005,"
-    f"train.steps={STEPS},train.checkpoint_every=5,optim.lr.qerl=0.001,train.reward_fn=tests.rewards_for_tests:letter_fraction"
+    f"train.steps={STEPS},train.checkpoint_every=5,optim.lr.qerl=0.001,train.reward_fn=tests.helpers.rewards:letter_fraction"
 )
 
 

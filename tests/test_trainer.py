@@ -11,7 +11,7 @@ One module, few runs, shared between assertions (each run starts a vLLM engine, 
 
 A random tiny model never earns a math reward, so every advantage would be 0 and the
 adapter would never move: resume equivalence would hold trivially. So the runs use the
-trainer's custom-reward hook, ``train.reward_fn=tests.rewards_for_tests:letter_fraction``
+trainer's custom-reward hook, ``train.reward_fn=tests.helpers.rewards:letter_fraction``
 (a text reward that differs within groups): the adapter really trains.
 """
 
@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import project_copy, start_kedro, stop_kedro, tracking_uri, wait_kedro
-from tests.rewards_for_tests import letter_fraction
+from tests.helpers.project import project_copy, start_kedro, stop_kedro, tracking_uri, wait_kedro
+from tests.helpers.rewards import letter_fraction
 
 
 STEPS = 4
-REWARD_FN = "tests.rewards_for_tests:letter_fraction"
+REWARD_FN = "tests.helpers.rewards:letter_fraction"
 # lr 1e-3 (paper: 1e-5) so that 4 steps move the adapter well above the comparison tolerance
 PARAMS = "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},optim.lr.qerl=1e-3,train.reward_fn=" + REWARD_FN
 #: resumed vs uninterrupted final adapter: fp32 on CPU, same seeds -> equal up to float rounding
@@ -62,7 +62,7 @@ def test_reward_hook_from_import_path_or_callable():
     with pytest.raises(KeyError, match="no 'reward'"):
         step.make_scorer(cfg, lambda c, g, s: [{"r": 1.0}]).score(["a"], ["1"], [])
     with pytest.raises(ValueError, match="cannot be imported"):
-        step.load_reward_fn("tests.rewards_for_tests:no_such_function")
+        step.load_reward_fn("tests.helpers.rewards:no_such_function")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_reference_run_trains_and_logs(reference, tracking):
     from mlflow.tracking import MlflowClient
 
     from qerl_pipeline.config import AQNConfig
-    from qerl_pipeline.rl import aqn
+    from qerl_pipeline.quantization import aqn
 
     run_dir = reference / "qerl"
     adapter = _adapter(run_dir / "final_adapter")

@@ -14,9 +14,10 @@ wrappers), so the engine, AQN and the trainer speak the HF names vLLM loads.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
+
+from qerl_pipeline.atomic import staged_dir, write_atomic
 
 #: Trainable norm weights (``lora.train_norms``) next to the PEFT files, under HF names.
 NORMS_FILE = "norms.safetensors"
@@ -85,20 +86,14 @@ def save_adapter(policy, folder: str | Path, meta: dict[str, Any] | None = None)
     """PEFT ``save_pretrained`` (+ ``norms.safetensors`` when norms train, + ``meta``) into ``folder``, atomically."""
     from safetensors.torch import save_file
 
-    from qerl_pipeline.atomic import replace_dir, staging_dir, write_atomic
-
     folder = Path(folder)
-    tmp = staging_dir(folder)
-    try:
-        policy.save_pretrained(str(tmp))
+    with staged_dir(folder) as stage:
+        policy.save_pretrained(str(stage))
         norms = trained_norms(policy)
         if norms:
-            save_file(norms, str(tmp / NORMS_FILE))
+            save_file(norms, str(stage / NORMS_FILE))
         if meta is not None:
-            write_atomic(tmp / ADAPTER_META, meta, as_json=True)
-        replace_dir(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            write_atomic(stage / ADAPTER_META, meta, as_json=True)
     return folder
 
 

@@ -12,18 +12,60 @@ also be used outside Kedro.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from omegaconf.resolvers import oc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-Method = Literal["qerl", "qerl_noaqn", "qlora", "lora", "lora_aqn"]
-METHODS: tuple[str, ...] = ("qerl", "qerl_noaqn", "qlora", "lora", "lora_aqn")
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a method is: the one place each method is listed (config, compare, report, serving read it)."""
+
+    name: str
+    #: the base-weight format it trains and rolls out on
+    format: Literal["nvfp4", "nf4", "bf16"]
+    #: AQN on unless ``aqn.enabled`` says otherwise
+    aqn: bool
+    #: the default learning rate (``optim.lr.<name>``): the paper's 1e-5 for QeRL and QLoRA, 5e-6 for LoRA
+    lr: float
+    #: the report's name for it
+    label: str
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != "bf16"
+
+
+#: Every method, in the report's order. ``lora_aqn`` is not in the paper: AQN on a BF16 base, no
+#: quantization, the ablation QeRL's users asked for, so the effect of the added noise can be told
+#: apart from that of quantization noise; it takes LoRA's learning rate, so only the noise differs.
+METHOD_SPECS: dict[str, MethodSpec] = {s.name: s for s in (
+    MethodSpec("qerl", "nvfp4", True, 1e-5, "QeRL (NVFP4+LoRA+AQN)"),
+    MethodSpec("qerl_noaqn", "nvfp4", False, 1e-5, "NVFP4+LoRA (no AQN)"),
+    MethodSpec("qlora", "nf4", False, 1e-5, "QLoRA (NF4)"),
+    MethodSpec("lora", "bf16", False, 5e-6, "BF16 LoRA"),
+    MethodSpec("lora_aqn", "bf16", True, 5e-6, "BF16 LoRA+AQN (ablation)"),
+)}
+METHODS: tuple[str, ...] = tuple(METHOD_SPECS)
+Method = Literal[METHODS]  # type: ignore[valid-type]  # the names above, as a pydantic choice
 #: The base-weight format each method trains and rolls out on.
-METHOD_FORMAT: dict[str, str] = {"qerl": "nvfp4", "qerl_noaqn": "nvfp4", "qlora": "nf4", "lora": "bf16", "lora_aqn": "bf16"}
-#: Methods whose AQN is on unless ``aqn.enabled`` says otherwise. ``lora_aqn`` (not in the paper) is
-#: the ablation QeRL's users asked for (QeRL issue #11): AQN on a BF16 base, no quantization, so the
-#: effect of the added noise can be told apart from the effect of quantization noise.
-AQN_METHODS: tuple[str, ...] = ("qerl", "lora_aqn")
+METHOD_FORMAT: dict[str, str] = {m: s.format for m, s in METHOD_SPECS.items()}
+#: Methods whose AQN is on unless ``aqn.enabled`` says otherwise.
+AQN_METHODS: tuple[str, ...] = tuple(m for m, s in METHOD_SPECS.items() if s.aqn)
+
+
+#: How Kedro loads ``conf/`` (``settings.py`` hands it to ``kedro run``; the planner loads the same way).
+#: ``${oc.env:VAR,default}`` works everywhere (Kedro enables it only for credentials by default):
+#: conf/base/mlflow.yml lets MLFLOW_TRACKING_URI override the embedded SQLite store.
+CONFIG_LOADER_ARGS: dict[str, Any] = {
+    "base_env": "base",
+    "default_run_env": "local",
+    "merge_strategy": {"parameters": "soft"},
+    "custom_resolvers": {"oc.env": oc.env},
+}
 
 
 class Section(BaseModel):
@@ -76,7 +118,7 @@ class ModelConfig(Section):
         description="Storage dtype of the RMSNorm weights in the trainer and in vLLM. float32 (default): fp32 whatever "
         "`dtype` is, outputs rounded once to the compute dtype, so AQN's clean + Z and small trained-norm updates survive "
         "a bf16 model (bf16's spacing near 1 is 2^-8..2^-7: most of the paper's sigma 1e-2..5e-4 rounds away; see "
-        "rl/norms.py). model: the stock behaviour, norm weights in the compute dtype; refused with AQN when the "
+        "quantization/norms.py). model: the stock behaviour, norm weights in the compute dtype; refused with AQN when the "
         "noise of some stage would be served more than 10% off.",
     )
     max_seq_len: int = Field(1024, gt=0, description="Longest prompt+completion, tokens (vLLM max_model_len).")
@@ -160,7 +202,7 @@ class RewardConfig(Section):
         True, description="Also extract plain (non-LaTeX) numbers after an anchor ('The answer is 18', 'Final answer: "
         "18'; math-verify ExprExtractionConfig without anchorless fallback): small models rarely write LaTeX. The text "
         "after the anchor, to the end of its sentence, is also read as LaTeX ('The answer is \\frac{4}{3}.'; see "
-        "rewards/math.py). False = the paper's LaTeX-only extraction."
+        "rewards/extraction.py). False = the paper's LaTeX-only extraction."
     )
     max_workers: int = Field(2, gt=0, description="Worker processes for scoring.")
 
@@ -221,7 +263,7 @@ class RolloutConfig(Section):
         "LoRARequest with a new id per step (vLLM applies B A at every token; the only way on a packed NVFP4/NF4 base). "
         "merge: the engine process writes W + scale * B A into its dense served linears (rollout/worker_ext.py; from the "
         "checkpoint's clean W each time, nothing accumulates), so decoding runs without LoRA: on vLLM-CPU about 3x the "
-        "tokens/s of the adapter path (README, Performance). auto: merge on CPU, adapter on CUDA. merge on a packed base "
+        "tokens/s of the adapter path (docs/performance.md). auto: merge on CPU, adapter on CUDA. merge on a packed base "
         "is refused before the engine starts.",
     )
     cpu_kv_cache_gib: float | None = Field(
@@ -250,12 +292,12 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(
         1, ge=1,
         description="GPUs one engine spans (vLLM `tensor_parallel_size`), for models whose served weights + KV cache do "
-        "not fit one GPU. CUDA only: refused on CPU at engine build (serving.tensor_parallel_args), where the engine "
+        "not fit one GPU. CUDA only: refused on CPU at engine build (layout.tensor_parallel_args), where the engine "
         "runs in one process. With `engines: per_rank` and more than one training rank it must be 1.",
     )
     engines: Literal["per_rank", "shared"] = Field(
         "per_rank",
-        description="Rollout engines under data-parallel training (serving.engine_plan). per_rank: every rank opens "
+        description="Rollout engines under data-parallel training (layout.engine_plan). per_rank: every rank opens "
         "its own engine (data-parallel vLLM), on its own GPU (local rank; `tensor_parallel_size` GPUs from local_rank * "
         "tensor_parallel_size when training on one rank), and rolls out its share of the prompts. shared: one engine "
         "on GPUs 0..tensor_parallel_size-1 opened by rank 0; handing its rollouts to the other ranks is not built yet, "
@@ -320,8 +362,8 @@ class GRPOConfig(Section):
     log_kl_to_base_every: int = Field(
         5, gt=0,
         description="With kl_beta 0, the diagnostic KL to the base is computed on steps 1, 1+N, 1+2N, ... only: its "
-        "no-grad reference forward cost a third of the update when run every step (issue 'Faster than TRL'; TRL "
-        "computes no reference at beta 0). kl_beta > 0 needs the reference in the loss: every step.",
+        "no-grad reference forward costs about a third of an update when run every step (docs/performance.md; "
+        "TRL computes no reference at beta 0). kl_beta > 0 needs the reference in the loss: every step.",
     )
     updates_per_rollout: int = Field(1, gt=0, description="Policy updates per rollout batch (paper: 4 on GSM8K).")
     mask_truncated: bool = Field(False, description="Exclude completions cut at max_new_tokens from the loss.")
@@ -331,8 +373,8 @@ class GRPOConfig(Section):
         "trainer's; a quantized base widens the gap), TRL 1.x's vllm_importance_sampling_mode names: the ratio "
         "pi_old_trainer/pi_rollout per token or per sequence (product over its tokens), then truncate = clamp to "
         "[is_lower, is_cap], mask = weight 0 outside it (IcePop / verl's two-sided masking with is_lower set); none = "
-        "no correction. Default token_truncate with cap 2 (truncated IS, Yao et al. 2025: the project's behaviour "
-        "before this option); TRL's default is sequence_mask with cap 3. Logged per step: mismatch/is_ratio_min/mean/"
+        "no correction. Default token_truncate with cap 2 (truncated IS, Yao et al. 2025); "
+        "TRL's default is sequence_mask with cap 3. Logged per step: mismatch/is_ratio_min/mean/"
         "max (raw ratio) and mismatch/is_masked_fraction, mismatch/is_clipped_fraction (of tokens or sequences).",
     )
     is_cap: float | None = Field(2.0, gt=0, description="Upper bound of the importance ratio (is_mode); None = unbounded above.")
@@ -410,7 +452,7 @@ class OptimConfig(Section):
 
     name: Literal["adamw", "adamw_8bit"] = Field("adamw", description="adamw_8bit uses bitsandbytes where it runs (CUDA).")
     lr: dict[str, float] = Field(
-        default_factory=lambda: {"qerl": 1e-5, "qerl_noaqn": 1e-5, "qlora": 1e-5, "lora": 5e-6, "lora_aqn": 5e-6},
+        default_factory=lambda: {m: spec.lr for m, spec in METHOD_SPECS.items()},
         description="Learning rate per method (paper: 1e-5 for QeRL and QLoRA, 5e-6 for LoRA; lora_aqn, not in the "
         "paper, takes LoRA's: it is the BF16 LoRA arm with AQN added, so only the noise differs).",
     )
@@ -511,8 +553,11 @@ class CompareBranch(Section):
     method: Method = Field(description="The method this branch trains; must be the branch's own name.")
 
 
-class CompareConfig(Section):
-    """compare: one branch per method (train + evaluate, pipelines/compare/pipeline.py), then the report."""
+class _CompareSettings(Section):
+    """compare: one branch per method (train + evaluate, pipelines/compare/pipeline.py), then the report.
+
+    ``CompareConfig`` adds a ``CompareBranch`` field per method of ``METHOD_SPECS`` (``compare.<method>``).
+    """
 
     methods: list[Method] = Field(
         default_factory=lambda: list(METHODS),
@@ -531,18 +576,11 @@ class CompareConfig(Section):
         "A seed sets train.seed (data order, dropout, torch), rollout.seed (sampling) and aqn.seed (noise draws) of "
         "its training; the base model, the data and evaluate.seed stay as configured, so seeds differ only in the "
         "training's randomness. The report gives means and 95% intervals over them (evaluation/stats.py); with one "
-        "seed every claim reads 'cannot tell'. The paper reports single runs per method; issue 12 of this project asks "
-        "for seeds. `kedro run --params` splits its value on commas, so give a list in an env's parameters.yml "
+        "seed every claim reads 'cannot tell'. The paper reports single runs per method. `kedro run --params` splits its value on commas, so give a list in an env's parameters.yml "
         "(conf/smoke sets [0, 1]) or a `kedro run --config` file.",
     )
-    qerl: CompareBranch = Field(default_factory=lambda: CompareBranch(method="qerl"))
-    qerl_noaqn: CompareBranch = Field(default_factory=lambda: CompareBranch(method="qerl_noaqn"))
-    qlora: CompareBranch = Field(default_factory=lambda: CompareBranch(method="qlora"))
-    lora: CompareBranch = Field(default_factory=lambda: CompareBranch(method="lora"))
-    lora_aqn: CompareBranch = Field(default_factory=lambda: CompareBranch(method="lora_aqn"))
-
     @model_validator(mode="after")
-    def _branches_are_their_methods(self) -> CompareConfig:
+    def _branches_are_their_methods(self) -> _CompareSettings:
         for name in METHODS:
             got = getattr(self, name).method
             if got != name:
@@ -550,6 +588,13 @@ class CompareConfig(Section):
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds: each seed once, got {self.seeds}")
         return self
+
+
+CompareConfig = create_model(
+    "CompareConfig", __base__=_CompareSettings, __doc__=_CompareSettings.__doc__,
+    **{m: (CompareBranch, Field(default_factory=partial(CompareBranch, method=m), description=f"The {m} branch "
+                                f"(Kedro namespace compare.{m}).")) for m in METHODS},
+)
 
 
 class BenchmarkConfig(Section):
@@ -583,7 +628,7 @@ class QerlConfig(Section):
 
     method: Method = Field(
         "qerl", description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA; "
-        "lora_aqn = BF16+LoRA+AQN (not in the paper: noise without quantization, QeRL issue #11's ablation)."
+        "lora_aqn = BF16+LoRA+AQN (not in the paper: noise without quantization, the ablation QeRL's users asked for)."
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -23,6 +23,7 @@ from kedro.framework.hooks import hook_impl
 from pydantic import BaseModel
 
 from qerl_pipeline.config import ConfigError, QerlConfig, validate
+from qerl_pipeline.platform import current_platform
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +93,10 @@ class ValidateConfigHook:
             return
         try:
             cfg = validate(dict(self._context.params), QerlConfig)
-            import torch
+            from qerl_pipeline.models import resolve_dtype  # torch and transformers: only when a run starts
+            from qerl_pipeline.quantization.norms import check_noise_precision
 
-            from qerl_pipeline.models import resolve_dtype
-            from qerl_pipeline.rl.norms import check_noise_precision
-
-            check_noise_precision(cfg, resolve_dtype(cfg.model, "cuda" if torch.cuda.is_available() else "cpu"))
+            check_noise_precision(cfg, resolve_dtype(cfg.model, current_platform()))
         except ConfigError as err:
             raise ParameterError(err) from None
         log.info("parameters valid: method=%s model=%s", cfg.method, cfg.model.name)

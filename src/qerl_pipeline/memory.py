@@ -6,18 +6,15 @@ another process tree's, the engine's; ``getrusage``'s ``ru_maxrss``
 survives ``fork`` + ``exec``, so a child started from a large process would report its
 parent's size). The trainer's ``memory/peak_gb`` and the benchmark both read it.
 
-``limit_heap_fragmentation`` (measured, 2026-12-01, SmolLM2-135M NVFP4 policy, fp32, one
-default update of 32 x (64 + 96) tokens in micro-batches of 8): the process peaked at 6.09
-GB RSS although the live data is the policy (0.86 GB) plus one micro-batch's saved
-activations (1.45 GiB). The rest was freed memory glibc kept: it raises its mmap threshold
-to the size of each large block freed (up to 32 MiB), after which the 3-8 MiB activation
-tensors come from the brk heap, interleaved with short-lived decode and backward
-temporaries, and the heap is only ever trimmed at its top; the peak grew with every
-micro-batch (3.98 GB after one, 6.09 GB after four). Fixing the threshold at 128 KiB
+``limit_heap_fragmentation``: without it an update's peak RSS is several times its live
+data (the policy plus one micro-batch's saved activations). The rest is freed memory glibc
+keeps: it raises its mmap threshold to the size of each large block freed (up to 32 MiB),
+after which the 3-8 MiB activation tensors come from the brk heap, interleaved with
+short-lived decode and backward temporaries, and the heap is only ever trimmed at its top,
+so the peak grows with every micro-batch. Fixing the threshold at 128 KiB
 (``mallopt(M_MMAP_THRESHOLD)``, which also switches off glibc's dynamic adjustment) gives
-each large tensor its own mapping, returned to the OS when freed: the same update peaked
-at 2.58 GB (-58%), and the update's median time moved by +2% (100 s against 98 s, three
-runs each on a shared 2-core machine: within noise). ``malloc_trim(0)`` then returns what
+each large tensor its own mapping, returned to the OS when freed (figures in
+docs/performance.md). ``malloc_trim(0)`` then returns what
 earlier work (the quantize node in the same ``kedro run``) left in the heap. glibc on
 Linux only; elsewhere nothing happens (and it says so).
 """

@@ -18,8 +18,8 @@ Design choices:
 - The SmolLM2 GGUF declares ``<|im_start|>`` as its EOS token; the chat template ends
   every turn with ``<|im_end|>`` (id 2, the config's ``eos_token_id``), so we set EOS and
   PAD to ``<|im_end|>`` or generation never stops at the end of the answer.
-- Weights are fp32 on CPU (bf16 matmul is ~17x slower on AVX2-only CPUs) and bf16 on
-  CUDA, unless ``model.dtype`` says otherwise.
+- Weights are fp32 on CPU (CPUs without native bf16 units multiply bf16 far slower than
+  fp32) and bf16 on CUDA, unless ``model.dtype`` says otherwise.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import functools
 import importlib.util
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from qerl_pipeline.atomic import staged_dir
 from qerl_pipeline.config import ModelConfig, RandomModelConfig
 
 log = logging.getLogger(__name__)
@@ -217,19 +217,12 @@ def _detach_gguf_quantizer(model) -> None:
 
 
 def save_model_folder(model, tokenizer, out_dir: Path | str) -> Path:
-    """Save a Hugging Face model folder atomically: write beside, then swap in (``atomic.py``)."""
-    from qerl_pipeline.atomic import replace_dir, staging_dir
-
+    """Save a Hugging Face model folder atomically: written in a stage, then swapped in (``atomic.staged_dir``)."""
     out_dir = Path(out_dir)
-    tmp = staging_dir(out_dir)
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
+    with staged_dir(out_dir) as stage:
+        model.save_pretrained(stage, safe_serialization=True)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            tokenizer.save_pretrained(stage)
     return out_dir
 
 

@@ -10,8 +10,8 @@ the filter matches only calls from those two packages, so our own code would sti
 import warnings
 
 from kedro.config import OmegaConfigLoader
-from omegaconf.resolvers import oc
 
+from qerl_pipeline.config import CONFIG_LOADER_ARGS  # noqa: F401 - Kedro reads it from this module
 from qerl_pipeline.hooks import ValidateConfigHook
 from qerl_pipeline.rollout.pool import SharedEngineHook
 
@@ -27,11 +27,3 @@ warnings.filterwarnings(
 HOOKS = (ValidateConfigHook(), SharedEngineHook())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
-CONFIG_LOADER_ARGS = {
-    "base_env": "base",
-    "default_run_env": "local",
-    "merge_strategy": {"parameters": "soft"},
-    # ${oc.env:VAR,default} everywhere (Kedro enables it only for credentials by default):
-    # conf/base/mlflow.yml lets MLFLOW_TRACKING_URI override the embedded SQLite store.
-    "custom_resolvers": {"oc.env": oc.env},
-}

@@ -7,10 +7,15 @@ imports MLflow's fluent API directly. That keeps three things simple:
   logs into that active run.
 - Resumed training: the checkpoint stores the run id; ``MlflowLogger(run_id=...)`` keeps
   logging into the original run through ``MlflowClient``, whatever run kedro-mlflow opened.
+  ``TrainingRun`` decides which run a training logs into (standalone or a compare branch's
+  child run) and closes it; the nodes call it and ``label_run`` instead of MLflow itself.
 - Tests: ``MemoryLogger`` keeps everything in memory, so the numbers can be asserted.
 
 The tracking store defaults to the embedded SQLite file ``mlflow.db`` at the project root
 (conf/base/mlflow.yml); ``MLFLOW_TRACKING_URI`` overrides it.
+
+MLflow is imported inside the functions that use it: it is a heavy import, and code that logs
+to a ``MemoryLogger`` (tests, the ranks after the first of a distributed training) never needs it.
 """
 
 from __future__ import annotations
@@ -197,7 +202,7 @@ def git_commit(cwd: str | Path | None = None) -> str:
 
 
 # ------------------------------------------------------------------ run names, groups
-#: Tag of a compare run's children: the id of the compare run (``evaluation/report.py`` reads it).
+#: Tag of a compare run's children: the id of the compare run (``evaluation/report_runs.py`` reads it).
 GROUP_TAG = "qerl.compare_group"
 #: Tag saying what a run is: train, evaluate, compare, quantize, benchmark.
 ROLE_TAG = "qerl.role"
@@ -250,46 +255,104 @@ def regroup(run_id: str, parent_id: str) -> None:
     client.set_tag(run_id, "mlflow.parentRunId", parent_id)
 
 
-def training_loggers(name: str, method: str, params: dict[str, Any], compare_parent: str | None = None,
-                     active_run_id: str | None = None):
-    """``(make_logger, used)`` for ``rl.trainer.train``: which MLflow run a training logs to.
+def label_run(name: str, role: str, tags: dict[str, str] | None = None, run_id: str | None = None) -> str:
+    """Name, role-tag and tag a run (``run_id``, else the active one, kedro-mlflow's); return its id."""
+    logger = MlflowLogger(run_id)
+    if tags:
+        logger.set_tags(tags)
+    name_run(logger.run_id, name, role, client=logger.client)
+    return logger.run_id
 
-    ``make_logger(stored_run_id)`` is called with the run id of the checkpoint it resumes
-    (None for a fresh run). Standalone (``compare_parent`` None): the active run (the one
-    kedro-mlflow opened for this ``kedro run``); a resume logs into the checkpoint's run and
-    tags the active one ``qerl.resumed_run_id``. In a compare branch: a fresh run is a new
-    child of ``compare_parent`` named ``name`` with ``params`` logged; a resumed one keeps its
-    run, re-nested under ``compare_parent``. ``used`` records ``active`` and ``run`` (the logger).
-    ``active_run_id``: the run that stands for "the active run" (rank 0 of a distributed
-    training logs into the run its launching ``kedro run`` holds; rl/distributed.py).
+
+class TrainingRun:
+    """The MLflow run of one training: chosen when the trainer knows its checkpoint's run id, closed after.
+
+    ``logger(stored_run_id)`` is the ``make_logger`` of ``rl.trainer.train``: it is called with the
+    run id of the checkpoint it resumes (None for a fresh training). Standalone (``parent`` None):
+    the active run (the one kedro-mlflow opened for this ``kedro run``, or ``active_run_id``, the
+    run of the ``kedro run`` that launched a distributed training's ranks); a resume logs into the
+    checkpoint's run and tags the active one ``qerl.resumed_run_id``, so the whole training stays
+    one run. In a compare branch (``parent``: the compare run's id): a fresh training is a new child
+    run of ``parent`` named ``name`` (tagged ``method``, ``params`` logged); a resumed one keeps
+    its run, re-nested under ``parent``. ``tags`` are set on the run used, whichever it is.
+
+    ``finish`` closes what kedro-mlflow does not: a branch's own run, or the original run a
+    resume logged into (left RUNNING by the killed process); a fresh standalone run gets its name.
     """
-    used: dict[str, Any] = {}
 
-    def standalone(run_id: str | None):
-        logger = MlflowLogger(active_run_id)  # the active run (kedro-mlflow's), or a new one outside Kedro
-        used["active"] = logger.run_id
-        if run_id and run_id != logger.run_id:
-            logger.set_tags({"qerl.resumed_run_id": run_id})
-            try:
-                logger.client.get_run(run_id)
-            except Exception:  # noqa: BLE001 - e.g. a different tracking store: keep the new run
-                log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
-                used["run"] = logger
-                return logger
-            logger = MlflowLogger(run_id=run_id)
-        used["run"] = logger
-        return logger
+    def __init__(self, name: str, method: str, params: dict[str, Any], parent: str | None = None,
+                 tags: dict[str, str] | None = None, active_run_id: str | None = None):
+        self.name, self.method, self.params, self.parent = name, method, params, parent
+        self.tags = dict(tags or {})
+        self.active_run_id = active_run_id
+        self.run: MlflowLogger | None = None
 
-    def branch(run_id: str | None):
+    def logger(self, stored_run_id: str | None) -> MlflowLogger:
+        """The logger the training writes to (see the class docstring)."""
+        self.run = self._branch(stored_run_id) if self.parent else self._standalone(stored_run_id)
+        if self.tags:
+            self.run.set_tags(self.tags)
+        return self.run
+
+    def _standalone(self, run_id: str | None) -> MlflowLogger:
+        logger = MlflowLogger(self.active_run_id)  # the active run (kedro-mlflow's), or a new one outside Kedro
+        self.active_run_id = logger.run_id
+        if not run_id or run_id == logger.run_id:
+            return logger
+        logger.set_tags({"qerl.resumed_run_id": run_id})
+        try:
+            logger.client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - e.g. a different tracking store: keep the new run
+            log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
+            return logger
+        return MlflowLogger(run_id=run_id)
+
+    def _branch(self, run_id: str | None) -> MlflowLogger:
         if run_id:
-            regroup(run_id, compare_parent)
-            logger = MlflowLogger(run_id=run_id)
-        else:
-            rid = child_run(compare_parent, name, tags={"method": method})
-            name_run(rid, name, "train")
-            logger = MlflowLogger(run_id=rid)
-            logger.log_params(params)
-        used["run"] = logger
+            regroup(run_id, self.parent)
+            return MlflowLogger(run_id=run_id)
+        rid = child_run(self.parent, self.name, tags={"method": self.method})
+        name_run(rid, self.name, "train")
+        logger = MlflowLogger(run_id=rid)
+        logger.log_params(self.params)
         return logger
 
-    return (branch if compare_parent else standalone), used
+    def launch_spec(self) -> dict[str, Any]:
+        """What a distributed training's rank 0 needs to log as ``logger`` would here (``rl/distributed.py``)."""
+        import mlflow
+
+        self.active_run_id = MlflowLogger(self.active_run_id).run_id
+        return {"uri": mlflow.get_tracking_uri(), "active_run_id": self.active_run_id, "name": self.name,
+                "params": self.params}
+
+    def adopt(self, run_id: str | None) -> None:
+        """The run a distributed training's rank 0 logged into (the active one or its checkpoint's)."""
+        active = MlflowLogger(self.active_run_id)
+        self.active_run_id = active.run_id
+        self.run = active if run_id in (None, active.run_id) else MlflowLogger(run_id=run_id)
+
+    def finish(self, run_id: str | None, resumed: bool) -> None:
+        """After the training: close the run kedro-mlflow does not own; name a fresh standalone run."""
+        if self.run is not None and (self.parent or self.run.run_id != self.active_run_id):
+            self.run.client.set_terminated(self.run.run_id, status="FINISHED")
+        if run_id and not self.parent and not resumed:
+            name_run(run_id, self.name, "train")
+
+
+# --------------------------------------------------------------------------- metric names
+# The training metrics that more than one part reads (the console bar, the curves the trainer
+# plots and returns, the compare report); the trainer writes them under these names.
+REWARD_MEAN = "reward/mean"
+REWARD_ACCURACY = "reward/accuracy"
+REWARD_FORMAT = "reward/format"
+POLICY_ENTROPY = "policy/entropy"
+COMPLETION_LENGTH = "completion/length"
+AQN_SIGMA = "aqn/sigma"
+AQN_STAGE = "aqn/stage"
+ROLLOUT_TOKENS_PER_S = "rollout/tokens_per_s"
+STEP_TIME_S = "time/step_s"
+PEAK_MEMORY_GB = "memory/peak_gb"
+BASE_WEIGHT_MIB = "base/weight_mib"
+LINEAR_BYTES_RATIO = "quantize/linear_bytes_ratio"
+#: the per-step curves a training returns and plots
+CURVE_METRICS = (REWARD_MEAN, REWARD_ACCURACY, REWARD_FORMAT, POLICY_ENTROPY, COMPLETION_LENGTH, AQN_SIGMA)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qerl_pipeline.config import METHOD_FORMAT, BenchmarkConfig, ModelConfig, QuantizeConfig
+from qerl_pipeline.quantization.store import ensure_base
 
 
 def method_formats(bcfg: BenchmarkConfig) -> list[str]:
@@ -37,7 +38,6 @@ def base_folder(bcfg: BenchmarkConfig, fmt: str) -> Path:
 
 def prepare_bases(mcfg: ModelConfig, qcfg: QuantizeConfig, bcfg: BenchmarkConfig) -> dict[str, str]:
     """``{format: base folder}`` for every needed format, written (RTN) unless already there."""
-    from qerl_pipeline.quantization.store import ensure_base
 
     rtn = qcfg.model_copy(update={"nvfp4_algorithm": "rtn"})
     return {fmt: str(ensure_base(mcfg, rtn, fmt, base_folder(bcfg, fmt))[0]) for fmt in needed_formats(bcfg)}

@@ -54,7 +54,12 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.atomic import write_atomic
+from qerl_pipeline.benchmarking.training import run_isolated
 from qerl_pipeline.config import BenchmarkConfig, QerlConfig
+from qerl_pipeline.memory import peak_memory_bytes
+from qerl_pipeline.models import resolve_dtype
+from qerl_pipeline.platform import current_platform
+from qerl_pipeline.profile import engine_env
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +131,7 @@ def measure_trl_step(
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from qerl_pipeline.memory import peak_memory_bytes
-    from qerl_pipeline.models import resolve_dtype
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = current_platform()
     dtype = resolve_dtype(cfg.model, device)
     g = cfg.grpo
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -250,16 +252,11 @@ def measure_trl_isolated(model_dir: str | Path, cfg: QerlConfig, *, generation: 
     colocate attempt is followed by a transformers-generation run and reported in
     ``generation_note``.
     """
-    import torch
-
-    from qerl_pipeline.benchmarking.training import run_isolated
-    from qerl_pipeline.profile import engine_env
-
     ok, detail = trl_status()
     if not ok:
         log.warning("TRL peer skipped: %s", detail)
         return {"skipped": True, "reason": detail}
-    on_cuda = torch.cuda.is_available()
+    on_cuda = current_platform() == "cuda"
     note = ""
     if generation == "auto":
         use_vllm = on_cuda and importlib.util.find_spec("vllm") is not None

@@ -29,6 +29,7 @@ from typing import Any
 
 from qerl_pipeline.atomic import write_atomic
 from qerl_pipeline.benchmarking.table import COLUMNS, headline, metric_name
+from qerl_pipeline.tracking import MlflowLogger
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,6 @@ def served_run_tags(served: dict[str, dict[str, Any]]) -> dict[str, str]:
 def log_report(table: dict[str, Any], paths: dict[str, Path], metrics: dict[str, float], logger=None) -> str | None:
     """Metrics, tags and the report files into the MLflow run (the active one by default); its run id."""
     if logger is None:
-        from qerl_pipeline.tracking import MlflowLogger
 
         logger = MlflowLogger()
     trl = table["trl"]

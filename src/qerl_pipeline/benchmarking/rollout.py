@@ -62,8 +62,12 @@ from typing import Any
 
 import torch
 
+from qerl_pipeline.benchmarking.bases import method_formats
 from qerl_pipeline.config import BenchmarkConfig, LoraConfig, QerlConfig
+from qerl_pipeline.quantization.policy import build_policy
+from qerl_pipeline.rl.step import _score, make_scorer
 from qerl_pipeline.rollout.engine import EngineError, RolloutEngine
+from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +195,6 @@ def recommend_sync(sync: dict, adapter_tokens_per_s: float, merged_tokens_per_s:
 
 def measure_reward(cfg: QerlConfig, samples: list, gold: str = "42") -> dict:
     """Seconds of one call of our reward scorer on ``samples`` (after an untimed warm-up call)."""
-    from qerl_pipeline.rl.step import _score, make_scorer  # _score: the trainer's own call (rl.step.collect)
 
     texts = [s.text for s in samples]
     golds = [gold] * len(texts)
@@ -209,7 +212,6 @@ def measure_reward(cfg: QerlConfig, samples: list, gold: str = "42") -> dict:
 # ------------------------------------------------------------------------- the whole measurement
 def lora_adapters(base_dir: Path, fmt: str, lcfg: LoraConfig, out_dir: Path, count: int) -> list[Path]:
     """``count`` LoRA adapters of the configured shape with distinct weights (one per simulated step)."""
-    from qerl_pipeline.quantization.policy import build_policy
 
     policy = build_policy(base_dir, fmt, lcfg, dtype=torch.float32, device="cpu")
     gen = torch.Generator().manual_seed(0)
@@ -243,8 +245,6 @@ def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkCon
     ``train_batch`` and ``served`` (per format: path, served_format, dense, the engine's
     dtype, ``engine_peak_memory_bytes``).
     """
-    from qerl_pipeline.benchmarking.bases import method_formats
-    from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
 
     lcfg, rcfg = cfg.lora, cfg.rollout
     train_batch = train_batch_size(cfg, bcfg)

@@ -41,6 +41,7 @@ from typing import Any
 
 from qerl_pipeline.benchmarking import hardware
 from qerl_pipeline.config import BenchmarkConfig
+from qerl_pipeline.quantization.checkpoint import serving_dir
 
 #: The table's columns, in order (CSV header, markdown and HTML tables).
 COLUMNS = ["section", "subject", "metric", "value", "unit", "limit", "fraction_of_limit", "note"]
@@ -61,7 +62,6 @@ def build_table(hardware_figures: dict[str, Any], bases: dict[str, str], rollout
     The bytes a decode step reads are those of the folder the engine served
     (``rollout["served"][fmt]["path"]``; the dense ``serving/`` copy for results without it).
     """
-    from qerl_pipeline.quantization.checkpoint import serving_dir
 
     bw, rate = hardware_figures["bandwidth_gbs"], hardware_figures["matmul_flops"]
     rows = [

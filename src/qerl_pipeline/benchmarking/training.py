@@ -4,10 +4,9 @@
 (``quantization.policy.build_policy``: packed NVFP4 / NF4 codes decoded on the fly, or the
 plain bf16 base, with PEFT LoRA), makes one fixed GRPO batch, and times optimizer steps:
 
-* The step is the trainer's own update (``rl.trainer._update``: completion log-probs,
-  clipped GRPO loss from ``rl.grpo``, truncated importance sampling, gradient clipping,
-  AdamW) when its signature is the one this module was written against; otherwise a plain
-  equivalent (same log-prob function and loss, no diagnostics). ``step_impl`` says which.
+* The step is the trainer's own update, ``rl.step.policy_update`` (completion log-probs,
+  clipped GRPO loss from ``rl.grpo``, importance sampling, gradient clipping, AdamW), on a
+  ``rl.step.Batch``: the benchmark times the code that trains, called as the trainer calls it.
 * The batch: ``num_prompts x grpo.num_generations`` sequences of exactly ``prompt_len``
   prompt + ``completion_len`` completion tokens (random ids, every completion token
   counted), random group rewards, rollout log-probs set to a constant. Only shapes matter
@@ -31,7 +30,6 @@ base, each isolated, one result row per method.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -41,7 +39,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +48,15 @@ from qerl_pipeline.atomic import write_atomic
 from qerl_pipeline.benchmarking import hardware
 from qerl_pipeline.config import METHOD_FORMAT, BenchmarkConfig, QerlConfig
 from qerl_pipeline.memory import limit_heap_fragmentation, peak_memory_bytes
+from qerl_pipeline.models import resolve_dtype
+from qerl_pipeline.platform import current_platform
+from qerl_pipeline.quantization.policy import build_policy, parameter_bytes
+from qerl_pipeline.rl import grpo
+from qerl_pipeline.rl.optim import build_optimizer
+from qerl_pipeline.rl.prefix import share_plan
+from qerl_pipeline.rl.step import Batch, Optim, policy_update, reference_every
 
 log = logging.getLogger(__name__)
-
-#: Parameters of ``rl.trainer._update`` this module calls it with.
-_UPDATE_PARAMS = ["policy", "optimizer", "scheduler", "params", "norm_params", "noisy", "ids", "p_lens",
-                  "roll_logp", "mask", "adv", "cfg", "step", "ref_norms", "dist"]
-
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in the optimiser state (AdamW: two moments per trainable weight)."""
@@ -69,64 +68,19 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def make_batch(vocab: int, num_prompts: int, group: int, prompt_len: int, completion_len: int, seed: int = 0) -> dict:
+def make_batch(vocab: int, num_prompts: int, group: int, prompt_len: int, completion_len: int, seed: int = 0) -> Batch:
     """A fixed GRPO batch: right-padded ids (no padding: all lengths equal), masks, advantages.
 
     As in a real GRPO batch, the ``group`` rows of a prompt share its tokens (what
     ``train.share_prompt_forward`` exploits); completions differ row by row.
     """
-    from qerl_pipeline.rl import grpo
-
     gen = torch.Generator().manual_seed(seed)
     n = num_prompts * group
     prompts = torch.randint(3, vocab, (num_prompts, prompt_len), generator=gen).repeat_interleave(group, dim=0)
     ids = torch.cat([prompts, torch.randint(3, vocab, (n, completion_len), generator=gen)], dim=1)
     rewards = torch.rand(n, generator=gen)
-    return {
-        "ids": ids,
-        "p_lens": torch.full((n,), prompt_len, dtype=torch.long),
-        "roll_logp": torch.full((n, completion_len), -2.0),
-        "mask": torch.ones(n, completion_len),
-        "adv": grpo.group_advantages(rewards, group, "group", 1e-4),
-    }
-
-
-def _step_function(policy, optimizer, scheduler, params, cfg: QerlConfig, batch: dict) -> tuple[Callable[[int], Any], str]:
-    """``step(i)`` running one rollout batch's updates, and which implementation it is."""
-    from qerl_pipeline.rl import trainer
-
-    update = getattr(trainer, "_update", None)
-    if update is not None and list(inspect.signature(update).parameters) == _UPDATE_PARAMS:
-        def step(i: int):
-            return update(policy, optimizer, scheduler, params, {}, None, batch["ids"], batch["p_lens"],
-                          batch["roll_logp"], batch["mask"], batch["adv"], cfg, i)
-
-        return step, "rl.trainer._update"
-
-    from qerl_pipeline.rl import grpo
-
-    gc, rc = cfg.grpo, cfg.rollout
-    n, t_max = batch["roll_logp"].shape
-    mb = cfg.train.micro_batch_size
-
-    def plain(i: int):
-        for _ in range(gc.updates_per_rollout):
-            optimizer.zero_grad(set_to_none=True)
-            for start in range(0, n, mb):
-                sl = slice(start, min(n, start + mb))
-                logp, _ = trainer.completion_logprobs(policy, batch["ids"][sl], batch["p_lens"][sl], t_max, rc.temperature)
-                loss, _ = grpo.policy_loss(
-                    logp, logp.detach(), batch["adv"][sl], batch["mask"][sl], eps_low=gc.clip_eps_low,
-                    eps_high=gc.clip_eps_high, aggregation=gc.loss_aggregation, num_sequences=n,
-                    num_tokens=float(batch["mask"].sum()), max_len=t_max,
-                )
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-
-    log.warning("rl.trainer._update has an unexpected signature; timing a plain equivalent step")
-    return plain, "plain (trainer._update signature changed)"
+    return Batch(ids=ids, p_lens=torch.full((n,), prompt_len, dtype=torch.long), roll_logp=torch.full((n, completion_len), -2.0),
+                 mask=torch.ones(n, completion_len), adv=grpo.group_advantages(rewards, group, "group", 1e-4))
 
 
 def _reference_forwards(every: int) -> float:
@@ -149,11 +103,7 @@ def measure_training(
     device: str | None = None,
 ) -> dict[str, Any]:
     """Time ``steps`` training steps of ``method`` on its base; see the module docstring."""
-    from qerl_pipeline.models import resolve_dtype
-    from qerl_pipeline.quantization.policy import build_policy, parameter_bytes
-    from qerl_pipeline.rl.trainer import build_optimizer
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or current_platform()
     cfg = cfg.model_copy(update={"method": method})
     cfg.rollout.max_new_tokens = completion_len
     fmt = METHOD_FORMAT[method]
@@ -170,9 +120,10 @@ def measure_training(
     model_config = json.loads((Path(base_dir) / "config.json").read_text())
     group = cfg.grpo.num_generations
     batch = make_batch(int(model_config["vocab_size"]), num_prompts, group, prompt_len, completion_len, seed)
-    step, impl = _step_function(policy, optimizer, scheduler, params, cfg, batch)
+    opt = Optim(optimizer, scheduler, params)
 
-    from qerl_pipeline.rl.step import reference_every
+    def step(i: int) -> dict:
+        return policy_update(policy, opt, batch, cfg, i)
 
     every = reference_every(cfg)
     # step indices as the trainer numbers them: with a periodic reference (every > 1) the timed steps
@@ -200,9 +151,7 @@ def measure_training(
     n_seq = num_prompts * group
     tokens = n_seq * (prompt_len + completion_len)
     pbytes = parameter_bytes(policy)
-    from qerl_pipeline.rl.prefix import share_plan
-
-    plan = share_plan(batch["ids"], batch["p_lens"], completion_len, cfg.lora.gradient_checkpointing) \
+    plan = share_plan(batch.ids, batch.p_lens, completion_len, cfg.lora.gradient_checkpointing) \
         if cfg.train.share_prompt_forward else None
     flops = hardware.training_step_flops(
         model_config, n_seq, prompt_len + completion_len, cfg.lora.rank, list(cfg.lora.target_modules),
@@ -214,7 +163,7 @@ def measure_training(
         "method": method,
         "format": fmt,
         "device": device,
-        "step_impl": impl,
+        "step_impl": "rl.step.policy_update",
         "optimizer": opt_note,
         "sequences": n_seq,
         "tokens_per_step": tokens,

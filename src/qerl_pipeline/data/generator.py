@@ -37,7 +37,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from qerl_pipeline.config import GeneratorConfig
+from qerl_pipeline.config import GeneratorConfig, parse
 
 LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5)
 TEST_FRACTION_DENOM = 5  # 1 in 5 distinct questions belong to the test split
@@ -242,7 +242,6 @@ def split_of(question: str) -> str:
 
 def generate_splits(cfg: GeneratorConfig | dict | None = None) -> dict[str, list[Problem]]:
     """``{"train": [...n_train], "test": [...n_test]}``; deterministic given ``cfg.seed``."""
-    from qerl_pipeline.config import parse
 
     cfg = parse(GeneratorConfig, cfg, "data.generator")
     for level in cfg.levels:

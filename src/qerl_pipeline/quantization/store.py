@@ -32,8 +32,8 @@ expensive to write and deterministic given its inputs, so it is written once and
 * ``ensure_base(model, quantize, fmt, folder, force=...)``: reuse the folder when its
   stamp's digest equals the new one and every file it lists is there with its size (no file
   is opened for writing: mtimes and inodes stay as they were); else load the model,
-  quantize it into a staging folder beside ``folder`` (``atomic.staging_dir``), write the
-  stamp last and swap the folder in (``atomic.replace_dir``). Either way one INFO line says
+  quantize it into a stage beside ``folder``, write the stamp last and swap the folder in
+  (``atomic.staged_dir``). Either way one INFO line says
   which and why (no base / no stamp / the differing fingerprint keys / incomplete /
   ``quantize.force``). Files added later by readers (``nf4/bnb/``, written on demand for
   CUDA serving) are allowed: only the listed files are checked.
@@ -44,14 +44,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl_pipeline.atomic import replace_dir, staging_dir, write_atomic
+from qerl_pipeline.atomic import staged_dir, write_atomic
 from qerl_pipeline.config import ModelConfig, QuantizeConfig, parse
+from qerl_pipeline.models import _gguf_file, load_base_model, resolve_dtype, resolve_source
+from qerl_pipeline.quantization import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +98,8 @@ def _typed(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[
 
 
 def _check_format(fmt: str) -> None:
-    from qerl_pipeline.quantization.checkpoint import FORMATS
-
-    if fmt not in FORMATS:
-        raise ValueError(f"base format {fmt!r} unknown; expected one of {', '.join(FORMATS)}")
+    if fmt not in checkpoint.FORMATS:
+        raise ValueError(f"base format {fmt!r} unknown; expected one of {', '.join(checkpoint.FORMATS)}")
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -130,8 +129,6 @@ def local_model_identity(folder: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def _model_identity(mcfg: ModelConfig) -> dict[str, Any]:
-    from qerl_pipeline.models import _gguf_file, resolve_source
-
     kind, where = resolve_source(mcfg)
     ident: dict[str, Any] = {"source": mcfg.source, "resolved": kind}
     if kind == "random":
@@ -180,16 +177,13 @@ def _digest(fingerprint: dict[str, Any]) -> str:
 
 def base_fingerprint(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str) -> dict[str, Any]:
     """Everything that decides the bytes of a ``fmt`` base of ``model`` under ``quantize``, + its ``digest``."""
-    from qerl_pipeline.models import resolve_dtype
-    from qerl_pipeline.quantization.checkpoint import BASE_DTYPE
-
     _check_format(fmt)
     mcfg, qcfg = _typed(model, quantize)
     fp = {
         "format": fmt,
         "codec_version": CODEC_VERSION[fmt],
         "model": _model_identity(mcfg),
-        "base_dtype": str(BASE_DTYPE).removeprefix("torch."),
+        "base_dtype": str(checkpoint.BASE_DTYPE).removeprefix("torch."),
         "serving_dtype": str(resolve_dtype(mcfg)).removeprefix("torch."),
         "quantize": _quantize_identity(mcfg, qcfg, fmt),
     }
@@ -248,12 +242,10 @@ def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def _incomplete(folder: Path, record: dict[str, Any]) -> str | None:
     """Why the folder is not the one its stamp describes, or None when every listed file is there."""
-    from qerl_pipeline.quantization.checkpoint import SERVING_SUBDIR
-
     files = record.get("files")
     if not isinstance(files, dict) or not files:
         return "its stamp lists no files"
-    for need in ("config.json", f"{SERVING_SUBDIR}/config.json"):
+    for need in ("config.json", f"{checkpoint.SERVING_SUBDIR}/config.json"):
         if need not in files:
             return f"its stamp does not list {need}"
     if not any(n.endswith(".safetensors") and "/" not in n for n in files):
@@ -315,9 +307,6 @@ def _why_not_reusable(folder: Path, fp: dict[str, Any]) -> tuple[dict[str, Any] 
 # ------------------------------------------------------------------------------ writing
 def write_new_base(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str, out: Path) -> dict[str, Any]:
     """Load the model and write its ``fmt`` base to ``out`` (must not exist); the quantize report."""
-    from qerl_pipeline.models import load_base_model, resolve_dtype
-    from qerl_pipeline.quantization import checkpoint
-
     t0 = time.perf_counter()
     # bf16 is the base's master precision (checkpoint.BASE_DTYPE): loading in it halves the
     # memory of a float32 load, and the reported errors are those of the 4-bit format alone.
@@ -365,16 +354,11 @@ def ensure_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | 
                  fmt, folder, digest[:12])
         return folder, {**decision.record["report"], "reused": True, "fingerprint": digest}, True
     log.info("base_%s quantized into %s: %s (fingerprint %s)", fmt, folder, decision.reason, digest[:12])
-    stage = staging_dir(folder)
-    try:
-        out = stage / "base"
-        report = write_new_base(mcfg, qcfg, fmt, out)
-        record = {"schema": STAMP_SCHEMA, "fingerprint": decision.fingerprint, "files": _listed_files(out),
+    with staged_dir(folder, create=False) as stage:  # the writers create the folder themselves
+        report = write_new_base(mcfg, qcfg, fmt, stage)
+        record = {"schema": STAMP_SCHEMA, "fingerprint": decision.fingerprint, "files": _listed_files(stage),
                   "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "report": report}
-        write_atomic(out / STAMP, record, as_json=True)  # last: a folder without it is never reused
-        replace_dir(out, folder)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        write_atomic(stage / STAMP, record, as_json=True)  # last: a folder without it is never reused
     log.info("base_%s: %d linears, ratio %.4f vs bf16, mean rel. error %.4f, %.1f s", fmt, report["n_quantized_linears"],
              report["linear_bytes_ratio"], report["rel_error_mean"], report["quantize_seconds"])
     return folder, {**report, "reused": False, "fingerprint": digest}, False

@@ -7,13 +7,13 @@ Layout under ``<run_dir>/checkpoints/``::
         trainable.pt        every trainable parameter by name (LoRA and trainable norms), exact
         state.pt            optimizer, LR scheduler, RNG states, trainer state (step, AQN
                             stage/sigma, data position, MLflow run id, ...)
-        meta.json           written last inside the temp folder: step + file list
+        meta.json           written last inside the stage: step + file list
 
-A checkpoint is assembled in a hidden temp folder next to its final place and moved there
-with one ``os.replace``, so a crash (or SIGKILL) mid-write leaves either the previous
+A checkpoint is assembled in a hidden stage next to its final place and renamed there
+(``atomic.staged_dir``), so a crash (or SIGKILL) mid-write leaves either the previous
 checkpoints or the complete new one, never a half-written folder that looks valid.
-``find_latest`` only accepts folders holding ``meta.json``; stale temp folders are removed
-at the next save. ``keep_last`` bounds disk use (older complete checkpoints are deleted
+``find_latest`` only accepts folders holding ``meta.json``; hidden leftovers of a save cut
+off mid-write are removed at the next save. ``keep_last`` bounds disk use (older complete checkpoints are deleted
 after the new one is in place).
 
 ``trainable.pt`` is saved besides the adapter because the adapter folder is the portable
@@ -39,6 +39,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from qerl_pipeline.atomic import staged_dir
+from qerl_pipeline.quantization.policy import trainable_state_dict
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -121,7 +124,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every trainable tensor by its policy name (``policy.trainable_state_dict``), as CPU copies."""
-    from qerl_pipeline.quantization.policy import trainable_state_dict
 
     return {n: t.cpu().clone() for n, t in trainable_state_dict(model).items()}
 
@@ -170,27 +172,23 @@ def save_checkpoint(
     """Write checkpoint ``step`` (number of completed steps) atomically; returns its folder."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step-*"):
+    for stale in root.glob(".*"):  # hidden entries are stages of saves cut off mid-write
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    tmp.mkdir()
-    policy.save_pretrained(str(tmp / "adapter"))
-    torch.save(trainable_state(policy), tmp / "trainable.pt")
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": rng_state(),
-            "trainer": state,
-        },
-        tmp / "state.pt",
-    )
-    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    with staged_dir(final) as stage:
+        policy.save_pretrained(str(stage / "adapter"))
+        torch.save(trainable_state(policy), stage / "trainable.pt")
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": rng_state(),
+                "trainer": state,
+            },
+            stage / "state.pt",
+        )
+        files = sorted(str(p.relative_to(stage)) for p in stage.rglob("*") if p.is_file())
+        (stage / "meta.json").write_text(json.dumps({"step": step, "files": files}, indent=1))
     if keep_last is not None:  # never the one just written, even beside stale higher steps
         for _, old in list_checkpoints(run_dir)[:-keep_last]:
             if old != final:

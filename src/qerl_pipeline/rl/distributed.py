@@ -1,8 +1,10 @@
-"""Data-parallel training with torch.distributed: the launch, the rank's view, and the collectives.
+"""Data-parallel training with torch.distributed: the launch of the ranks, and what each computes.
 
-Design (issue "Beyond one GPU"): ``train.nproc`` ranks, launched by PyTorch's elastic
-launcher (``python -m torch.distributed.run``, i.e. torchrun), gloo on CPU; on CUDA one
-process group with two backends, ``cpu:gloo,cuda:nccl`` (``backend_for``).
+``train.nproc`` ranks, launched by PyTorch's elastic launcher (``python -m
+torch.distributed.run``, i.e. torchrun), gloo on CPU; on CUDA one process group with two
+backends, ``cpu:gloo,cuda:nccl`` (``rl/dist.py``'s ``backend_for``). The rank's view and the
+collectives are ``rl/dist.py``; this module starts torchrun from the node and runs
+``trainer.train`` in each rank.
 
 * Why two backends on CUDA: NCCL serves CUDA tensors only (torch maps the ``nccl`` backend
   to the ``cuda`` device alone; a CPU tensor in a plain ``nccl`` group fails with "No backend
@@ -50,136 +52,24 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from qerl_pipeline.atomic import write_atomic
+from qerl_pipeline.config import QerlConfig
+from qerl_pipeline.platform import current_platform
+from qerl_pipeline.rl import trainer
+from qerl_pipeline.rl.dist import init
+from qerl_pipeline.rollout.server import set_parent_death_signal
+from qerl_pipeline.tracking import MemoryLogger, TrainingRun
+
 log = logging.getLogger(__name__)
-
-#: Environment variables torchrun sets for its workers; a rank's engine process must not see
-#: them (vLLM would take the trainer's rank/world for its own).
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-                "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-
-
-@dataclass
-class Dist:
-    """This process's place in the job and the collectives the trainer uses (one process: no-ops)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    #: run the collectives with one rank too (the GPU acceptance check joins an NCCL group of world size 1)
-    always_collect: bool = False
-
-    @property
-    def active(self) -> bool:
-        return self.world_size > 1 or self.always_collect
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.active:
-            torch.distributed.barrier()
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order."""
-        if not self.active:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        if not self.active:
-            return obj
-        box = [obj if self.rank == src else None]
-        torch.distributed.broadcast_object_list(box, src=src)
-        return box[0]
-
-    def sum(self, value: float) -> float:
-        """The sum of a float over the ranks (float64 on the wire)."""
-        if not self.active:
-            return float(value)
-        t = torch.tensor([float(value)], dtype=torch.float64)
-        torch.distributed.all_reduce(t)
-        return float(t)
-
-    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if self.active:
-            torch.distributed.all_reduce(t)
-        return t
-
-    def all_reduce_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Sum the gradients of ``params`` over the ranks, in one flat buffer (one collective)."""
-        if not self.active:
-            return
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-        torch.distributed.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g).to(g.dtype))
-            offset += n
-
-
-SINGLE = Dist()
-
-
-def from_env(env: dict[str, str] | None = None) -> Dist:
-    """The ``Dist`` torchrun's variables describe (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); one process without them."""
-    env = os.environ if env is None else env
-    world = int(env.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return SINGLE
-    return Dist(int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])))
-
-
-def backend_for(platform: str) -> str:
-    """gloo on CPU; on CUDA NCCL for CUDA tensors and gloo for CPU ones (module docstring)."""
-    return "cpu:gloo,cuda:nccl" if platform == "cuda" else "gloo"
-
-
-def rank_device(platform: str, local_rank: int) -> str:
-    """The trainer's device of a rank: ``cuda:<local_rank>`` on CUDA (one GPU per rank), ``cpu`` otherwise."""
-    return f"cuda:{local_rank}" if platform == "cuda" else "cpu"
-
-
-def init(platform: str) -> Dist:
-    """Join the process group torchrun set up (no-op in a single process)."""
-    d = from_env()
-    if d.active and not torch.distributed.is_initialized():
-        if platform == "cuda":
-            torch.cuda.set_device(d.local_rank)
-        torch.distributed.init_process_group(backend_for(platform))
-    return d
-
-
-def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[lo, hi)`` of the ``n`` items rank ``rank`` takes: contiguous, equal shares (``n % world_size == 0``)."""
-    if n % world_size:
-        raise ValueError(f"{n} prompt groups do not split evenly over {world_size} ranks")
-    share = n // world_size
-    return rank * share, (rank + 1) * share
-
-
-def engine_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without the launcher's variables (for a rank's engine process)."""
-    return {k: v for k, v in env.items() if k not in LAUNCHER_ENV}
 
 
 # ------------------------------------------------------------------------ launching
@@ -200,12 +90,10 @@ def launch(cfg, base_dir: Path, records: list[dict], *, output_dir: str | Path |
     """Run ``trainer.train`` on ``cfg.train.nproc`` ranks under torchrun, follow it, return rank 0's ``TrainResult``.
 
     ``tracking``: ``{"uri", "active_run_id", "name", "params"}`` for rank 0's MLflow logger
-    (``tracking.training_loggers`` with the launching process's active run), None = in memory.
+    (``tracking.TrainingRun`` with the launching process's active run), None = in memory.
     The launcher gets the parent-death signal: if this process dies, torchrun is terminated,
     which ends its workers, whose engines end with them (rollout/server.py's guard).
     """
-    from qerl_pipeline.rl.trainer import TrainResult
-
     if reward_fn is not None and not isinstance(reward_fn, str):
         raise TypeError("train.nproc > 1: the reward function must be an import path ('package.module:function'), "
                         "a callable cannot be sent to the ranks")
@@ -238,35 +126,26 @@ def launch(cfg, base_dir: Path, records: list[dict], *, output_dir: str | Path |
     if rc != 0 or not result_path.exists():
         raise RuntimeError(f"distributed training ({tc.nproc} ranks) failed with exit code {rc}; its last lines:\n" + "\n".join(tail))
     raw = json.loads(result_path.read_text())
-    return TrainResult(Path(raw["run_dir"]), Path(raw["adapter_dir"]), raw["steps"], raw["resumed_from"], raw["run_id"],
+    return trainer.TrainResult(Path(raw["run_dir"]), Path(raw["adapter_dir"]), raw["steps"], raw["resumed_from"], raw["run_id"],
                        raw["history"], raw["seconds"], Path(raw["moved_aside"]) if raw["moved_aside"] else None, raw["reused"])
 
 
 def _die_with_parent() -> None:
-    from qerl_pipeline.rollout.server import set_parent_death_signal
-    import signal
-
     set_parent_death_signal(signal.SIGTERM)
 
 
 def _worker(payload_path: str) -> int:
     """One rank: join the group, train, rank 0 writes the result file."""
-    from qerl_pipeline.atomic import write_atomic
-    from qerl_pipeline.config import QerlConfig
-    from qerl_pipeline.rl import trainer
-    from qerl_pipeline.tracking import MemoryLogger, training_loggers
-
     p = json.loads(Path(payload_path).read_text())
     cfg = QerlConfig.model_validate(p["config"])
-    platform = "cuda" if torch.cuda.is_available() else "cpu"
-    d = init(platform)
+    d = init(current_platform())
     logging.basicConfig(level=logging.INFO, format=f"rank {d.rank}: %(levelname)s %(name)s: %(message)s", force=True)  # no brackets: rich markup
     tr = p.get("tracking")
     if d.is_main and tr:
         import mlflow
 
         mlflow.set_tracking_uri(tr["uri"])
-        make_logger, _ = training_loggers(tr["name"], cfg.method, tr.get("params") or {}, active_run_id=tr["active_run_id"])
+        make_logger = TrainingRun(tr["name"], cfg.method, tr.get("params") or {}, active_run_id=tr["active_run_id"]).logger
     else:
         def make_logger(_run_id):
             return MemoryLogger()

@@ -127,7 +127,6 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
 
         g_all = grad_logp.to(acc)
-        n = hidden.shape[0]
         kept = ctx.kept  # freed with the graph (a retained graph's next backward reuses them: same result)
         live = g_all != 0  # masked / padded positions contribute nothing
         # the forward's chunks whose softmax was kept (their live rows), then the other live rows, recomputed

@@ -26,14 +26,19 @@ import hashlib
 import importlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from qerl_pipeline import tracking as T
 from qerl_pipeline.config import QerlConfig
+from qerl_pipeline.quantization import aqn
 from qerl_pipeline.quantization.policy import decoded_weights, keeps_decoded_weights
-from qerl_pipeline.rl import aqn, grpo
+from qerl_pipeline.rewards.scorer import RewardScorer
+from qerl_pipeline.rl import grpo
+from qerl_pipeline.rl.dist import SINGLE, shard_bounds
 from qerl_pipeline.rl.logprobs import token_logprobs
 from qerl_pipeline.rl.prefix import shared_prompt_hidden
 
@@ -144,7 +149,6 @@ def make_scorer(cfg: QerlConfig, reward_fn: RewardFn | str | None = None):
     """``reward_fn`` (a callable or import path), else ``train.reward_fn``, else the math ``RewardScorer``."""
     reward_fn = reward_fn or cfg.train.reward_fn
     if reward_fn is None:
-        from qerl_pipeline.rewards.math import RewardScorer
 
         return RewardScorer(cfg.reward)
     return FunctionScorer(load_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn)
@@ -246,7 +250,7 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
     the all-right and all-wrong ones, which biases their mean towards 0.5).
 
     ``shard = (rank, world_size)``: data-parallel ranks draw the same global prompts (same
-    sampler state) and each rolls out its contiguous share (``distributed.shard_bounds``),
+    sampler state) and each rolls out its contiguous share (``dist.shard_bounds``),
     every prompt with the sampling seed of its global position. One round only (dynamic
     sampling is refused with more than one rank).
     """
@@ -261,7 +265,6 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
         idx = sampler.take(need)
         seeds = sampling_seeds(rc.seed, step, rounds, idx)
         if shard[1] > 1:
-            from qerl_pipeline.rl.distributed import shard_bounds
 
             lo, hi = shard_bounds(len(idx), *shard)
             idx, seeds = idx[lo:hi], seeds[lo:hi]
@@ -324,7 +327,39 @@ def reference_every(cfg: QerlConfig) -> int:
     return g.log_kl_to_base_every if g.log_kl_to_base else 0
 
 
-def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg: QerlConfig, step: int,
+@dataclass
+class Batch:
+    """One rollout batch as the update takes it: this rank's rows of the step's sequences.
+
+    ``ids`` ``[n, L]`` right-padded prompt + completion ids, ``p_lens`` ``[n]`` prompt lengths,
+    ``roll_logp`` ``[n, T]`` the rollout's (vLLM's) log-probs of the completion tokens,
+    ``mask`` ``[n, T]`` the completion tokens the loss counts (``grpo.completion_mask``),
+    ``adv`` ``[n]`` advantages (``grpo.group_advantages`` over the global batch), ``noisy``
+    the norm values that generated it (AQN's noisy norms and trained norms, by name; empty
+    without either).
+    """
+
+    ids: torch.Tensor
+    p_lens: torch.Tensor
+    roll_logp: torch.Tensor
+    mask: torch.Tensor
+    adv: torch.Tensor
+    noisy: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Optim:
+    """What an update steps: the optimiser and its schedule, the parameters it clips
+    (``params``: every trainable one) and the norm weights it sets per batch (``norm_params``,
+    by name: AQN's targets and trained norms; empty without either)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    params: list[torch.nn.Parameter]
+    norm_params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+
+
+def policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int, *,
                   ref_norms: dict[str, torch.Tensor] | None = None, dist=None) -> dict:
     """``updates_per_rollout`` optimizer steps on one rollout batch.
 
@@ -347,20 +382,18 @@ def policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids,
     A token whose vLLM log-prob is missing (NaN) gets pi_old as its rollout log-prob, so its
     importance ratio is 1 in every update of the batch.
 
-    ``dist`` (``rl/distributed.py``'s ``Dist``; None = one process): this rank's rows are its
+    ``dist`` (``rl/dist.py``'s ``Dist``; None = one process): this rank's rows are its
     share of the global batch; the normalisers (sequences, tokens), the entropy threshold, the
     gradients (summed before clipping) and every returned statistic are the global batch's.
     """
     keep = keeps_decoded_weights(cfg.train.keep_decoded_weights, next(policy.parameters()).device.type)
     with decoded_weights(policy, keep):  # each packed linear decoded once for the whole update (CPU default)
-        return _policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv,
-                              cfg, step, ref_norms, dist)
+        return _policy_update(policy, opt, batch, cfg, step, ref_norms, dist)
 
 
-def _policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv,
-                   cfg: QerlConfig, step: int, ref_norms, dist) -> dict:
-    from qerl_pipeline.rl.distributed import SINGLE
-
+def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int, ref_norms, dist) -> dict:
+    optimizer, scheduler, params, norm_params = opt.optimizer, opt.scheduler, opt.params, opt.norm_params
+    ids, p_lens, roll_logp, mask, adv, noisy = batch.ids, batch.p_lens, batch.roll_logp, batch.mask, batch.adv, batch.noisy
     d = dist or SINGLE
     gc, tc, rc = cfg.grpo, cfg.train, cfg.rollout
     n_local, t_max = roll_logp.shape
@@ -454,7 +487,7 @@ def _policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids
         stats_acc = dict(zip(stats_acc, sums[3:]))
         is_parts = [p for parts in d.all_gather_object(is_parts) for p in parts]
     out = {
-        "lr": lr, "loss": _mean(losses), "optim/grad_norm": _mean(grad_norms), "policy/entropy": stats_acc["entropy"],
+        "lr": lr, "loss": _mean(losses), "optim/grad_norm": _mean(grad_norms), T.POLICY_ENTROPY: stats_acc["entropy"],
         "policy/clip_fraction": clip_sum, "policy/clip_low_fraction": clip_low, "policy/clip_high_fraction": clip_high,
         "mismatch/kl": stats_acc["mismatch_kl"], **select_info,
     }

@@ -7,7 +7,7 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
    sigma is 0, which restores the clean values, and every step when norms are trainable),
    then read back: ``aqn/sigma_effective`` is the std of served minus clean, and the
    trainer uses the values the engine serves. Norm weights are fp32 in both (``model.
-   norm_dtype``, rl/norms.py), so a bf16 model serves the noise as drawn.
+   norm_dtype``, quantization/norms.py), so a bf16 model serves the noise as drawn.
 2. Rollout: ``prompts_per_step`` prompts (a seeded permutation per epoch; the cursor is
    checkpointed), ``num_generations`` samples each, with the current adapter folder.
    Dynamic sampling (DAPO) drops groups with equal rewards and refills for up to
@@ -52,6 +52,7 @@ so the newest checkpoint is the last good state; the run is marked FAILED in MLf
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -62,66 +63,43 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
-from qerl_pipeline.rl import aqn, grpo
+from qerl_pipeline import tracking as T
+from qerl_pipeline.adapter import is_adapter, save_adapter, trained_norms
+from qerl_pipeline.atomic import write_atomic
+from qerl_pipeline.config import METHOD_FORMAT, QerlConfig, flatten
+from qerl_pipeline.memory import limit_heap_fragmentation, peak_memory_bytes
+from qerl_pipeline.models import load_tokenizer, resolve_dtype
+from qerl_pipeline.platform import current_platform
+from qerl_pipeline.quantization import aqn
+from qerl_pipeline.quantization.norms import check_noise_precision, sigma_effective
+from qerl_pipeline.quantization.policy import build_policy
+from qerl_pipeline.quantization.store import read_stamp
 from qerl_pipeline.rl import checkpoint as ckpt
-from qerl_pipeline.rl.step import (  # noqa: F401 - re-exported: the trainer's public names
-    PromptItem,
+from qerl_pipeline.rl import grpo
+from qerl_pipeline.rl.dist import SINGLE, rank_device
+from qerl_pipeline.rl.optim import build_optimizer, lr_factor
+from qerl_pipeline.rl.step import (
+    Batch,
+    Optim,
     PromptSampler,
     RewardFn,
     TrainingDiverged,
     _mean,
     collate,
     collect,
-    completion_logprobs,
     completion_rows,
     make_scorer,
     policy_update,
     tokenize_prompts,
 )
-from qerl_pipeline.atomic import write_atomic
-from qerl_pipeline.adapter import ADAPTER_META, NORMS_FILE, is_adapter, save_adapter, trained_norms  # noqa: F401 - re-exported
-from qerl_pipeline.rollout.serving import VLLM_LORA_RANKS, vllm_lora_rank  # noqa: F401 - re-exported (older imports)
+from qerl_pipeline.rollout.layout import engine_plan
+from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
+from qerl_pipeline.rollout.sleep import EngineSleeper, engine_platform, sleep_plan
 from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, git_commit, scalar_metrics
 
 log = logging.getLogger(__name__)
-
-#: The update under its historical name (``benchmarking/training.py`` times it).
-_update = policy_update
-
-
-# --------------------------------------------------------------- optimizer
-def build_optimizer(params: list[torch.nn.Parameter], cfg: QerlConfig) -> tuple[torch.optim.Optimizer, str]:
-    """AdamW (8-bit through bitsandbytes when asked and it runs on CUDA), and a note saying which."""
-    o = cfg.optim
-    lr = o.lr.get(cfg.method)
-    if lr is None:
-        raise KeyError(f"optim.lr has no learning rate for method {cfg.method!r}")
-    kwargs = dict(lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    if o.name == "adamw_8bit":
-        on_cuda = any(p.is_cuda for p in params)
-        try:
-            import bitsandbytes as bnb  # noqa: PLC0415
-
-            if on_cuda:
-                return bnb.optim.AdamW8bit(params, **kwargs), "bitsandbytes AdamW8bit"
-            note = "adamw_8bit asked, but the parameters are on CPU: plain torch AdamW"
-        except ImportError:
-            note = "adamw_8bit asked, but bitsandbytes is not installed: plain torch AdamW"
-        log.warning(note)
-        return torch.optim.AdamW(params, **kwargs), note
-    return torch.optim.AdamW(params, **kwargs), "torch AdamW"
-
-
-def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
-    """Linear warmup over ``warmup`` optimizer steps, then cosine to 0 (or constant)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 # --------------------------------------------------------------- the loop
 @dataclass
@@ -192,8 +170,6 @@ RESUMABLE_CHANGES = ("train.steps", "train.resume", "train.checkpoint_every", "t
 
 def resume_config(cfg: QerlConfig) -> dict[str, Any]:
     """The flattened settings a checkpoint must share with the config that resumes it."""
-    from qerl_pipeline.config import flatten
-
     flat = flatten(cfg.model_dump(mode="json"))
     return {k: v for k, v in flat.items() if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)}
 
@@ -203,12 +179,21 @@ def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]
     return sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
 
 
+def _log_fresh_run(logger: MetricsLogger, cfg: QerlConfig, base_dir: Path, *, dataset_name: str | None, optimizer_note: str,
+                   data_report: dict | None, moved_aside: Path | None) -> None:
+    """A fresh run's tags, resolved config and inputs (a resumed run has them already)."""
+    logger.set_tags({
+        "method": cfg.method, "model": cfg.model.name, "dataset": dataset_name or cfg.data.train_source,
+        "git_commit": git_commit(), "optimizer": optimizer_note,
+    })
+    logger.log_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config/resolved_config.yaml")
+    log_inputs(logger, base_dir, data_report)
+    if moved_aside is not None:
+        logger.set_tags({"qerl.previous_run_dir": str(moved_aside)})
+
+
 def log_inputs(logger: MetricsLogger, base_dir: Path, data_report: dict | None) -> None:
     """A training run's record of its inputs: the data report and the base's stored quantize report."""
-    import json
-
-    from qerl_pipeline.quantization.store import read_stamp
-
     stamp = read_stamp(base_dir) or {}
     report = stamp.get("report") or {}
     logger.log_metrics(scalar_metrics(report, "quantize/"), step=0)
@@ -228,8 +213,6 @@ def prune_adapters(adapters: Path, keep: list[Path]) -> None:
 
 
 def _peak_memory_gb() -> float:
-    from qerl_pipeline.memory import peak_memory_bytes
-
     return peak_memory_bytes() / 2**30
 
 
@@ -275,14 +258,6 @@ def train(
     ``dist``: this rank of a data-parallel training (``rl/distributed.py``, which launches the
     ranks and passes it; None = one process): rank 0 alone writes files and MLflow.
     """
-    from qerl_pipeline.memory import limit_heap_fragmentation
-    from qerl_pipeline.models import resolve_dtype
-    from qerl_pipeline.quantization.policy import build_policy
-    from qerl_pipeline.rl.norms import check_noise_precision, sigma_effective
-    from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
-
-    from qerl_pipeline.rl.distributed import SINGLE, rank_device
-
     t_start = time.perf_counter()
     d = dist or SINGLE
     base_dir = Path(base_dir)
@@ -307,11 +282,11 @@ def train(
                            time.perf_counter() - t_start, None, reused=True)
 
     torch.manual_seed(tc.seed)
-    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    platform = current_platform()
     device = rank_device(platform, d.local_rank) if d.active else platform
     dtype = resolve_dtype(cfg.model, platform)
     check_noise_precision(cfg, dtype)  # before any model loads
-    limit_heap_fragmentation()  # glibc: -58% peak RSS of an update on CPU (qerl_pipeline.memory)
+    limit_heap_fragmentation()  # glibc keeps freed activations otherwise (qerl_pipeline.memory)
     served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=platform)
     sync = resolve_sync(rc.sync, served, rc.tensor_parallel_size)  # adapter | merge, before any model loads (rollout/serving.py)
     policy = build_policy(base_dir, METHOD_FORMAT[cfg.method], cfg.lora, dtype=dtype, device=device,
@@ -338,21 +313,11 @@ def train(
         log.info("resuming from %s (step %d, MLflow run %s)", latest, start_step, run_id)
         logger.set_tags({"qerl.resumed_at_step": str(start_step)})
     else:
-        import yaml
-
-        logger.set_tags({
-            "method": cfg.method, "model": cfg.model.name, "dataset": dataset_name or cfg.data.train_source,
-            "git_commit": git_commit(), "optimizer": opt_note,
-        })
-        logger.log_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config/resolved_config.yaml")
-        log_inputs(logger, base_dir, data_report)
-        if moved_aside is not None:
-            logger.set_tags({"qerl.previous_run_dir": str(moved_aside)})
+        _log_fresh_run(logger, cfg, base_dir, dataset_name=dataset_name, optimizer_note=opt_note, data_report=data_report,
+                       moved_aside=moved_aside)
     if dropped:
         log.warning("%d prompts longer than %d tokens were dropped", dropped, cfg.model.max_seq_len - rc.max_new_tokens)
 
-    from qerl_pipeline.rollout.serving import engine_plan
-    from qerl_pipeline.rollout.sleep import EngineSleeper, engine_platform, sleep_plan
 
     ranks = dict(world_size=d.world_size, rank=d.rank, local_rank=d.local_rank)
     layout = engine_plan(rc, platform, **ranks)  # rollout.engines / tensor_parallel_size: this rank's engine and GPUs
@@ -417,10 +382,9 @@ def train(
             r = torch.tensor([x["reward"] for x in g_all["rewards"]], dtype=torch.float32)
             adv_all = grpo.group_advantages(r, gc.num_generations, gc.advantage_scale, gc.advantage_eps)
             adv = adv_all[offset: offset + len(rewards)]
-            c_lens, truncated, sampled = g_all["lengths"], g_all["truncated"], g_all["sampled"]
             engine_cpu0 = _engine_cpu(engine)
-            upd = policy_update(policy, optimizer, scheduler, params, norm_params, noisy, ids, p_lens, roll_logp, mask, adv, cfg, step,
-                                ref_norms=ref_norms, dist=d)
+            upd = policy_update(policy, Optim(optimizer, scheduler, params, norm_params),
+                                Batch(ids, p_lens, roll_logp, mask, adv, noisy), cfg, step, ref_norms=ref_norms, dist=d)
             t_upd = time.perf_counter()
             engine_cpu1 = _engine_cpu(engine)
             adapter_dir = _save_step_adapter(policy, adapters / f"step-{step + 1:06d}", d)
@@ -429,25 +393,10 @@ def train(
                 prune_adapters(adapters, written)
             sleep_metrics = sleeper.after_update(adapter_dir if sync == "adapter" else None)  # wake, probe, register the next adapter
 
-            metrics = {
-                # every sampled group (before DAPO's filter): the curves that compare across methods
-                "reward/mean": _mean(x["reward"] for x in sampled), "reward/accuracy": _mean(x["accuracy"] for x in sampled),
-                "reward/format": _mean(x["format"] for x in sampled), "accuracy": _mean(x["accuracy"] for x in sampled),
-                # the kept groups the update trains on (equal to the above without dynamic sampling)
-                "reward/kept_mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
-                "reward/kept_accuracy": _mean(x["accuracy"] for x in g_all["rewards"]),
-                "reward/kept_format": _mean(x["format"] for x in g_all["rewards"]),
-                "groups/sampled": g_all["sampled_groups"], "groups/kept": g_all["kept_groups"],
-                "reward/overlong": g_all["overlong"],
-                "completion/length": float(c_lens.float().mean()), "completion/truncated_fraction": float(truncated.float().mean()),
-                "groups/zero_std_fraction": g_all["zero_std_fraction"], "groups/refill_rounds": info["rounds"] - 1,
-                "aqn/sigma": sigma, "aqn/sigma_effective": sigma_eff, "aqn/stage": stage, "optim/lr": upd["lr"], "rollout/tokens_per_s": g_all["tokens_per_s"],
-                "time/rollout_s": g_all["rollout_s"], "time/reward_s": g_all["reward_s"], "time/sync_s": sync_s,
-                "time/update_s": t_upd - t_roll, "time/step_s": time.perf_counter() - t0, "memory/peak_gb": _peak_memory_gb(),
-                **{k: v for k, v in upd.items() if k != "lr"}, **sleep_metrics,
-            }
-            if engine_cpu0 is not None and engine_cpu1 is not None:  # ~0: the engine leaves the cores to the update
-                metrics["time/engine_cpu_during_update_s"] = engine_cpu1 - engine_cpu0
+            metrics = _step_metrics(g_all, r, info, upd, sleep_metrics, stage=stage, sigma=sigma, sigma_eff=sigma_eff,
+                                    times={"time/sync_s": sync_s, "time/update_s": t_upd - t_roll,
+                                           T.STEP_TIME_S: time.perf_counter() - t0},
+                                    engine_cpu=(engine_cpu0, engine_cpu1))
             logger.log_metrics(metrics, step=step + 1)
             history.append({"step": step + 1, **metrics})
             if (step + 1) % tc.log_completions_every == 0 or step == start_step:  # rank 0's share of the completions
@@ -462,7 +411,7 @@ def train(
                 bar.advance(metrics)
             log.info(
                 "step %d/%d reward %.3f acc %.3f entropy %.3f sigma %.1e | rollout %.1fs (%.0f tok/s) update %.1fs",
-                step + 1, tc.steps, metrics["reward/mean"], metrics["accuracy"], metrics["policy/entropy"], sigma,
+                step + 1, tc.steps, metrics[T.REWARD_MEAN], metrics["accuracy"], metrics[T.POLICY_ENTROPY], sigma,
                 roll["seconds"], roll["tokens_per_s"], metrics["time/update_s"],
             )
     except TrainingDiverged as exc:
@@ -486,6 +435,33 @@ def train(
     seconds = time.perf_counter() - t_start
     logger.log_metrics({"time/total_s": seconds}, step=tc.steps)
     return TrainResult(run_dir, final, tc.steps, start_step, run_id, history, seconds, moved_aside)
+
+
+def _step_metrics(g_all: dict, r: torch.Tensor, info: dict, upd: dict, sleep_metrics: dict, *, stage: int, sigma: float,
+                  sigma_eff: float, times: dict[str, float], engine_cpu: tuple[float | None, float | None]) -> dict:
+    """One step's metrics: the global batch's rewards and lengths (``_gather_step``), the update's
+    statistics, AQN's sigma, the step's times and memory."""
+    sampled, c_lens, truncated = g_all["sampled"], g_all["lengths"], g_all["truncated"]
+    metrics = {
+        # every sampled group (before DAPO's filter): the curves that compare across methods
+        T.REWARD_MEAN: _mean(x["reward"] for x in sampled), T.REWARD_ACCURACY: _mean(x["accuracy"] for x in sampled),
+        T.REWARD_FORMAT: _mean(x["format"] for x in sampled), "accuracy": _mean(x["accuracy"] for x in sampled),
+        # the kept groups the update trains on (equal to the above without dynamic sampling)
+        "reward/kept_mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
+        "reward/kept_accuracy": _mean(x["accuracy"] for x in g_all["rewards"]),
+        "reward/kept_format": _mean(x["format"] for x in g_all["rewards"]),
+        "groups/sampled": g_all["sampled_groups"], "groups/kept": g_all["kept_groups"],
+        "reward/overlong": g_all["overlong"],
+        T.COMPLETION_LENGTH: float(c_lens.float().mean()), "completion/truncated_fraction": float(truncated.float().mean()),
+        "groups/zero_std_fraction": g_all["zero_std_fraction"], "groups/refill_rounds": info["rounds"] - 1,
+        T.AQN_SIGMA: sigma, "aqn/sigma_effective": sigma_eff, T.AQN_STAGE: stage, "optim/lr": upd["lr"],
+        T.ROLLOUT_TOKENS_PER_S: g_all["tokens_per_s"], "time/rollout_s": g_all["rollout_s"], "time/reward_s": g_all["reward_s"],
+        "time/sync_s": times["time/sync_s"], "time/update_s": times["time/update_s"], T.STEP_TIME_S: times[T.STEP_TIME_S],
+        T.PEAK_MEMORY_GB: _peak_memory_gb(), **{k: v for k, v in upd.items() if k != "lr"}, **sleep_metrics,
+    }
+    if engine_cpu[0] is not None and engine_cpu[1] is not None:  # ~0: the engine leaves the cores to the update
+        metrics["time/engine_cpu_during_update_s"] = engine_cpu[1] - engine_cpu[0]
+    return metrics
 
 
 def _engine_cpu(engine) -> float | None:
@@ -527,7 +503,7 @@ def _gather_step(d, rewards: list[dict], info: dict, roll: dict, lengths: torch.
 
 def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:
     """``<run_dir>/train_curves.png`` (every step, also those before a resume) -> MLflow ``plots/``."""
-    from qerl_pipeline.evaluation.report import figure_png, plot_training
+    from qerl_pipeline.evaluation.plots import figure_png, plot_training  # matplotlib: only when a run ends
 
     history = _full_history(logger)
     if not history:
@@ -541,14 +517,13 @@ def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:
 
 
 #: Metrics drawn in ``train_curves.png``.
-CURVE_METRICS = ("reward/mean", "reward/accuracy", "reward/format", "policy/entropy", "completion/length", "aqn/sigma")
 
 
 def _full_history(logger: MetricsLogger) -> list[dict]:
     """Per-step metrics from the logger (MLflow: the run's whole history, also before a resume)."""
     if not hasattr(logger, "history"):  # the protocol's optional reader
         return []
-    metrics = logger.history(CURVE_METRICS)
+    metrics = logger.history(T.CURVE_METRICS)
     rows: dict[int, dict] = {}
     for name, pts in metrics.items():
         for step, value in pts:
@@ -564,8 +539,6 @@ def _tokenizer(base_dir: Path, cfg: QerlConfig):
     try:
         tok = AutoTokenizer.from_pretrained(base_dir)
     except (OSError, ValueError):
-        from qerl_pipeline.models import load_tokenizer
-
         tok = load_tokenizer(cfg.model)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -586,8 +559,8 @@ class _Bar:
 
     def advance(self, m: dict) -> None:
         info = (
-            f"reward {m['reward/mean']:.3f} acc {m['accuracy']:.2f} ent {m['policy/entropy']:.2f} "
-            f"sigma {m['aqn/sigma']:.1e} {m['rollout/tokens_per_s']:.0f} tok/s"
+            f"reward {m[T.REWARD_MEAN]:.3f} acc {m['accuracy']:.2f} ent {m[T.POLICY_ENTROPY]:.2f} "
+            f"sigma {m[T.AQN_SIGMA]:.1e} {m[T.ROLLOUT_TOKENS_PER_S]:.0f} tok/s"
         )
         self.progress.update(self.task, advance=1, info=info)
 

@@ -42,7 +42,7 @@ Behaviour:
 * Sleep (``sleep(level)``, ``wake_up``) and adapter ops (``register_adapter``,
   ``loaded_adapters``, ``reset_adapters``) for rollout/sleep.py, which decides when the
   engine sleeps and checks it after each wake. ``devices``: the GPUs the engine process
-  sees (``CUDA_VISIBLE_DEVICES``; serving.engine_plan).
+  sees (``CUDA_VISIBLE_DEVICES``; layout.engine_plan).
 * Log-probs: ``SamplingParams(logprobs=0)`` (the sampled token's) with the engine's
   ``logprobs_mode`` from ``RolloutConfig`` (default ``processed_logprobs``: after
   temperature/top-p, i.e. under the distribution the token was drawn from; for greedy
@@ -65,12 +65,14 @@ import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Listener
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from qerl_pipeline.adapter import lora_delta, lora_factors
 from qerl_pipeline.config import RolloutConfig
+from qerl_pipeline.memory import process_tree_peak_bytes
 from qerl_pipeline.profile import engine_env
 from qerl_pipeline.rollout.server import GROUP_ENV, PARENT_MAIN_THREAD_ENV, PARENT_PID_ENV
 from qerl_pipeline.rollout.vllm_plugin import ENV as NORM_DTYPE_ENV
@@ -136,6 +138,34 @@ def start_engine_process(cmd: list[str], env: dict[str, str], log) -> subprocess
     )
 
 
+#: Environment variables torchrun sets for its workers; a rank's engine process must not see
+#: them (vLLM would take the trainer's rank/world for its own).
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+
+def without_launcher_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the launcher's variables (for a rank's engine process)."""
+    return {k: v for k, v in env.items() if k not in LAUNCHER_ENV}
+
+
+def visible_devices(devices: tuple[int, ...] | list[int], environ: Any = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for an engine process that should see ``devices`` (indices into
+    this process's visible GPUs: mapped through its own ``CUDA_VISIBLE_DEVICES`` when set)."""
+    env = os.environ if environ is None else environ
+    own = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not devices:
+        raise ValueError("visible_devices: no devices")
+    if own:
+        if max(devices) >= len(own):
+            raise ValueError(f"devices {list(devices)}: this process sees only CUDA_VISIBLE_DEVICES={','.join(own)}")
+        return ",".join(own[d] for d in devices)
+    return ",".join(str(d) for d in devices)
+
+
 class RolloutEngine:
     """A vLLM engine in a child process. Use as a context manager."""
 
@@ -198,8 +228,6 @@ class RolloutEngine:
         address = str(self._tmp / "engine.sock")
         authkey = secrets.token_bytes(32)
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        from qerl_pipeline.rl.distributed import engine_env as without_launcher_env
-
         env = without_launcher_env(dict(os.environ))  # a data-parallel rank's torchrun variables are not vLLM's
         env.update(engine_env())
         env.pop(NORM_DTYPE_ENV, None)
@@ -207,9 +235,7 @@ class RolloutEngine:
             env[NORM_DTYPE_ENV] = "float32"
         elif self.norm_dtype is not None:
             raise ValueError(f"norm_dtype: expected None or 'float32', got {self.norm_dtype!r}")
-        if self.devices is not None:  # the GPUs this engine may use (serving.engine_plan)
-            from qerl_pipeline.rollout.serving import visible_devices
-
+        if self.devices is not None:  # the GPUs this engine may use (layout.engine_plan)
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(self.devices)
         env["QERL_ENGINE_ADDRESS"] = address
         env["QERL_ENGINE_AUTHKEY"] = authkey.hex()
@@ -286,7 +312,6 @@ class RolloutEngine:
 
     def peak_memory_bytes(self) -> int | None:
         """Host RSS high-water mark of the engine's processes (``memory.process_tree_peak_bytes``)."""
-        from qerl_pipeline.memory import process_tree_peak_bytes
 
         return None if self._proc is None else process_tree_peak_bytes(self._proc.pid)
 
@@ -433,7 +458,7 @@ class RolloutEngine:
         Prefix cache reset; after a level-2 sleep the merge is redone on wake. Dense served
         linears only (an error names the layer on a packed base)."""
         t0 = time.perf_counter()
-        self._call("merge_lora", path=None if lora_path is None else str(Path(lora_path).resolve()))
+        self._call("merge_adapter", path=None if lora_path is None else str(Path(lora_path).resolve()))
         return time.perf_counter() - t0
 
     def unmerge(self) -> float:
@@ -481,16 +506,16 @@ class RolloutEngine:
         the same folder (and files) will use. Returns ``{"lora_id", "added", "loaded"}``
         (``loaded``: the ids vLLM lists afterwards)."""
         path = Path(lora_path).resolve()
-        return self._call("register_lora", path=str(path), version=adapter_version(path))
+        return self._call("register_adapter", path=str(path), version=adapter_version(path))
 
     def loaded_adapters(self) -> list[int]:
         """The LoRA ids vLLM holds (``LLM.llm_engine.list_loras()``)."""
-        return self._call("list_loras")
+        return self._call("loaded_adapters")
 
     def reset_adapters(self) -> list[int]:
         """Drop every adapter from vLLM; the next request loads its folder afresh under a new id.
         Returns the ids removed."""
-        return self._call("reset_loras")
+        return self._call("reset_adapters")
 
 
 # ------------------------------------------------------------------ merge sync

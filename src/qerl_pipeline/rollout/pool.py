@@ -1,6 +1,6 @@
 """One engine shared by the nodes of one Kedro run (compare's branches): start it once, not per node.
 
-Why: an engine start is ~30-45 s on CPU for a tiny model and minutes for a 32B one. The
+Why: an engine start takes tens of seconds on CPU for a tiny model and minutes for a 32B one. The
 compare pipeline has a train and an evaluate node per method, and two methods share the
 NVFP4 base; started per node that is eight engine starts. Kedro runs every branch's
 training before the evaluations (the nodes of one topological layer, in name order), so
@@ -36,6 +36,10 @@ from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
+from qerl_pipeline.platform import current_platform
+
+# settings.py imports this module whenever the Kedro CLI starts: the engine-side imports (torch,
+# safetensors, the engine client) wait inside the functions until a run uses an engine.
 log = logging.getLogger(__name__)
 
 
@@ -53,8 +57,6 @@ _live: list[_Shared] = []  # least recently used first
 
 def capacity(rollout=None, platform: str | None = None) -> int:
     """How many engines stay alive: ``rollout.shared_engines``, or 1 on CUDA and 3 on CPU."""
-    from qerl_pipeline.rollout.serving import current_platform
-
     platform = platform or current_platform()
     asked = getattr(rollout, "shared_engines", None)
     if asked is not None:

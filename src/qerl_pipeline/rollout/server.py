@@ -24,8 +24,8 @@ folder), ``wake_up(tags=["kv_cache"])``, and re-applies every in-place update si
 start (AQN/trained norms, merged weights: copies kept on the host from the first
 ``update_weights`` when the engine was started with ``sleep_level`` 2). vLLM's reload
 also drops every LoRA (``reset_lora_state``), so the adapter cache is cleared with it.
-Adapter ops for the check after a wake: ``register_lora`` (load a folder now under the id
-the next ``generate`` will use), ``list_loras``, ``reset_loras``. vLLM-CPU has no sleep
+Adapter ops for the check after a wake: ``register_adapter`` (load a folder now under the id
+the next ``generate`` will use), ``loaded_adapters``, ``reset_adapters``. vLLM-CPU has no sleep
 mode: ``enable_sleep_mode`` raises ``ValueError("Sleep mode is not supported on current
 platform.")`` (vllm/config/model.py) and ``CPUWorker.sleep`` only logs "sleep mode is not
 supported on CPU, ignore it."; so on CPU sleep mode is never enabled and ``sleep`` is a
@@ -67,14 +67,14 @@ CUDA). So each link now guards itself (``guard``):
   that builds ``LLM``, here the server's main thread, and workers from EngineCore's main
   thread); if a future vLLM broke that, the engine would die loudly ("engine process
   died"), never leak.
-* Also when only the owner dies: the server used to notice it only at its next ``recv``
-  (EOF), i.e. after finishing the request at hand (a long ``generate``); now it ends at once.
+* Also when only the owner dies: the server ends at once, not at its next ``recv`` (EOF)
+  after finishing the request at hand (a long ``generate``).
 
 One process on CPU: there vLLM's EngineCore and its worker run inside this server
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``distributed_executor_backend="uni"``, set
 before vLLM is imported, ``in_process_engine``): each spawned vLLM process re-imports
-vLLM and torch (~10-15 s each on 2 cores), which made an engine start ~47 s for a tiny
-model; in one process it is ~24 s (measured 2026-12-01, same machine and load). The server
+vLLM and torch, which doubles the start of a tiny model's engine on 2 cores (figures in
+docs/performance.md). The server
 is still its own process (Flask inside ``kedro run`` must never see vLLM), and the guard
 above covers it. ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment (or engine_env)
 keeps vLLM's process chain on CPU too (the orphan tests use it to exercise the chain
@@ -97,33 +97,11 @@ import time
 import traceback
 from multiprocessing.connection import Client
 
+from qerl_pipeline.platform import cuda_present
+
 WORKER_EXTENSION = "qerl_pipeline.rollout.worker_ext.QerlWorkerExtension"
 #: vLLM's switch for running EngineCore in its own process (see "One process on CPU" above).
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
-#: torch's switch for asking NVML, not the CUDA runtime, whether a GPU is there (torch/cuda/__init__.py).
-NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
-
-
-def cuda_present(environ=os.environ) -> bool:
-    """Whether this process sees a CUDA GPU, asked without initialising the CUDA driver.
-
-    ``torch.cuda.is_available()`` calls ``cudaGetDeviceCount`` (which runs ``cuInit``) unless
-    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``. vLLM sets that variable itself, but only when it is
-    imported (vllm/env_override.py), and it switches its workers to spawn only when
-    ``torch.cuda.is_initialized()``, which ``is_available()`` does not set: asking torch first
-    would make vLLM fork EngineCore from a process whose driver is initialised, and CUDA does
-    not survive a fork. So the variable is set here, before the question (vLLM's own value);
-    the alternative, forcing spawn (``VLLM_WORKER_MULTIPROC_METHOD=spawn``), would work too
-    but re-imports vLLM and torch in every engine process and overrides vLLM's own choice.
-    When NVML cannot answer, torch falls back to the runtime query (its documented weaker
-    guarantee); vLLM's spawn rule still sees an uninitialised torch then.
-    """
-    environ[NVML_CHECK_ENV] = "1"
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def in_process_engine(cuda: bool, environ=os.environ) -> bool:
@@ -311,7 +289,7 @@ class Server:
         self.loras: dict[str, tuple[object, int]] = {}  # path -> (version key, lora id)
         self.next_lora_id = 1
         self.dtype = str(self.llm.llm_engine.model_config.dtype).replace("torch.", "")
-        self.merged: str | None = None  # the adapter folder merged into the served linears (op_merge_lora)
+        self.merged: str | None = None  # the adapter folder merged into the served linears (op_merge_adapter)
 
     # ------------------------------------------------------------------ ops
     def info(self) -> dict:
@@ -338,7 +316,7 @@ class Server:
         """Write the kept in-place updates back after a level-2 reload (see the module docstring)."""
         out = []
         if self.merged is not None:
-            self.llm.collective_rpc("qerl_merge_lora", args=(self.merged,))
+            self.llm.collective_rpc("qerl_merge_adapter", args=(self.merged,))
             out.append(f"merged:{self.merged}")
         if not self.kept:
             return out
@@ -376,18 +354,18 @@ class Server:
     def op_is_sleeping(self) -> bool:
         return self.asleep
 
-    def op_register_lora(self, path: str, version: object) -> dict:
+    def op_register_adapter(self, path: str, version: object) -> dict:
         self._awake()
         request = self._lora_request(path, version)
         added = bool(self.llm.llm_engine.add_lora(request))
-        return {"lora_id": request.lora_int_id, "added": added, "loaded": self.op_list_loras()}
+        return {"lora_id": request.lora_int_id, "added": added, "loaded": self.op_loaded_adapters()}
 
-    def op_list_loras(self) -> list[int]:
+    def op_loaded_adapters(self) -> list[int]:
         return sorted(int(i) for i in self.llm.llm_engine.list_loras())
 
-    def op_reset_loras(self) -> list[int]:
+    def op_reset_adapters(self) -> list[int]:
         self._awake()
-        removed = self.op_list_loras()
+        removed = self.op_loaded_adapters()
         for lora_id in removed:
             self.llm.llm_engine.remove_lora(lora_id)
         self.loras.clear()  # the next request loads its folder under a new id
@@ -469,9 +447,9 @@ class Server:
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         return names
 
-    def op_merge_lora(self, path: str | None) -> list[str]:
+    def op_merge_adapter(self, path: str | None) -> list[str]:
         self._awake()
-        names = self.llm.collective_rpc("qerl_merge_lora", args=(path,))[0]
+        names = self.llm.collective_rpc("qerl_merge_adapter", args=(path,))[0]
         self.merged = path  # re-merged after a level-2 reload
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         return names

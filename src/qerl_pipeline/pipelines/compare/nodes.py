@@ -4,7 +4,8 @@ The experiment itself is declared in pipeline.py: one branch per method (the tra
 evaluate pipelines' templates in Kedro namespace ``compare.<method>``), the bases shared per
 format. These nodes only open the compare's MLflow run (``compare_group``, which every
 branch's run is nested under) and build the report from the branches' runs, one per method
-and seed (``evaluation/report.py`` does the work, ``evaluation/stats.py`` the statistics).
+and seed (``evaluation/report.py`` and its ``report_*`` modules do the work). The report's
+files are returned, and the catalog writes them (``compare_report_*`` in catalog_compare.yml).
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import pandas as pd
+from mlflow.tracking import MlflowClient
 
 from qerl_pipeline.config import CompareConfig, parse
-from qerl_pipeline.evaluation import report as R
+from qerl_pipeline.evaluation import report_runs
+from qerl_pipeline.evaluation.report import report_artifacts
+from qerl_pipeline.evaluation.report_claims import claim_metrics, claims
+from qerl_pipeline.evaluation.report_tables import accuracy_frame, system_table
+from qerl_pipeline.tracking import MlflowLogger, name_run, run_name
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +31,6 @@ def open_compare(compare: dict[str, Any], model: dict[str, Any], train: dict[str
     Each branch's training run is created as its child (``tracking.child_run``); a branch
     finished by an earlier, interrupted compare is re-nested under this run.
     """
-    from qerl_pipeline.tracking import MlflowLogger, name_run, run_name
-
     parse(CompareConfig, compare, "compare")
     logger = MlflowLogger()
     run = logger.client.get_run(logger.run_id)
@@ -35,13 +38,12 @@ def open_compare(compare: dict[str, Any], model: dict[str, Any], train: dict[str
     return {"run_id": logger.run_id, "experiment_id": run.info.experiment_id}
 
 
-def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branches: Any) -> tuple[dict, pd.DataFrame, dict]:
-    """The comparison report of the branches' runs (``compare.report_dir``, logged to the compare run).
+def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branches: Any) -> dict[str, Any]:
+    """The comparison report of the branches' runs (the claims also logged to the compare run).
 
     ``branches``: ``<method>_summary`` (each branch's ``train_summary``, which names its run) and
     ``<method>_accuracy`` (its ``eval_accuracy``, an input so the report comes after every
-    evaluation). Returns ``({method: [{"run_id", "eval_run_id", "seed"}, ...]}, the long accuracy table (a
-    ``seed`` column), a summary)``.
+    evaluation). Returns ``report_outputs``'s dict.
     """
     cc: CompareConfig = parse(CompareConfig, compare, "compare")
     selection = {}
@@ -51,20 +53,40 @@ def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branc
             raise ValueError(f"compare.methods: no branch for {method!r} in the compare pipeline")
         runs = summary.get("runs", [summary])  # one entry per seed (train/nodes.py)
         selection[method] = [{"run_id": r["mlflow_run_id"], "eval_run_id": None, "seed": r.get("seed")} for r in runs]
-    return R.report_for(selection, cc, compare_group["run_id"])
+    return report_outputs(report_runs.load_selected(selection, client=MlflowClient()), compare_group["run_id"])
 
 
-def report_from_mlflow(report_run: dict[str, str], compare: dict[str, Any]) -> tuple[dict, pd.DataFrame, dict]:
+def report_from_mlflow(report_run: dict[str, str], compare: dict[str, Any]) -> dict[str, Any]:
     """``compare_report`` pipeline: the report of runs already in MLflow (nothing is trained).
 
     ``compare.reuse_group``: the runs of that compare run; None: for each of ``compare.methods``
-    its newest finished training run paired with its newest evaluation run (``report.load_runs``).
+    its newest finished training run paired with its newest evaluation run (``report_runs.load_runs``).
     """
-    from mlflow.tracking import MlflowClient
-
     cc: CompareConfig = parse(CompareConfig, compare, "compare")
     client = MlflowClient()
     exp = client.get_experiment(report_run["experiment_id"])
-    runs = R.load_runs(exp.name, cc.methods, client=client, group=cc.reuse_group, require_eval=True, finished_only=True)
-    log.info("compare report from MLflow runs %s", R.selection(runs))
-    return R.report_for(R.selection(runs), cc, report_run["run_id"])
+    runs = report_runs.load_runs(exp.name, cc.methods, client=client, group=cc.reuse_group, require_eval=True,
+                                 finished_only=True)
+    log.info("compare report from MLflow runs %s", report_runs.selection(runs))
+    return report_outputs(runs, report_run["run_id"])
+
+
+def report_outputs(runs: list[report_runs.RunData], compare_run_id: str) -> dict[str, Any]:
+    """The report of ``runs`` as the report nodes' outputs; the claims go to the compare run as metrics
+    ``claims/<id>/...`` and tags ``claims.<id>``.
+
+    Keys: ``runs`` (``{method: [{"run_id", "eval_run_id", "seed"}, ...]}``), ``accuracy_table`` (the
+    long accuracy table, a ``seed`` column), ``summary`` (run ids, the report's files, the system
+    numbers per method, the claims' sentences) and every file of ``report_artifacts`` by name.
+    """
+    found = claims(runs)
+    metrics, tags = claim_metrics(found)
+    logger = MlflowLogger(run_id=compare_run_id)
+    logger.log_metrics(metrics, step=0)
+    logger.set_tags(tags)
+    selection = report_runs.selection(runs)
+    files = report_artifacts(runs, title=f"QeRL comparison: {', '.join(report_runs.by_method(runs))}")
+    summary = {"compare_run_id": compare_run_id, "runs": selection, "files": list(files),
+               "system": system_table(runs).reset_index().to_dict(orient="records"),
+               "claims": {c.id: c.text for c in found}}
+    return {"runs": selection, "accuracy_table": accuracy_frame(runs), "summary": summary, **files}

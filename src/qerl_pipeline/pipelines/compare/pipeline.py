@@ -12,7 +12,9 @@ Declared, so ``kedro viz`` shows the experiment:
   (``compare.<method>.evaluate_policies`` -> ``...eval_records``, ``...eval_accuracy``). Every
   parameter section is shared; the branch's own parameter is ``compare.<method>.method``;
 * ``build_comparison_report``, joining the branches: means and 95% intervals over the seeds and
-  the paper's claims put to the data (``evaluation/report.py``, ``evaluation/stats.py``).
+  the paper's claims put to the data (``evaluation/report.py``, ``evaluation/stats.py``). Every
+  file of the report is one of its outputs, a catalog dataset ``compare_report_<stem>_<ext>``
+  (``report_outputs``), besides ``compare_runs``, ``compare_accuracy`` and ``compare_summary``.
 
 Seeds (``compare.seeds``): the pipeline's shape does not depend on them (Kedro builds it before
 parameters are known). Each branch's nodes train and evaluate every seed in turn: one run
@@ -40,14 +42,18 @@ import warnings
 from kedro.pipeline import Node, Pipeline, pipeline
 
 from qerl_pipeline.config import METHOD_FORMAT, METHODS
+from qerl_pipeline.evaluation.report import REPORT_FILES
 from qerl_pipeline.pipelines.compare.nodes import build_report, open_compare, report_from_mlflow
+from qerl_pipeline.pipelines.data_prep.pipeline import create_pipeline as data_prep
 from qerl_pipeline.pipelines.evaluate.pipeline import evaluation_nodes
 from qerl_pipeline.pipelines.quantize.pipeline import format_nodes
-from qerl_pipeline.pipelines.train.pipeline import SECTIONS, SEEDS_PARAM
+from qerl_pipeline.pipelines.train.pipeline import SECTIONS, SEEDS_PARAM, training_nodes
 
 #: Parameters every branch shares (everything but ``params:method``), compare's seeds included.
 SHARED_PARAMS = sorted({f"params:{s}" for s in SECTIONS} | {"params:evaluate", SEEDS_PARAM})
-OUTPUTS = ["compare_runs", "compare_accuracy", "compare_summary"]
+#: The report nodes' outputs (``nodes.report_outputs``'s keys) -> datasets; ``<stem>.<ext>`` -> ``compare_report_<stem>_<ext>``.
+OUTPUTS = {"runs": "compare_runs", "accuracy_table": "compare_accuracy", "summary": "compare_summary",
+           **{name: "compare_report_" + name.replace(".", "_") for name in REPORT_FILES}}
 
 
 def namespace(method: str) -> str:
@@ -62,8 +68,6 @@ def _group() -> Pipeline:
 
 def branch(method: str) -> Pipeline:
     """The train + evaluate templates for ``method`` in its namespace, on its format's shared base."""
-    from qerl_pipeline.pipelines.train.pipeline import training_nodes
-
     return pipeline(
         training_nodes(in_compare=True) + evaluation_nodes(in_compare=True),
         namespace=namespace(method),
@@ -77,8 +81,6 @@ def branch(method: str) -> Pipeline:
 
 def create_pipeline(**kwargs) -> Pipeline:
     """data_prep + the compare run + a base per format + a branch per method + the report."""
-    from qerl_pipeline.pipelines.data_prep.pipeline import create_pipeline as data_prep
-
     bases = format_nodes(sorted({METHOD_FORMAT[m] for m in METHODS}))
     branches = sum((branch(m) for m in METHODS), Pipeline([]))
     report_inputs = {"compare_group": "compare_group", "compare": "params:compare"}

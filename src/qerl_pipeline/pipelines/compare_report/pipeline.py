@@ -7,8 +7,8 @@
 
 from kedro.pipeline import Pipeline
 
+from qerl_pipeline.pipelines.compare.pipeline import create_report_pipeline
+
 
 def create_pipeline(**kwargs) -> Pipeline:
-    from qerl_pipeline.pipelines.compare.pipeline import create_report_pipeline
-
     return create_report_pipeline()

@@ -7,6 +7,8 @@ Datasets written (conf/base/catalog_data_prep.yml; smoke runs write under ``.../
   available ``data.eval_sources`` (e.g. generator, gsm8k, math500, aime24, amc23).
 * ``data_prep_report``: counts, dropped rows, skipped sources, settings (versioned JSON).
 * ``data_prep_metrics``: the counts as metrics of the run's MLflow run (kedro-mlflow).
+* ``train_data_summary`` / ``eval_data_summary``: each set's counts and dropped rows, joined
+  into the report (JSON).
 
 A prompt record is ``{id, source, split, messages, question, gold, level}`` (see
 ``qerl_pipeline.data.prompts``).

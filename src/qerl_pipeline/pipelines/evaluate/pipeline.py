@@ -6,7 +6,8 @@ records, from the current config) and quantize's ``select_base`` (the method's e
 base folder, never re-quantized). The adapter is the train pipeline's ``trained_adapters``
 dataset (its ``<method>/`` folder), so the lineage runs train -> adapter -> evaluate.
 
-Outputs (conf/base/catalog_evaluate.yml): ``eval_records`` (per problem), ``eval_accuracy``
+Outputs (conf/base/catalog_evaluate.yml): ``eval_result`` (the evaluation, JSON, what the
+outputs node reads), ``eval_records`` (per problem), ``eval_accuracy``
 (per policy and benchmark, with 95% intervals), ``eval_metrics`` (MLflow metrics), all
 logged to the run's MLflow run (named ``evaluate <method> · <model> · seed <n>``, tagged
 ``qerl.trained_run_id``).
@@ -38,7 +39,7 @@ def evaluation_nodes(in_compare: bool = False) -> Pipeline:
     inputs = {"eval_prompts": PROMPTS_DATASET, "base_dir": BASE_DATASET, "trained_adapters": ADAPTERS_DATASET,
               "method": "params:method", "evaluate": "params:evaluate", "reward": "params:reward",
               "model": "params:model", "rollout": "params:rollout"}
-    if in_compare:  # every seed of compare.seeds, each logged into its training run (evaluate/nodes.py)
+    if in_compare:  # every seed of compare.seeds, each logged into its training run (evaluation/seeds.py)
         inputs["compare_group"] = "compare_group"
         inputs["seeds"] = "params:compare.seeds"
     return Pipeline(

@@ -25,7 +25,11 @@ from typing import Any
 import torch
 
 from qerl_pipeline.config import METHOD_FORMAT, LoraConfig, ModelConfig, QuantizeConfig, parse
+from qerl_pipeline.models import resolve_dtype
+from qerl_pipeline.quantization.checkpoint import base_dir_for
+from qerl_pipeline.quantization.policy import build_policy, measure_training_memory
 from qerl_pipeline.quantization.store import calibration_texts, ensure_base
+from qerl_pipeline.tracking import MlflowLogger, scalar_metrics
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +46,6 @@ def method_format(method: str) -> str:
 
 def _ensure(model: dict[str, Any], quantize: dict[str, Any], fmt: str, existing_base_models: Any) -> tuple[Path, dict[str, Any]]:
     """The ``fmt`` base under ``existing_base_models`` (reused or written); None: a fresh temporary root."""
-    from qerl_pipeline.quantization.checkpoint import base_dir_for
-
     mcfg = parse(ModelConfig, model, "model")
     qcfg = parse(QuantizeConfig, quantize, "quantize")
     root = Path(tempfile.mkdtemp(prefix=f"qerl_base_{fmt}_")) if existing_base_models is None else Path(existing_base_models)
@@ -81,14 +83,12 @@ def quantize_format(model: dict[str, Any], quantize: dict[str, Any], existing_ba
     return str(folder), report
 
 
-def select_base(base_models: Path, method: str) -> Path:
-    """The folder of ``method``'s base inside the ``base_models`` folder."""
-    from qerl_pipeline.quantization.checkpoint import base_dir_for
-
+def select_base(base_models: Path, method: str) -> str:
+    """The folder of ``method``'s base inside the ``base_models`` folder (the ``base_model`` dataset, JSON)."""
     path = base_dir_for(Path(base_models), method)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no base for method {method!r}; run `kedro run --pipeline=quantize --params method={method}`")
-    return path
+    return str(path)
 
 
 def measure_policy(base_model: Path, method: str, lora: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
@@ -97,9 +97,6 @@ def measure_policy(base_model: Path, method: str, lora: dict[str, Any], model: d
     One forward+backward on a short sequence: ``peak_param_bytes`` is the resident
     parameters/buffers plus the most decoded dense weight alive at once.
     """
-    from qerl_pipeline.models import resolve_dtype
-    from qerl_pipeline.quantization.policy import build_policy, measure_training_memory
-
     lcfg = parse(LoraConfig, lora, "lora")
     mcfg = parse(ModelConfig, model, "model")
     fmt = method_format(method)
@@ -117,8 +114,6 @@ def measure_policy(base_model: Path, method: str, lora: dict[str, Any], model: d
 
 def log_quantize(report: dict[str, Any], policy_memory: dict[str, Any]) -> dict[str, Any]:
     """Log the report and the policy memory to the active MLflow run; return the summary (no per-layer rows)."""
-    from qerl_pipeline.tracking import MlflowLogger, scalar_metrics
-
     logger = MlflowLogger()
     logger.log_metrics(scalar_metrics(report, "quantize."))
     logger.log_metrics({f"policy.{k}": v for k, v in policy_memory.items() if isinstance(v, (int, float))})

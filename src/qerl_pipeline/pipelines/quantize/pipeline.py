@@ -1,21 +1,24 @@
 """quantize: base model -> ``data/06_models/base_<format>/`` for ``params:method``, logged to MLflow.
 
-Datasets (conf/base/catalog_quantize.yml; smoke runs write under ``.../smoke/``):
+Datasets (conf/base/catalog_quantize.yml; every path under ``<layer>${globals:env_subdir}``, so
+smoke runs write under ``.../smoke/``):
 
-* ``existing_base_models``: the same folder as ``base_models``, loaded with ``missing_ok``
-  (its path even before anything was written): what the quantize node reuses or updates.
-  A node cannot read its own output, hence the second entry.
+* ``existing_base_models``: ``base_models``' definition under a second name, loaded with
+  ``missing_ok`` (its path even before anything was written): what the quantize node reuses
+  or updates. A node cannot read its own output, hence the second name.
 * ``base_models``: the folder holding every ``base_<format>`` (HFModelFolderDataset); the
   node hands over only the configured method's base, others stay as they were. A base whose
   fingerprint matches is reused and its files are not touched (``quantization/store.py``);
   ``quantize.force: true`` rewrites it.
-* ``base_model``: the path of the method's base folder (memory), what train and evaluate use.
+* ``base_model``: the path of the method's base folder (JSON), what train and evaluate use.
 * ``quantize_report``: per-layer errors, bytes, timings (versioned JSON); on reuse the report
   stored with the base, with ``reused: true`` (MLflow tag ``quantize.reused``).
+* ``quantize_policy_memory``: the policy's measured resident / peak parameter memory (JSON).
 * ``quantize_summary``: the report without per-layer rows plus the policy's measured
   resident/peak parameter memory; the same numbers go to the MLflow run.
 * ``base_nvfp4`` / ``base_nf4`` / ``base_bf16``: one format's folder each, written by
-  ``format_nodes`` (one node per format, the template compare uses); not used by this pipeline.
+  ``format_nodes`` (one node per format, the template compare uses), each with its
+  ``quantize_report_<format>``; not used by this pipeline.
 """
 
 from kedro.pipeline import Node, Pipeline

@@ -1,17 +1,11 @@
-"""Memory planner: per-GPU bytes of a training run on one GPU, whether it fits, the largest batches that do.
+"""The memory model: per-GPU bytes of the trainer and the vLLM engine for a config and a model shape.
 
-``python -m qerl_pipeline.planner --env paper_bigmath_32b --gpu-gb 80`` reads the project's
-parameters the way Kedro does (``conf/base/parameters*.yml``, then ``conf/<env>/``, merged
-with OmegaConf as the project's ``soft`` strategy does, then ``--params k=v,...``),
-validates them (``config.QerlConfig``), takes the model's shape from a local
-``config.json`` (``model.name`` a folder, or ``--model-config``), the random smoke shape, or a
-built-in preset of the published configs (``--model-preset``; also found from ``model.name``;
-the Hub is never asked), and prints one table. ``plan(cfg, shape, gpu_gib)`` is the library
-call; the README's "Memory planner" section is generated with the CLI.
+``plan(cfg, shape, gpu_gib)`` is the library call; ``planner/inputs.py`` builds its inputs
+and ``planner/cli.py`` prints it. The model, and what it takes from the code:
 
-The model of memory. One GPU holds two processes: the trainer (``rl/trainer.py`` builds the
-policy on the GPU before it starts the engine) and the vLLM engine (``rollout/server.py``),
-which co-reside for the whole run. Two phases alternate:
+One GPU holds two processes: the trainer (``rl/trainer.py`` builds the policy on the GPU
+before it starts the engine) and the vLLM engine (``rollout/server.py``), which co-reside for
+the whole run. Two phases alternate:
 
 * rollout: trainer resident + engine held (``gpu_memory_utilization x GPU``) + the trainer's
   cached activation memory: PyTorch's caching allocator keeps the update's peak reserved after
@@ -36,8 +30,8 @@ CUDA, so ``c = 2``), ``f = 4`` (fp32). Per decoder layer the linears are q ``h -
 k and v ``h -> n_kv d``, o ``n_h d -> h``, gate and up ``h -> I``, down ``I -> h``; lm_head
 ``h -> V`` (none when tied to the embeddings).
 
-Trainer, resident (what ``quantization/policy.py`` holds; checked to the byte on tiny models
-in tests/test_planner.py against the policy's parameters and buffers, ``PackedLinear.packed_bytes``):
+Trainer, resident (what ``quantization/policy.py`` holds; tests/test_planner.py checks it to
+the byte on tiny models against the policy's parameters and buffers, ``PackedLinear.packed_bytes``):
 
 * quantized linear ``[out, in]`` (``PackedLinear`` buffers): NVFP4 ``out*in/2`` (E2M1 codes)
   ``+ out*in/16`` (one FP8-E4M3 scale per 16) ``+ 4`` (FP32 global scale); NF4
@@ -48,7 +42,7 @@ in tests/test_planner.py against the policy's parameters and buffers, ``PackedLi
 * biases (Qwen2's q/k/v, ``attention_bias``/``mlp_bias``): ``c`` bytes each.
 * embeddings ``c*V*h``; an untied, unquantized lm_head ``c*V*h`` (``load_base`` casts every
   non-quantized tensor to the compute dtype).
-* RMSNorm weights ``(2 n_l + 1) h``, fp32 (``model.norm_dtype: float32``, ``rl/norms.py``) or
+* RMSNorm weights ``(2 n_l + 1) h``, fp32 (``model.norm_dtype: float32``, ``quantization/norms.py``) or
   ``c`` bytes (``model``); rotary ``inv_freq`` and ``original_inv_freq``: ``2 * f * d/2``.
 * LoRA: ``f * r * (in + out)`` per target linear per layer (PEFT keeps adapters fp32).
 * trainable = LoRA (+ the norms with ``lora.train_norms``); their gradients: same bytes.
@@ -82,8 +76,8 @@ With ``lora.gradient_checkpointing`` (Hugging Face's per-layer, non-reentrant) o
 layer's input ``c N h`` is kept, plus the final norm and head; in backward one layer at a time
 is recomputed, so one layer's full saved set comes on top.
 
-Transient working set (an estimate, not measured on a GPU): in backward the gradients of one
-layer's saved tensors (taken as one layer's saved set again); the head's chunk buffers,
+Transient working set (an estimate, not a bound): in backward the gradients of one layer's
+saved tensors (taken as one layer's saved set again); the head's chunk buffers,
 ``chunk (2f + c) V`` with ``chunk = min(512, P)`` rows, plus the gradient of the hidden states ``c N h``
 (head and layers do not overlap: the larger counts); the decoded dense weight of the largest
 quantized linear on the torch decode path, ``13 out*in`` (uint8 codes, int64 indices, fp32
@@ -91,11 +85,7 @@ values; zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen), 
 dense base ``c * sum(out*in)`` with ``train.keep_decoded_weights: true`` (``auto`` is off on
 CUDA); the head's softmax chunks kept for backward, whole chunks up to 256 MiB
 (``kept_softmax``; with V = 152k not even one 512-row chunk fits). Peak =
-saved + transient. A no-grad reference forward (``grpo.log_kl_to_base``) keeps less. The
-process peak (VmHWM) of a small CPU policy was measured against it twice and is not a test (a
-process's peak depends on the machine's allocator and libraries): once below the planned peak,
-once, with gradient checkpointing on a fresh clone, 30% above it; the transient term is an
-estimate, not a bound.
+saved + transient. A no-grad reference forward (``grpo.log_kl_to_base``) keeps less.
 
 Engine (vLLM, ``rollout/serving.py``: what CUDA serves):
 
@@ -109,13 +99,13 @@ Engine (vLLM, ``rollout/serving.py``: what CUDA serves):
   (vLLM's default for the ``LLM`` class on >= 70 GiB GPUs; the project sets it only on CPU),
   ``c 16384 (2h + 3I)``, plus sampler logits for ``max_num_seqs = 1024`` rows, ``2 f 1024 V``;
   CUDA graphs 0.5 GiB unless ``rollout.enforce_eager``.
-* KV cache: ``2 n_l n_kv d c`` bytes per token, in blocks of 16 tokens. vLLM gives it
-  everything of ``gpu_memory_utilization x GPU`` that weights, LoRA slots and workspace leave.
-  A sequence needs ``ceil16(T)`` completion tokens plus its share of the prompt, ``ceil16(L -
-  T) / G`` (prefix caching is on, ``rollout/server.py``, and the ``G`` samples of a prompt
-  share its full prompt blocks). The rollout batch is ``train.prompts_per_step x
-  grpo.num_generations``; vLLM runs what does not fit concurrently in waves (slower, not an
-  error), so the table gives the largest concurrent rollout batch.
+* KV cache: ``2 n_l n_kv d c`` bytes per token (``rollout/kv.py``), in blocks of 16 tokens.
+  vLLM gives it everything of ``gpu_memory_utilization x GPU`` that weights, LoRA slots and
+  workspace leave. A sequence needs ``ceil16(T)`` completion tokens plus its share of the
+  prompt, ``ceil16(L - T) / G`` (prefix caching is on, ``rollout/server.py``, and the ``G``
+  samples of a prompt share its full prompt blocks). The rollout batch is
+  ``train.prompts_per_step x grpo.num_generations``; vLLM runs what does not fit concurrently
+  in waves (slower, not an error), so the table gives the largest concurrent rollout batch.
 * asleep (``rollout.sleep_level`` 1: weights to host RAM, KV cache freed; 2: both discarded,
   weights reloaded on wake; the GPU side is the same for both): CUDA graphs stay.
 * CUDA context: 0.5 GiB per process (trainer, engine), outside vLLM's budget.
@@ -132,21 +122,20 @@ Deviations and assumptions, in one place:
 * engine workspace, CUDA graphs, contexts and the asleep residue are estimates; the
   trainer's resident bytes and saved activations are exact for the project's code.
 * the engine is planned on the trainer's GPU (one GPU, no tensor parallelism) and asleep during
-  the update exactly when ``rollout.sleep_between_steps`` is true (``rollout/sleep.py``, issue
-  #13's sleep work, decides this on CUDA for a co-located engine).
+  the update exactly when ``rollout.sleep_between_steps`` is true (``rollout/sleep.py`` decides
+  this on CUDA for a co-located engine).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from qerl_pipeline.config import METHOD_FORMAT, QerlConfig, validate
+from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
+from qerl_pipeline.quantization.checkpoint import is_ignored
+from qerl_pipeline.rollout.kv import dtype_bytes, kv_bytes_per_token
+from qerl_pipeline.rollout.serving import vllm_lora_rank
 
 GIB = 1024**3
 F32 = 4
@@ -223,52 +212,10 @@ class ModelShape:
         return self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size + head + self.hidden_size
 
 
-def _qwen2(name: str, h: int, n_l: int, n_h: int, n_kv: int, i: int) -> ModelShape:
-    return ModelShape(name, h, n_l, n_h, n_kv, i, 152064, False, None, True, False)
-
-
-#: The published config.json values of these checkpoints (Hugging Face Hub, Qwen/* and HuggingFaceTB/*).
-PRESETS: dict[str, ModelShape] = {
-    "qwen2.5-7b": _qwen2("Qwen/Qwen2.5-7B-Instruct", 3584, 28, 28, 4, 18944),
-    "qwen2.5-14b": _qwen2("Qwen/Qwen2.5-14B-Instruct", 5120, 48, 40, 8, 13824),
-    "qwen2.5-32b": _qwen2("Qwen/Qwen2.5-32B-Instruct", 5120, 64, 40, 8, 27648),
-    "smollm2-135m": ModelShape("HuggingFaceTB/SmolLM2-135M-Instruct", 576, 30, 9, 3, 1536, 49152, True),
-}
-#: Vocabulary of the SmolLM2 tokenizer the random smoke model is built over (models.make_random_model).
-RANDOM_VOCAB = 49152
-
-
-def resolve_shape(cfg: QerlConfig, preset: str | None = None, model_config: str | Path | None = None) -> ModelShape:
-    """The model's shape: ``model_config`` (a config.json or its folder), ``preset``, a local
-    ``model.name`` folder, the random smoke shape, or the preset whose Hub id is ``model.name``."""
-    if model_config is not None:
-        path = Path(model_config)
-        path = path / "config.json" if path.is_dir() else path
-        return ModelShape.from_config(json.loads(path.read_text()), name=str(model_config))
-    if preset is not None:
-        key = preset.lower()
-        if key not in PRESETS:
-            raise ValueError(f"--model-preset {preset!r}: known presets are {', '.join(PRESETS)}")
-        return PRESETS[key]
-    m = cfg.model
-    if m.source == "random":
-        r = m.random_init
-        return ModelShape("random (model.random_init)", r.hidden_size, r.num_hidden_layers, r.num_attention_heads,
-                          r.num_key_value_heads, r.intermediate_size, RANDOM_VOCAB, True)
-    folder = Path(m.name)
-    if (folder / "config.json").is_file():
-        return ModelShape.from_config(json.loads((folder / "config.json").read_text()), name=m.name)
-    for shape in PRESETS.values():
-        if shape.name.lower() == m.name.lower():
-            return shape
-    raise ValueError(f"model.name {m.name!r}: no local config.json and no preset of that name (the Hub is not asked); "
-                     f"pass --model-preset ({', '.join(PRESETS)}) or --model-config PATH")
-
-
 # ----------------------------------------------------------------------------- pieces
 def _dtype_bytes(cfg: QerlConfig) -> int:
     """Compute dtype bytes on the GPU: ``auto`` and ``bfloat16`` are bf16 there."""
-    return F32 if cfg.model.dtype == "float32" else 2
+    return dtype_bytes(cfg.model.dtype)
 
 
 def _norm_bytes(cfg: QerlConfig) -> int:
@@ -287,8 +234,6 @@ def quantized_linear_bytes(fmt: str, n_in: int, n_out: int, nf4_blocksize: int =
 
 def _quantized(fmt: str, name: str, n_in: int, ignore: list[str]) -> bool:
     """Whether ``checkpoint.quantizable_linears`` quantizes this linear (a tied head is handled by the caller)."""
-    from qerl_pipeline.quantization.checkpoint import is_ignored
-
     if fmt == "bf16" or is_ignored(name, ignore):
         return False
     return not (fmt == "nvfp4" and n_in % 16)
@@ -407,19 +352,13 @@ def activation_bytes(cfg: QerlConfig, shape: ModelShape, b: int, seq_len: int | 
             "rotary": rotary, "kept_softmax": kept}
 
 
-def kv_bytes_per_token(cfg: QerlConfig, shape: ModelShape) -> int:
-    """K and V of every layer for one token, in the compute dtype."""
-    return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.d * _dtype_bytes(cfg)
-
-
 def _ceil_block(n: int) -> int:
+    """``n`` tokens rounded up to whole blocks of vLLM's CUDA KV cache."""
     return VLLM_BLOCK * math.ceil(n / VLLM_BLOCK)
 
 
 def engine_bytes(cfg: QerlConfig, shape: ModelShape) -> dict[str, int]:
     """What the engine needs besides its KV cache: served weights, LoRA slots, workspace, CUDA graphs."""
-    from qerl_pipeline.rollout.serving import vllm_lora_rank
-
     c = _dtype_bytes(cfg)
     w = weight_bytes(cfg, shape)  # the same tensors; norms fp32 there too (rollout/vllm_plugin.py)
     served = w["base_linears"] + w["biases"] + w["embeddings"] + w["lm_head"] + w["norms"]
@@ -429,6 +368,7 @@ def engine_bytes(cfg: QerlConfig, shape: ModelShape) -> dict[str, int]:
             + 2 * F32 * VLLM_MAX_NUM_SEQS * shape.vocab_size)
     graphs = 0 if cfg.rollout.enforce_eager else CUDA_GRAPHS_BYTES
     return {"served_weights": served, "lora_slots": lora, "workspace": work, "cuda_graphs": graphs}
+
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -505,7 +445,7 @@ def plan(cfg: QerlConfig, shape: ModelShape, gpu_gib: float, *, micro_batch: int
     eng = engine_bytes(cfg, shape)
     fixed = sum(eng.values())
     reserved = int(cfg.rollout.gpu_memory_utilization * gpu)
-    kv_tok = kv_bytes_per_token(cfg, shape)
+    kv_tok = kv_bytes_per_token(asdict(shape), cfg.model.dtype)  # the engine's dtype is the compute dtype
     kv_capacity = max(0, reserved - fixed)
     per_seq_tokens = _ceil_block(T) + _ceil_block(L - T) / G  # prompt blocks shared by a group (prefix caching)
     kv_needed = int(math.ceil(n_rows * per_seq_tokens * kv_tok))
@@ -550,157 +490,3 @@ def plan(cfg: QerlConfig, shape: ModelShape, gpu_gib: float, *, micro_batch: int
         min_gpu_memory_utilization=min_util, max_gpu_memory_utilization=max_util, notes=notes,
     )
 
-
-def rows(p: Plan) -> list[tuple[str, str]]:
-    """(component, GiB or value) rows of a plan, in table order."""
-    g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
-    t, a, e = p.trainer, p.activations, p.engine
-    return [
-        ("trainer: base linears", g(t["base_linears"])),
-        ("trainer: embeddings + lm_head + norms + biases", g(t["embeddings"] + t["lm_head"] + t["norms"] + t["biases"] + t["rotary"])),
-        ("trainer: LoRA + grads + optimizer", g(t["lora"] + t["grads"] + t["optimizer"])),
-        (f"trainer: activations, micro-batch {p.micro_batch} x {p.seq_len}", g(a["peak"])),
-        ("engine: served weights + LoRA slots", g(e["served_weights"] + e["lora_slots"])),
-        ("engine: workspace + CUDA graphs", g(e["workspace"] + e["cuda_graphs"])),
-        (f"engine: KV cache held / needed ({p.rollout_batch} seqs)", f"{g(p.kv_capacity)} / {g(p.kv_needed)}"),
-        (f"engine: reserved ({p.gpu_memory_utilization} x GPU)", g(p.engine_reserved)),
-        ("CUDA contexts (2 processes)", g(p.contexts)),
-        ("trainer cache emptied after the update", "yes" if p.empty_cache else "no"),
-        ("rollout phase / update phase" + (" (engine asleep)" if p.sleep else ""), f"{g(p.rollout_phase)} / {g(p.update_phase)}"),
-        ("peak / GPU", f"{g(p.peak)} / {g(p.gpu_bytes)}"),
-        ("fits", "yes" if p.fits else "no"),
-        ("largest micro-batch", str(p.max_micro_batch)),
-        ("largest concurrent rollout batch", str(p.max_concurrent_rollouts)),
-        ("gpu_memory_utilization: smallest that starts / largest that fits",
-         f"{p.min_gpu_memory_utilization:.3f} / {p.max_gpu_memory_utilization:.3f}"),
-    ]
-
-
-# ----------------------------------------------------------------------------- config loading
-def _conf_files(folder: Path) -> list[Path]:
-    return sorted([*folder.glob("parameters*.yml"), *folder.glob("parameters*.yaml"), *folder.glob("parameters*/**/*.yml")])
-
-
-def _parse_params(text: str | None) -> list[tuple[str, Any]]:
-    """Kedro's ``--params a.b=1,c=x``: comma-separated ``key=value``; values read as YAML scalars."""
-    import yaml
-
-    out = []
-    for item in filter(None, (s.strip() for s in (text or "").split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--params: {item!r} is not key=value")
-        out.append((key.strip(), yaml.safe_load(value) if value.strip() else None))
-    return out
-
-
-def load_config(env: str | None = None, params: str | None = None, conf_dir: str | Path = "conf") -> QerlConfig:
-    """The validated config of ``kedro run --env ENV --params PARAMS``: base, then the env overlay
-    (``local`` when no env is given, as Kedro does; OmegaConf merge, the project's ``soft``
-    strategy), then the ``--params`` values."""
-    from omegaconf import OmegaConf
-
-    conf = Path(conf_dir)
-    base = conf / "base"
-    if not base.is_dir():
-        raise FileNotFoundError(f"{base}: no such folder (run from the project root or pass --conf-dir)")
-    if env and not (conf / env).is_dir():
-        raise FileNotFoundError(f"--env {env}: {conf / env} does not exist")
-    env = env or "local"  # Kedro's default run environment (settings.py), overlaid when it exists
-    merged = OmegaConf.create({})
-    for folder in (base, conf / env):
-        for path in _conf_files(folder) if folder.is_dir() else []:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-    for key, value in _parse_params(params):
-        OmegaConf.update(merged, key, value, merge=True)
-    return validate(OmegaConf.to_container(merged, resolve=True))
-
-
-# ----------------------------------------------------------------------------- CLI
-def render(plans: list[Plan], title: str = "") -> None:
-    """Print plans side by side (one column per plan) with rich."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title or None)
-    table.add_column("component (GiB)")
-    for p in plans:
-        table.add_column(f"{p.method} ({p.fmt})", justify="right")
-    cols = [rows(p) for p in plans]
-    for i, (label, _v) in enumerate(cols[0]):
-        table.add_row(label, *(c[i][1] for c in cols))
-    console = Console(width=160)
-    console.print(table)
-    for p in plans:
-        for note in p.notes:
-            console.print(f"{p.method}: {note}", markup=False)
-
-
-def markdown(plans: list[Plan]) -> str:
-    """One markdown row per plan (model, method, components in GiB, fits, largest batches): the README's table."""
-    g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
-    head = ("| model | method | grad. ckpt / sleep / empty cache | base linears | emb + head + norms | LoRA + grads + AdamW | activations (mb x L) "
-            "| engine weights + LoRA | engine workspace | engine reserved (util) | KV held / needed | rollout / update phase "
-            "| fits | largest micro-batch | concurrent rollouts | util: min to start / max to fit |")
-    sep = "|---|---|---|" + "---:|" * 12 + "---|"
-    out = [head, sep]
-    for p in plans:
-        t, a, e = p.trainer, p.activations, p.engine
-        out.append(" | ".join([
-            f"| {p.model.split('/')[-1]}", f"{p.method} ({p.fmt})",
-            f"{'on' if p.gradient_checkpointing else 'off'} / {'on' if p.sleep else 'off'} / {'yes' if p.empty_cache else 'no'}",
-            g(t["base_linears"]),
-            g(t["embeddings"] + t["lm_head"] + t["norms"] + t["biases"] + t["rotary"]),
-            g(t["lora"] + t["grads"] + t["optimizer"]), f"{g(a['peak'])} ({p.micro_batch} x {p.seq_len})",
-            g(e["served_weights"] + e["lora_slots"]), g(e["workspace"] + e["cuda_graphs"]),
-            f"{g(p.engine_reserved)} ({p.gpu_memory_utilization:g})", f"{g(p.kv_capacity)} / {g(p.kv_needed)}",
-            f"{g(p.rollout_phase)} / {g(p.update_phase)}", "**yes**" if p.fits else "no",
-            str(p.max_micro_batch), f"{p.max_concurrent_rollouts} of {p.rollout_batch}",
-            f"{p.min_gpu_memory_utilization:.2f} / {p.max_gpu_memory_utilization:.2f} |",
-        ]))
-    return "\n".join(out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qerl_pipeline.planner", description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--env", default=None, help="Kedro environment(s) overlaid on conf/base, comma-separated "
-                    "(e.g. paper_bigmath_32b); one plan per env and method")
-    ap.add_argument("--params", default=None, help="Kedro-style overrides: key=value,key2=value2")
-    ap.add_argument("--gpu-gb", type=float, required=True, help="GPU memory in GiB (an '80 GB' H100 reports 79.6)")
-    ap.add_argument("--model-preset", default=None, choices=sorted(PRESETS), help="built-in model shape")
-    ap.add_argument("--model-config", default=None, help="a config.json (or its folder) giving the model shape")
-    ap.add_argument("--methods", default=None, help="comma-separated methods to plan side by side (default: the config's)")
-    ap.add_argument("--conf-dir", default="conf", help="the project's conf folder")
-    ap.add_argument("--format", choices=("table", "markdown", "json"), default="table")
-    cache = ap.add_mutually_exclusive_group()
-    cache.add_argument("--empty-cache", dest="empty_cache", action="store_const", const=True, default=None,
-                       help="plan as if the trainer emptied its CUDA cache after every update (default: as the code "
-                       "does, i.e. when the engine sleeps during the update)")
-    cache.add_argument("--keep-cache", dest="empty_cache", action="store_const", const=False,
-                       help="plan as if the trainer kept its cached activation memory into the rollout")
-    args = ap.parse_args(argv)
-    envs = [e.strip() for e in args.env.split(",")] if args.env else [None]
-    groups: list[tuple[str, list[Plan]]] = []
-    try:
-        for env in envs:
-            cfg = load_config(env, args.params, args.conf_dir)
-            shape = resolve_shape(cfg, args.model_preset, args.model_config)
-            methods = [m.strip() for m in args.methods.split(",")] if args.methods else [cfg.method]
-            plans = [plan(validate({**cfg.model_dump(), "method": m}), shape, args.gpu_gb, empty_cache=args.empty_cache)
-                     for m in methods]
-            groups.append((f"{shape.name} on {args.gpu_gb:g} GiB, env {env or 'base'}", plans))
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        print(f"Error: {err}", file=sys.stderr)
-        return 1
-    if args.format == "json":
-        print(json.dumps([p.to_dict() for _t, plans in groups for p in plans], indent=2))
-    elif args.format == "markdown":
-        print(markdown([p for _t, plans in groups for p in plans]))
-    else:
-        for title, plans in groups:
-            render(plans, title)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Reward functions for the trainer tests (``train.reward_fn: tests.rewards_for_tests:<name>``).
+"""Reward functions for the trainer tests (``train.reward_fn: tests.helpers.rewards:<name>``).
 
 A random tiny model never earns the math reward (it writes no answer), so every group
 would have equal rewards, zero advantages and an adapter that never moves. These rewards

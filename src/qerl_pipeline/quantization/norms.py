@@ -1,6 +1,6 @@
 """Norm-weight precision: AQN noise and trained norms that survive a bf16 model.
 
-The problem. AQN (rl/aqn.py) serves ``clean + Z`` as the RMSNorm weights, ``Z ~ N(0,
+The problem. AQN (quantization/aqn.py) serves ``clean + Z`` as the RMSNorm weights, ``Z ~ N(0,
 sigma^2)``. In bf16 (the compute dtype on CUDA, and ``model.dtype: bfloat16`` anywhere) a
 norm weight near 1 has a spacing of 2^-8 (below 1) to 2^-7 (above 1), so ``clean + Z``
 cast back to bf16 loses most of Z: about a third of the entries keep their clean value at
@@ -40,6 +40,9 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+
+from qerl_pipeline.config import ConfigError
+from qerl_pipeline.quantization.aqn import stage_sigma
 
 #: |sigma_effective / sigma - 1| allowed at every noisy stage.
 SIGMA_TOLERANCE = 0.10
@@ -113,8 +116,6 @@ def check_noise_precision(cfg, compute_dtype: torch.dtype) -> None:
     Only ``model.norm_dtype: model`` with a non-fp32 compute dtype can fail: fp32 norm
     weights carry ``clean + Z`` exactly.
     """
-    from qerl_pipeline.config import ConfigError
-    from qerl_pipeline.rl.aqn import stage_sigma
 
     if not cfg.aqn_enabled() or cfg.model.norm_dtype == "float32" or compute_dtype == torch.float32:
         return

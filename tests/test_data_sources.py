@@ -213,3 +213,21 @@ def test_hub_path_bigmath_levels_and_gsm8k(monkeypatch):
         hub_id="open-r1/Big-Math-RL-Verified-Processed", split="train", levels=[4, 5], limit=4)})
     records, summary = prepare_train_prompts(data.model_dump())
     assert len(records) == 4 and all(r["level"] in (4, 5) and r["source"] == "bigmath" for r in records)
+
+
+def test_a_non_utf8_line_and_a_number_for_a_question_are_bad_rows_named_by_file_and_line(tmp_path, local):
+    """One bad byte costs its row, not the file (the reason names the file and the 1-based line),
+    and a question that is not text is a malformed row, not a prompt."""
+    folder = tmp_path / "bytes"
+    folder.mkdir()
+    good = (local / "gsm8k" / "test.jsonl").read_text().splitlines()[:3]
+    body = "\n".join(good).encode() + b'\n{"question": "caf\xe9?", "answer": "#### 4"}\n'
+    body += json.dumps({"question": 12345, "answer": "#### 4"}).encode() + b"\n"
+    (folder / "test.jsonl").write_bytes(body)
+    rows, _ = load_source("mygsm", SourceConfig(hub_id="openai/gsm8k", local_path=str(folder)), 0)
+    good_rows, bad = split_valid(rows, "mygsm")
+    assert len(good_rows) == 3
+    reasons = {b.id: b.reason for b in bad}
+    assert set(reasons) == {"mygsm-line4", "mygsm-test-00004"}, reasons
+    assert "line 4 of " + str(folder / "test.jsonl") in reasons["mygsm-line4"] and "not UTF-8" in reasons["mygsm-line4"]
+    assert "question: expected text, got int 12345" in reasons["mygsm-test-00004"]

@@ -79,8 +79,14 @@ def source_kind(name: str, cfg: SourceConfig) -> str:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file; an unreadable line becomes ``{"__error__": ..., "__line__": n}``."""
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:  # decoded per line: one bad byte costs its row, not the file
+        for n, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                rows.append({"__error__": f"line {n} of {path} is not UTF-8 ({err.reason} at byte {err.start} of the line)",
+                             "__line__": n})
+                continue
             if not line.strip():
                 continue
             try:
@@ -88,7 +94,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 if not isinstance(row, dict):
                     raise ValueError(f"expected a JSON object, got {type(row).__name__}")
             except ValueError as err:
-                row = {"__error__": f"line {n} of {path.name} is not a JSON object: {err}"}
+                row = {"__error__": f"line {n} of {path} is not a JSON object: {err}"}
             row.setdefault("__line__", n)
             rows.append(row)
     return rows
@@ -169,6 +175,13 @@ def _text(value: Any) -> str | None:
     return str(value).strip()
 
 
+def _question(value: Any) -> str | None:
+    """A question is text: a number or a list where the question should be is a malformed row."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"question: expected text, got {type(value).__name__} {value!r:.40}")
+    return _text(value)
+
+
 def _gsm8k_gold(answer: Any) -> str | None:
     if answer is None or "####" not in str(answer):
         return None
@@ -191,17 +204,17 @@ def normalise_row(kind: str, name: str, split: str, index: int, row: dict[str, A
                 "error": row["__error__"]}
     try:
         if kind == "gsm8k":
-            question, gold, level = _text(row.get("question")), _gsm8k_gold(row.get("answer")), None
+            question, gold, level = _question(row.get("question")), _gsm8k_gold(row.get("answer")), None
         elif kind == "math500":
-            question, gold, level = _text(row.get("problem")), _text(row.get("answer")), _level(row.get("level"))
+            question, gold, level = _question(row.get("problem")), _text(row.get("answer")), _level(row.get("level"))
         elif kind in ("aime", "amc"):
-            question = _text(_first(row, "problem", "question"))
+            question = _question(_first(row, "problem", "question"))
             gold, level = number_text(row.get("answer")), None
         elif kind == "bigmath":
-            question = _text(_first(row, "prompt", "problem"))
+            question = _question(_first(row, "prompt", "problem"))
             gold, level = _text(_first(row, "solution", "answer")), _level(row.get("level"))
         else:
-            question = _text(_first(row, "question", "problem", "prompt"))
+            question = _question(_first(row, "question", "problem", "prompt"))
             gold, level = number_text(_first(row, "answer", "solution", "gold")), _level(row.get("level"))
     except TypeError as err:
         return {"id": rid, "question": None, "gold": None, "level": None, "error": f"unreadable field: {err}"}

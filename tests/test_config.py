@@ -60,9 +60,6 @@ def _base() -> dict:
         (lambda p: (p["model"].update(max_seq_len=512), p["rollout"].update(max_new_tokens=600)), "<root>",
          "rollout.max_new_tokens (600) must be below model.max_seq_len (512): the prompt budget, max_seq_len - "
          "max_new_tokens, is -88 tokens"),
-        (lambda p: p["evaluate"].update(max_new_tokens=1024), "<root>", "evaluate.max_new_tokens (1024) must be below"),
-        (lambda p: p["evaluate"].update(benchmarks=["gsm8k", "math5000"]), "<root>",
-         "evaluate.benchmarks: 'math5000' not among data.eval_sources"),
     ],
 )
 def test_bad_values_name_the_field(edit, field, expected):

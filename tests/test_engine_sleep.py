@@ -597,3 +597,20 @@ def test_trainer_sleeps_the_engine_around_each_update(tiny_base, tmp_path, monke
     for row in result.history:
         assert {"time/sleep_s", "time/wake_s", "time/wake_check_s", "sleep/repairs"} <= set(row)
         assert row["sleep/repairs"] == 0
+
+
+def test_an_engine_failure_ends_with_its_cause_after_the_log_tail(tmp_path):
+    """The engine's death is the last line on screen: cause, the log tail, then the cause again;
+    a signal exit says which signal (SIGKILL: most often the out-of-memory killer)."""
+    eng = object.__new__(RolloutEngine)  # no process: only the message is under test
+    eng.log_path = tmp_path / "engine.log"
+    eng.log_path.write_text("".join(f"vllm line {i}\n" for i in range(100)))
+    cause = f"engine process died ({engine.exit_status(-9)}) during 'generate'"
+    lines = str(eng._failure(cause)).splitlines()
+    assert lines[0] == cause and lines[-1] == cause
+    assert "vllm line 99" in lines[-3] and "vllm line 59" not in "\n".join(lines)  # the last 40 lines only
+    assert str(eng.log_path) in lines[1]
+    assert engine.exit_status(-9) == "exit code -9, killed by SIGKILL: often the kernel's out-of-memory killer"
+    assert engine.exit_status(-15) == "exit code -15, killed by SIGTERM" and engine.exit_status(1) == "exit code 1"
+    eng.log_path = tmp_path / "missing.log"
+    assert str(eng._failure("gone")) == "gone"

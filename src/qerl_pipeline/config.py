@@ -680,17 +680,6 @@ class QerlConfig(Section):
                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) must be below model.max_seq_len "
                 f"({self.model.max_seq_len}): the prompt budget, max_seq_len - max_new_tokens, is {budget} tokens"
             )
-        if self.evaluate.max_new_tokens >= self.model.max_seq_len:
-            raise ValueError(
-                f"evaluate.max_new_tokens ({self.evaluate.max_new_tokens}) must be below model.max_seq_len "
-                f"({self.model.max_seq_len}): the evaluation engine's max_model_len leaves no room for a prompt"
-            )
-        unknown = [b for b in self.evaluate.benchmarks if b not in self.data.eval_sources]
-        if unknown:
-            raise ValueError(
-                f"evaluate.benchmarks: {', '.join(map(repr, unknown))} not among data.eval_sources "
-                f"({', '.join(self.data.eval_sources)}): data_prep writes prompts only for those"
-            )
         return self
 
     def aqn_enabled(self) -> bool:

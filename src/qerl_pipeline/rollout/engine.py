@@ -79,7 +79,21 @@ from qerl_pipeline.rollout.vllm_plugin import ENV as NORM_DTYPE_ENV
 
 
 class EngineError(RuntimeError):
-    """The engine process failed; the message carries its traceback or log tail."""
+    """The engine process failed; the message carries its traceback or log tail, and ends with the cause."""
+
+
+def exit_status(code: int | None) -> str:
+    """A process's exit code in words: a negative code is the signal that ended it."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = ": often the kernel's out-of-memory killer" if -code == signal.SIGKILL else ""
+        return f"exit code {code}, killed by {name}{hint}"
+    return f"exit code {code}"
 
 
 @dataclass
@@ -257,44 +271,48 @@ class RolloutEngine:
             while thread.is_alive():
                 thread.join(0.2)
                 if self._proc.poll() is not None and thread.is_alive():
-                    raise EngineError(f"engine process exited with code {self._proc.returncode} before connecting{self._log_tail()}")
+                    raise self._failure(f"engine process exited ({exit_status(self._proc.returncode)}) before connecting")
                 if time.monotonic() > deadline:
-                    raise EngineError(f"engine process did not connect within {self.rollout.startup_timeout_s} s{self._log_tail()}")
+                    raise self._failure(f"engine process did not connect within {self.rollout.startup_timeout_s} s")
             if "error" in accepted:
-                raise EngineError(f"engine connection failed: {accepted['error']}{self._log_tail()}")
+                raise self._failure(f"engine connection failed: {accepted['error']}")
             self._conn = accepted["conn"]
         finally:
             listener.close()
         self._conn.send(spec)
         self.info = self._wait("start", timeout=max(1.0, deadline - time.monotonic()))
 
-    def _log_tail(self, lines: int = 40) -> str:
+    def _failure(self, cause: str, lines: int = 40) -> EngineError:
+        """The error for a failed engine: the cause, the engine log's tail, and the cause again as the
+        last line, so it is what the terminal shows last (not vLLM's final log line)."""
         try:
             text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
         except OSError:
-            return ""
-        return "\n--- engine log tail ---\n" + "\n".join(text)
+            return EngineError(cause)
+        return EngineError(f"{cause}\n--- engine log tail ({self.log_path}) ---\n" + "\n".join(text)
+                           + f"\n--- end of engine log tail ---\n{cause}")
 
     def _wait(self, op: str, timeout: float | None = None):
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._conn.poll(0.2):
                 if self._proc.poll() is not None:
-                    raise EngineError(f"engine process died (exit code {self._proc.returncode}) during {op!r}{self._log_tail()}")
+                    raise self._failure(f"engine process died ({exit_status(self._proc.returncode)}) during {op!r}")
                 if deadline is not None and time.monotonic() > deadline:
-                    raise EngineError(f"engine op {op!r} timed out after {timeout:.0f} s{self._log_tail()}")
+                    raise self._failure(f"engine op {op!r} timed out after {timeout:.0f} s")
             reply = self._conn.recv()
         except (EOFError, OSError) as exc:  # a killed child resets the socket: EOF or ECONNRESET
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            raise EngineError(
+            raise self._failure(
                 f"engine process closed the connection during {op!r} ({type(exc).__name__}; "
-                f"exit code {self._proc.returncode}){self._log_tail()}"
+                f"{exit_status(self._proc.returncode)})"
             ) from None
         if not reply["ok"]:
-            raise EngineError(f"engine op {op!r} failed: {reply['error']}\n--- engine traceback ---\n{reply['traceback']}")
+            cause = f"engine op {op!r} failed: {reply['error']}"
+            raise EngineError(f"{cause}\n--- engine traceback ---\n{reply['traceback']}--- end of engine traceback ---\n{cause}")
         return reply["result"]
 
     def _call(self, op: str, **kwargs):
@@ -303,7 +321,7 @@ class RolloutEngine:
         try:
             self._conn.send({"op": op, **kwargs})
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
-            raise EngineError(f"engine process is gone ({exc}){self._log_tail()}") from None
+            raise self._failure(f"engine process is gone ({exc})") from None
         return self._wait(op)
 
     @property

@@ -16,7 +16,7 @@
 # compressed-tensors 0.19.0 and llmcompressor over it without dependency resolution.
 # Checked: vLLM imports, generates with LoRA and parses NVFP4 compressed-tensors configs
 # on 0.19.0, and llmcompressor's NVFP4A16 output is bit-identical to the golden files
-# (tests/test_nvfp4_golden.py and the vLLM tests guard both). `pip check` therefore
+# (tests/test_nvfp4.py and the vLLM tests guard both). `pip check` therefore
 # reports that one known conflict; this script prints it and fails on any other.
 #
 # A quiet terminal: the installs run with --no-warn-conflicts, so pip prints no

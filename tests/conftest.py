@@ -65,6 +65,19 @@ def golden_dir() -> Path:
     return path
 
 
+@pytest.fixture()
+def sqlite_store(tmp_path, monkeypatch) -> str:
+    """An empty embedded MLflow store in ``tmp_path`` (its URI), set for this process and its children."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.chdir(tmp_path)  # the store's default artifact root is ./mlruns: never the checkout's
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    while mlflow.active_run():
+        mlflow.end_run()
+    mlflow.set_tracking_uri(None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random tiny Llama (hidden 128, 2 heads of 64, 2 layers) with the SmolLM2 tokenizer."""

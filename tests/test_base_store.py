@@ -123,7 +123,7 @@ def test_half_written_or_damaged_folder_is_rewritten(model, tmp_path, caplog):
         fh.truncate(100)
     caplog.clear()
     assert not store.ensure_base(model, QuantizeConfig(), "nf4", folder)[2]
-    assert any("incomplete folder: serving/model.safetensors has 100 bytes" in m for m in _messages(caplog))
+    assert any("damaged folder: serving/model.safetensors: size mismatch: 100 bytes" in m for m in _messages(caplog))
     assert store.ensure_base(model, QuantizeConfig(), "nf4", folder)[2]
     # a stamp that is not JSON
     (folder / store.STAMP).write_text("{not json")

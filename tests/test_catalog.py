@@ -3,8 +3,8 @@
 A dataset without one would be a Kedro ``MemoryDataset``: lost when a later node fails, and
 invisible to a rerun of the later nodes alone. Checked in the base and the smoke environment,
 with the project's own config loader settings; dataset factory patterns count as entries.
-Also checked: the smoke environment writes every file dataset of the base one under the same
-path with ``/smoke`` after its data layer (conf/*/globals.yml ``env_subdir``).
+Also checked: the smoke and cpu_compare environments write every file dataset of the base one under
+the same path with ``/<env>`` after its data layer (conf/*/globals.yml ``env_subdir``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,17 @@ from kedro.io.catalog_config_resolver import CatalogConfigResolver
 from qerl_pipeline import settings
 from tests.helpers.project import PROJECT
 
-ENVS = ("base", "smoke")
+ENVS = ("base", "smoke", "cpu_compare")
+
+
+def _loader(env: str, runtime: dict | None = None) -> OmegaConfigLoader:
+    """The project's config loader for ``env`` ("base": conf/base under the empty conf/local, as `kedro run`)."""
+    return OmegaConfigLoader(str(PROJECT / "conf"), env="local" if env == "base" else env, runtime_params=runtime,
+                             **settings.CONFIG_LOADER_ARGS)
 
 
 def _catalog(env: str) -> dict:
-    args = {k: v for k, v in settings.CONFIG_LOADER_ARGS.items() if k != "default_run_env"}
-    loader = OmegaConfigLoader(str(PROJECT / "conf"), env=None if env == "base" else env, **args)
-    return loader["catalog"]
+    return _loader(env)["catalog"]
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +67,16 @@ def _filepaths(entry, out, name):
                 _filepaths(value, out, name)
 
 
-def test_smoke_paths_are_the_base_paths_under_smoke():
-    base, smoke = {}, {}
+@pytest.mark.parametrize("env", ["smoke", "cpu_compare"])
+def test_env_paths_are_the_base_paths_under_the_env(env):
+    base, other = {}, {}
     for name, entry in _catalog("base").items():
         _filepaths(entry, base, name)
-    for name, entry in _catalog("smoke").items():
-        _filepaths(entry, smoke, name)
-    assert set(base) == set(smoke) and base
+    for name, entry in _catalog(env).items():
+        _filepaths(entry, other, name)
+    assert set(base) == set(other) and base
     for name, path in base.items():
-        assert smoke[name] == re.sub(r"^(data/\d\d_[a-z_]+)", r"\1/smoke", path), name
+        assert other[name] == re.sub(r"^(data/\d\d_[a-z_]+)", rf"\1/{env}", path), name
 
 
 @pytest.mark.parametrize("env", ENVS)
@@ -79,8 +84,7 @@ def test_smoke_paths_are_the_base_paths_under_smoke():
 def test_the_report_parameter_names_the_report_catalog_folder(env, runtime):
     """``compare.report_dir`` (what the run logs as its parameter) is the folder the report's
     catalog entries write to: from globals.yml by default, from a ``--params`` value when given."""
-    loader = OmegaConfigLoader(str(PROJECT / "conf"), env="local" if env == "base" else env, runtime_params=runtime,
-                               **settings.CONFIG_LOADER_ARGS)
+    loader = _loader(env, runtime)
     folder = loader["parameters"]["compare"]["report_dir"]
     entries = {k: v for k, v in loader["catalog"].items() if k.startswith("compare_report_{stem}")}
     assert len(entries) == 4

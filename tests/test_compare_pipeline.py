@@ -1,9 +1,11 @@
-"""`kedro run --pipelines=compare` in the smoke env: killed during its third branch, resumed, one report.
+"""`kedro run --pipelines=compare` in the smoke env: interrupted during its third branch, resumed, one report.
 
 One compare for the whole module (the slowest test here: a few minutes): 5 methods x the smoke
-env's ``compare.seeds: [0, 1]``, 10 trainings. It is SIGKILLed (its process group; its engines
-end with it, rollout/server.py) right after the third branch's first seed wrote its step-2
-checkpoint, then started again with the same command. Every assertion reads what the two runs
+env's ``compare.seeds: [0, 1]``, 10 trainings. It gets SIGINT (Ctrl-C to its process group;
+SIGKILL after a grace period, its engines end with it, rollout/server.py) right after the third
+branch's first seed wrote its step-2 checkpoint, then is started again with the same command.
+The interrupted runs must say so (KILLED, the signal, the last completed step), and the resume
+must finish the interrupted training's own run. Every assertion reads what the two runs
 left: the logs, the report files, the MLflow runs, and the notebook executed headless against
 the same runs.
 
@@ -18,7 +20,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -76,8 +81,13 @@ def compared(tmp_path_factory):
             time.sleep(0.5)
         else:
             pytest.fail("no third branch at step 2 within the deadline\n" + log1.read_text(errors="replace")[-6000:])
-    finally:
-        stop_kedro(proc)  # SIGKILL of kedro's process group; the engines end through their guards (rollout/server.py)
+    finally:  # Ctrl-C: SIGINT to kedro's process group, then SIGKILL if it has not ended (the engines end with it)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            pass
+        stop_kedro(proc)
 
     # the step the kill left as newest checkpoint: 2, or 3 when the log line reached the file late (block-buffered
     # output) and the last step's checkpoint was written before the kill; the resume must start from it
@@ -87,7 +97,8 @@ def compared(tmp_path_factory):
     client = MlflowClient(tracking_uri=tracking_uri(root))
     exp = client.get_experiment_by_name("qerl_pipeline")
     first_parent = next(r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("qerl.role") == "compare")
-    before = {m: r.info.run_id for m, r in _child_runs(client, first_parent.info.run_id).items()}
+    killed_runs = _child_runs(client, first_parent.info.run_id)
+    before = {m: r.info.run_id for m, r in killed_runs.items()}
     first_names = _branches(log1.read_text(errors="replace"))
 
     log2 = root / "second.log"
@@ -99,7 +110,8 @@ def compared(tmp_path_factory):
     parent = parents[0]
     children = list(_child_runs(client, parent.info.run_id).values())
     return {"root": root, "uri": tracking_uri(root), "client": client, "parent": parent, "children": children,
-            "before": before, "order": first_names, "second": resumed.stdout, "killed_at": killed_at, "report": root / "data/08_reporting/smoke/compare"}
+            "before": before, "order": first_names, "second": resumed.stdout, "killed_at": killed_at, "report": root / "data/08_reporting/smoke/compare",
+            "killed_parent": first_parent, "killed_run": killed_runs.get((third, SEEDS[0]))}
 
 
 def test_resume_keeps_finished_branches_and_resumes_the_interrupted_one(compared):
@@ -121,6 +133,26 @@ def test_resume_keeps_finished_branches_and_resumes_the_interrupted_one(compared
     assert "resuming from" in second and f"compare/seed-{SEEDS[0]}/{third}/checkpoints/step-{killed_at:06d}" in second
     for fmt in ("nvfp4", "nf4", "bf16"):
         assert re.search(rf"base_{fmt} reused", second), fmt
+
+
+def test_the_interrupted_runs_are_killed_with_the_last_step_and_the_resume_finishes_the_same_run(compared):
+    """SIGINT leaves the compare run and the interrupted branch's run KILLED (not FINISHED), tagged with the
+    signal and the last completed node or step; the resume logs into that same run, which ends FINISHED
+    with how it ended before kept in ``qerl.previous_end``."""
+    from qerl_pipeline import tracking
+
+    parent, killed = compared["killed_parent"], compared["killed_run"]
+    client = compared["client"]
+    parent = client.get_run(parent.info.run_id)
+    assert parent.info.status == "KILLED" and parent.data.tags[tracking.KILLED_BY_TAG] == "SIGINT", parent.data.tags
+    assert tracking.LAST_NODE_TAG in parent.data.tags
+    assert killed.info.status == "KILLED" and killed.data.tags[tracking.KILLED_BY_TAG] == "SIGINT", killed.data.tags
+    last = int(killed.data.tags[tracking.LAST_STEP_TAG])
+    assert compared["killed_at"] <= last <= SMOKE_STEPS  # its newest checkpoint is at or before its last logged step
+    resumed = next(r for r in compared["children"] if r.info.run_id == killed.info.run_id)
+    assert resumed.info.status == "FINISHED"
+    assert not set(tracking.END_TAGS) & set(resumed.data.tags), resumed.data.tags
+    assert resumed.data.tags[tracking.PREVIOUS_END_TAG] == f"KILLED; killed_by=SIGINT; last_completed_step={last}"
 
 
 def test_one_finished_run_per_method_and_seed_with_curves_and_eval(compared):
@@ -266,3 +298,34 @@ def test_one_branch_alone_reuses_its_training_and_evaluation(compared):
     assert len(re.findall(rf"qlora: already trained to step {SMOKE_STEPS} in .* reusing it", proc.stdout)) == len(SEEDS)
     assert len(re.findall(r"evaluate qlora seed \d+: run \w+ already holds this evaluation", proc.stdout)) == len(SEEDS)
     assert "shared engine started" not in proc.stdout  # nothing needed an engine
+
+
+def test_a_method_left_out_of_compare_methods_is_neither_trained_nor_evaluated(compared):
+    """``compare.methods`` chooses what trains: a compare of lora alone on a seed no run has used leaves the other
+    branches' nodes saying so, with no run folder, no MLflow run and no engine start for their methods.
+
+    The last test of the module: it rewrites the skipped branches' datasets (their ``train_summary`` says
+    ``skipped``), which the tests above read. ``compare.methods`` is given as the space-separated string form."""
+    root, client = compared["root"], compared["client"]
+    seed, report = 7, root / "report_methods"
+    proc = run_kedro(root, "run", "--pipelines=compare", "--env=smoke",
+                     f"{EVAL_PARAMS},compare.methods=lora,compare.seeds=[{seed}],compare.report_dir={report}", timeout=900)
+    out = proc.stdout
+    left_out = [m for m in METHODS if m != "lora"]
+    for m in left_out:  # its train and evaluate nodes both ran, and said so
+        assert out.count(f"compare.{m}: not in compare.methods, skipped") == 2, m
+    assert _branches(out) == ["lora"]
+    assert re.findall(r"evaluate (\w+) seed (\d+) on ", out) == [("lora", str(seed))]
+    started = re.findall(r"shared engine started for (\S+)", out)
+    assert started and all("base_bf16" in path for path in started), started  # lora's base alone
+    assert sorted(p.name for p in (root / "data/06_models/train_smoke/compare" / f"seed-{seed}").iterdir()) == ["lora"]
+    exp = client.get_experiment_by_name("qerl_pipeline")
+    seeded = client.search_runs([exp.experiment_id], filter_string=f"tags.seed = '{seed}'")
+    assert [r.data.tags["method"] for r in seeded] == ["lora"]
+    parent = next(r for r in client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+                  if r.data.tags.get("qerl.role") == "compare")
+    assert list(_child_runs(client, parent.info.run_id)) == [("lora", seed)]
+    assert list(json.loads((root / "data/08_reporting/smoke/compare/runs.json").read_text())) == ["lora"]  # the report's runs
+    assert "lora" in (report / "report.html").read_text()
+    summary = json.loads((compared["report"] / "qlora" / "train_summary.json").read_text())
+    assert summary["skipped"] == "compare.qlora: not in compare.methods, skipped" and summary["runs"] == []

@@ -1,7 +1,8 @@
-"""compare.seeds without running anything: the config, what a seed sets, and a pipeline shape that ignores the list.
+"""compare.seeds and compare.methods without running anything: the config, what a seed sets, a pipeline
+shape that ignores both lists, and the nodes of a branch compare.methods leaves out doing nothing.
 
-The runs themselves (10 trainings of 5 methods x 2 seeds, killed and resumed) are
-tests/test_compare_pipeline.py's; the statistics are tests/test_stats.py's.
+The runs themselves (10 trainings of 5 methods x 2 seeds, killed and resumed; a compare of one
+method) are tests/test_compare_pipeline.py's; the statistics are tests/test_stats.py's.
 """
 
 from __future__ import annotations
@@ -41,3 +42,54 @@ def test_the_pipeline_reads_the_seeds_as_a_parameter_of_every_branch():
     for m in METHODS:
         train, evaluate = (next(n for n in pipe.nodes if n.name == f"compare.{m}.{x}") for x in ("train_policy", "evaluate_policies"))
         assert "params:compare.seeds" in train.inputs and "params:compare.seeds" in evaluate.inputs
+
+
+def test_methods_choose_the_branches_and_take_a_space_separated_string():
+    """``kedro run --params`` splits on commas: several methods (or seeds) come as one space-separated string."""
+    from qerl_pipeline.config import CompareConfig, compare_branch, parse
+
+    assert parse(CompareConfig, {"methods": "qerl lora", "seeds": "0 1 2"}, "compare").seeds == [0, 1, 2]
+    assert validate({"compare": {"methods": "qerl lora"}}, QerlConfig).compare.methods == ["qerl", "lora"]
+    for bad, field in (([], "compare.methods"), ("qerl qerl", "methods: each method once"), ("qerl bogus", r"compare\.methods\.1")):
+        with pytest.raises(ConfigError, match=field):
+            validate({"compare": {"methods": bad}}, QerlConfig)
+    assert compare_branch("lora", "qerl lora", "3 4") == ([3, 4], "")
+    assert compare_branch("qlora", ["qerl", "lora"], None) == (None, "compare.qlora: not in compare.methods, skipped")
+    assert compare_branch("qlora") == (None, "")  # no list given: every branch runs
+
+
+def test_the_pipeline_reads_the_methods_as_a_parameter_of_every_branch():
+    from qerl_pipeline.pipelines.compare.pipeline import create_pipeline
+
+    pipe = create_pipeline()
+    for m in METHODS:
+        for x in ("train_policy", "evaluate_policies"):
+            node = next(n for n in pipe.nodes if n.name == f"compare.{m}.{x}")
+            assert "params:compare.methods" in node.inputs, node.name
+
+
+def test_a_branch_left_out_of_methods_trains_and_evaluates_nothing(tmp_path, caplog):
+    """The nodes of a branch not in compare.methods return the ``skipped`` marker at once: no base, adapter,
+    run folder or engine is touched (the paths given do not exist), and the report refuses to read it as a run."""
+    import logging
+
+    from qerl_pipeline.pipelines.compare.nodes import build_report
+    from qerl_pipeline.pipelines.evaluate.nodes import eval_outputs, run_evaluation
+    from qerl_pipeline.pipelines.train.nodes import train_policy
+
+    missing = tmp_path / "nothing-here"
+    group = {"run_id": "r0", "experiment_id": "0"}
+    sections = {s: {} for s in ("model", "lora", "rollout", "grpo", "aqn", "optim", "reward", "data")}
+    with caplog.at_level(logging.INFO):
+        adapters, summary = train_policy([], str(missing), "qlora", train={"output_dir": str(missing)}, compare_group=group,
+                                         seeds="0 1", methods="qerl lora", **sections)
+        result = run_evaluation({}, str(missing), str(missing), "qlora", {}, {}, {}, {}, compare_group=group, seeds=[0, 1],
+                                methods=["qerl", "lora"])
+    why = "compare.qlora: not in compare.methods, skipped"
+    assert adapters == {} and summary == {"method": "qlora", "skipped": why, "seeds": [], "runs": []}
+    assert result["skipped"] == why and result["records"] == []
+    assert caplog.text.count(why) == 2 and not missing.exists()
+    records, table, metrics = eval_outputs(result)
+    assert records == [] and metrics == {} and table.to_dict(orient="list") == {"skipped": [why]}
+    with pytest.raises(ValueError, match="compare.methods lists 'qlora', but its branch's train_summary says"):
+        build_report(group, {"methods": ["qlora"]}, qlora_summary=summary, qlora_accuracy=table)

@@ -59,10 +59,34 @@ def test_eval_prompts_per_source(smoke_run):
 def test_report_and_mlflow_metrics(smoke_run):
     project, _ = smoke_run
     report = json.loads(_latest(project / "data" / "08_reporting" / "smoke" / "data_prep_report.json").read_text())
-    assert report["totals"] == {"train_prompts": 64, "eval_prompts": 32, "dropped_rows": 0, "skipped_sources": 0}
+    assert report["totals"] == {"train_prompts": 64, "eval_prompts": 32, "dropped_rows": 0, "unparsable_golds": 0,
+                                "skipped_sources": 0}
     assert report["eval"]["gsm8k"]["origin"].startswith("local:") and report["eval"]["gsm8k"]["rows_read"] == 1319
     db = project / "mlflow.db"
     assert db.is_file(), "the MLflow run was not recorded in the embedded store"
     with sqlite3.connect(db) as con:
         metrics = dict(con.execute("SELECT key, value FROM latest_metrics").fetchall())
     assert metrics["data_prep_metrics.train_prompts"] == 64 and metrics["data_prep_metrics.eval.gsm8k.kept"] == 16
+
+
+def test_a_malformed_row_stops_the_training_before_any_model_loads_naming_file_and_line(tmp_path):
+    """A non-UTF-8 byte and a number for a question, in the user's file: ``kedro run --pipeline=train``
+    stops in data prep, before the quantize node loads the model, and ends with one ``Error:`` block
+    naming each row by file and 1-based line, not a traceback; no prompts are written."""
+    project = project_copy(tmp_path / "project")
+    good = json.dumps({"problem": "What is 1+1?", "solution": "2"})
+    body = ("\n".join([good] * 4) + "\n").encode() + b'{"problem": "caf\xe9?", "solution": "3"}\n'
+    body += json.dumps({"problem": 12345, "solution": "3"}).encode() + b"\n"
+    (project / "mine.jsonl").write_bytes(body)
+    proc = run_kedro(project, "run", "--pipeline=train", "--env", "smoke", "--params",
+                     "data.train_source=file,data.train_file.path=mine.jsonl,data.train_file.question=problem,"
+                     "data.train_file.answer=solution", check=False, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    assert "Traceback" not in out, out[-3000:]
+    assert "Running node: prepare_train_prompts" in out and "Running node: quantize" not in out, out[-3000:]
+    tail = out.strip().splitlines()[-3:]
+    assert tail[0].startswith("Error: 2 malformed row(s)"), tail
+    assert "mine.jsonl line 5" in tail[1] and "not UTF-8" in tail[1], tail
+    assert "mine.jsonl line 6" in tail[2] and "expected text, got int 12345" in tail[2], tail
+    assert not list((project / "data").rglob("train_prompts*.json*")), "prompts written despite the bad rows"

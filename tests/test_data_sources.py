@@ -15,7 +15,7 @@ import pytest
 
 from qerl_pipeline.config import DataConfig, SourceConfig
 from qerl_pipeline.data import sources
-from qerl_pipeline.data.prompts import PAPER_SYSTEM_PROMPT, split_valid
+from qerl_pipeline.data.prompts import PAPER_SYSTEM_PROMPT, bad_rows_error, split_valid
 from qerl_pipeline.data.sources import SourceUnavailable, load_source, number_text, read_raw
 from qerl_pipeline.pipelines.data_prep.nodes import prepare_eval_prompts, prepare_train_prompts
 
@@ -231,3 +231,17 @@ def test_a_non_utf8_line_and_a_number_for_a_question_are_bad_rows_named_by_file_
     assert set(reasons) == {"mygsm-line4", "mygsm-test-00004"}, reasons
     assert "line 4 of " + str(folder / "test.jsonl") in reasons["mygsm-line4"] and "not UTF-8" in reasons["mygsm-line4"]
     assert "question: expected text, got int 12345" in reasons["mygsm-test-00004"]
+
+
+def test_a_bad_row_of_a_local_file_names_the_file_and_its_1_based_line_and_ids_keep_counting_from_0(tmp_path, local):
+    """Ids stay ``<name>-<split>-<n>`` from 0 (evaluation order and reuse hash them); the message says where the
+    row is in the file: a blank line is skipped by ids but counted by lines."""
+    folder = tmp_path / "lines"
+    folder.mkdir()
+    good = (local / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]
+    (folder / "test.jsonl").write_text("\n".join([good[0], "", good[1], json.dumps({"question": "no gold?"})]) + "\n")
+    rows, _ = load_source("mygsm", SourceConfig(hub_id="openai/gsm8k", local_path=str(folder)), 0)
+    good_rows, bad = split_valid(rows, "mygsm")
+    assert sorted(r["id"] for r in good_rows) == ["mygsm-test-00000", "mygsm-test-00001"]
+    assert [(b.id, b.reason) for b in bad] == [("mygsm-test-00002", "missing gold answer")]
+    assert f"mygsm/mygsm-test-00002 ({folder / 'test.jsonl'} line 4): missing gold answer" in bad_rows_error(bad)

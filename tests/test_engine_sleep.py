@@ -11,7 +11,6 @@ itself until ``rl/trainer.py`` builds an ``EngineSleeper``.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,8 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from qerl_pipeline.config import ModelConfig, RolloutConfig
 from qerl_pipeline.rollout import engine, layout, serving
-from qerl_pipeline.rollout.engine import GenerateResult, RolloutEngine, Sample, adapter_version
+from qerl_pipeline.rollout.engine import RolloutEngine, adapter_version
 from qerl_pipeline.rollout.sleep import EngineSleeper, SleepPlan, WakeCheckError, engine_platform, sleep_plan
+from tests.helpers.engines import FakeEngine
 
 
 # ----------------------------------------------------------------------------- the decision
@@ -56,121 +56,7 @@ def test_sleep_plan_rejects_an_unknown_platform_and_reads_the_engines_platform()
     assert engine_platform(SimpleNamespace(), "cpu") == "cpu"  # no report: the trainer's device
 
 
-# ----------------------------------------------------------------------------- a fake engine
-class FakeEngine:
-    """Records every call in ``calls``. Outputs are a hash of (prompt, adapter files, state).
-
-    ``fault``: what a wake does: None (nothing), "drop" (vLLM forgets its adapters: none listed
-    until re-registered after a reset), "drop_forever" (never lists one again), "corrupt"
-    (outputs change until its adapters are dropped), "broken" (outputs change for good).
-    """
-
-    def __init__(self, fault: str | None = None, cuda: bool = True, norms: dict[str, torch.Tensor] | None = None):
-        self.fault = fault
-        self.info = {"cuda": cuda, "dtype": "float32", "startup_s": 0.0, "pid": 0}
-        self.calls: list[tuple] = []
-        self.asleep = False
-        self.salt = 0  # != 0: the served model changed
-        self.stale = False  # adapters give other outputs until reset_adapters
-        self.ids: dict[str, tuple[tuple, int]] = {}
-        self.next_id = 1
-        self.loaded: set[int] = set()
-        self.dropping = False  # a wake made vLLM forget its adapters; registering does not bring them back
-        self.lost_for_good = False
-        self.served = dict(norms or {})
-        self.closed = False
-
-    def _id(self, path: str) -> int:
-        version = adapter_version(Path(path))
-        known = self.ids.get(path)
-        if known is None or known[0] != version:
-            self.ids[path] = (version, self.next_id)
-            self.next_id += 1
-        return self.ids[path][1]
-
-    def merge_adapter(self, lora_path):
-        self.calls.append(("merge", None if lora_path is None else str(lora_path)))
-        return 0.0
-
-    def unmerge(self):
-        return self.merge_adapter(None)
-
-    def generate(self, prompts, *, n, temperature, top_p, max_new_tokens, seed=None, lora_path=None, ignore_eos=False):
-        self.calls.append(("generate", [list(p) for p in prompts], n, temperature, None if lora_path is None else str(lora_path),
-                           self.asleep))
-        self.asleep = False  # the real server wakes first; so does this one
-        content = b""
-        if lora_path is not None:
-            lid = self._id(str(Path(lora_path).resolve()))
-            if not (self.dropping or self.lost_for_good):
-                self.loaded.add(lid)
-            content = (Path(lora_path) / "adapter_model.safetensors").read_bytes()
-        groups = []
-        for p_i, prompt in enumerate(prompts):
-            group = []
-            for i in range(n):
-                key = repr((list(prompt), i if temperature > 0 else 0, seed, self.salt, self.stale)).encode() + content
-                digest = hashlib.sha256(key).digest()
-                ids = [1 + b % 200 for b in digest[:max_new_tokens]]
-                group.append(Sample(list(prompt), ids, "ab" * (1 + digest[0] % 4) + "1", [-1.0] * len(ids), "length"))
-            groups.append(group)
-        tokens = sum(len(s.completion_ids) for g in groups for s in g)
-        return GenerateResult(groups, 0.01, tokens, tokens / 0.01)
-
-    def sleep(self, level=None):
-        self.calls.append(("sleep", level))
-        self.asleep = True
-        return True
-
-    def wake_up(self):
-        self.calls.append(("wake",))
-        was, self.asleep = self.asleep, False
-        if was and self.fault in ("drop", "drop_forever"):
-            self.loaded.clear()
-            self.dropping = True
-            self.lost_for_good = self.fault == "drop_forever"
-        if was and self.fault == "corrupt":
-            self.stale = True
-        if was and self.fault == "broken":
-            self.salt += 1
-        return {"was_asleep": was, "level": None, "reloaded": False, "reapplied": []}
-
-    def register_adapter(self, path):
-        path = str(Path(path).resolve())
-        self.calls.append(("register", path))
-        lid = self._id(path)
-        if not (self.dropping or self.lost_for_good):
-            self.loaded.add(lid)
-        return {"lora_id": lid, "added": True, "loaded": sorted(self.loaded)}
-
-    def loaded_adapters(self):
-        return sorted(self.loaded)
-
-    def reset_adapters(self):
-        self.calls.append(("reset",))
-        removed = sorted(self.loaded)
-        self.loaded.clear()
-        self.ids.clear()
-        self.stale = False
-        self.dropping = False
-        return removed
-
-    # what the trainer needs besides
-    def norm_weight_names(self):
-        return sorted(self.served)
-
-    def update_weights(self, tensors):
-        self.calls.append(("update_weights", sorted(tensors)))
-        self.served.update({k: v.detach().clone() for k, v in tensors.items()})
-        return 0.0
-
-    def read_weights(self, names):
-        return {n: self.served[n].clone() for n in names}
-
-    def close(self):
-        self.closed = True
-
-
+# ----------------------------------------------------------------------------- a fake engine: tests/helpers/engines.py
 def _adapter(folder: Path, value: float) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_file({"base_model.model.layers.0.q_proj.lora_A.weight": torch.full((2, 4), value)}, str(folder / "adapter_model.safetensors"))

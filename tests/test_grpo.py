@@ -45,8 +45,8 @@ def test_policy_loss_clipping_and_aggregations():
     seq = ((-1.28 - 1.0) / 2 + (2 + 1.6 + 2) / 3) / 2
     tok = (-1.28 - 1.0 + 2 + 1.6 + 2) / 5
     dr = (-1.28 - 1.0 + 2 + 1.6 + 2) / (2 * 8)
-    for how, want in (("sequence", seq), ("token", tok), ("dr_grpo", dr)):
-        loss, stats = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, aggregation=how, max_len=8)
+    for how, want in (("grpo", seq), ("dapo", tok), ("dr_grpo", dr)):
+        loss, stats = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=how, max_len=8)
         assert float(loss) == pytest.approx(want, rel=1e-6), how
     assert float(grpo.aggregate(per_tok, mask, "token")) == pytest.approx(tok)
     # clipped tokens: row0 token0 (high, A>0) and row1 token1 (low, A<0): 2 of 5
@@ -55,10 +55,76 @@ def test_policy_loss_clipping_and_aggregations():
     assert stats.clip_low_fraction == pytest.approx(1 / 5)
 
 
+def test_new_loss_types_hand_computed():
+    """cispo, sapo, luspo, vespo and bnpo on the toy batch (ratios row0 [2, 1], row1 [1, 0.5, 1]; A = [1, -2])."""
+    logp, old, adv, mask = _toy()
+    lp0 = logp.tolist()
+    prm = grpo.LossParams(cispo_clip_max=1.5)
+
+    def run(loss_type, **kw):
+        lp = logp.clone().requires_grad_(True)
+        loss, st = grpo.policy_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=loss_type, params=prm, **kw)
+        loss.backward()
+        return float(loss.detach()), lp.grad, st
+
+    # cispo: -sg(min(r, 1.5)) A logp / 5 tokens; the clipped token (r = 2 > 1.5, A > 0) keeps a gradient
+    w = [[1.5, 1.0], [1.0, 0.5, 1.0]]
+    want = -sum(w[0][t] * 1.0 * lp0[0][t] for t in range(2)) - sum(w[1][t] * -2.0 * lp0[1][t] for t in range(3))
+    val, g, st = run("cispo")
+    assert val == pytest.approx(want / 5, rel=1e-6)
+    assert float(g[0, 0]) == pytest.approx(-1.5 / 5) and float(g[1, 1]) == pytest.approx(0.5 * 2 / 5)
+    assert st.clip_high_fraction == pytest.approx(1 / 5) and st.clip_low_fraction == 0.0
+    # sapo: -(4/tau) sigmoid(tau (r - 1)) A, tau 1 (A > 0) / 1.05 (A <= 0), sequence mean; at r = 1 the gradient is -A
+    def gate(r, tau):
+        return 4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0)))
+    seq0 = -(gate(2.0, 1.0) + gate(1.0, 1.0)) / 2
+    seq1 = 2.0 * (gate(1.0, 1.05) + gate(0.5, 1.05) + gate(1.0, 1.05)) / 3
+    val, g, st = run("sapo")
+    assert val == pytest.approx((seq0 + seq1) / 2, rel=1e-6)
+    assert float(g[1, 0]) == pytest.approx(2.0 / (3 * 2), rel=1e-6) and st.clip_fraction == 0.0
+    # luspo: the clipped surrogate summed over each sequence, mean over sequences
+    val, g, _ = run("luspo")
+    assert val == pytest.approx(((-1.28 - 1.0) + (2.0 + 1.6 + 2.0)) / 2, rel=1e-6)
+    # vespo: phi(w) = exp(lambda + k ln w - lambda w), w0 = 2 (k 2, lambda 3), w1 = 0.5 (A < 0: k 3, lambda 2)
+    phi0, phi1 = math.exp(3 + 2 * math.log(2) - 6), math.exp(2 + 3 * math.log(0.5) - 1)
+    want = -phi0 * (lp0[0][0] + lp0[0][1]) + 2 * phi1 * sum(lp0[1])
+    val, g, _ = run("vespo")
+    assert val == pytest.approx(want / 5, rel=1e-6)
+    assert float(g[0, 1]) == pytest.approx(-phi0 / 5, rel=1e-6) and float(g[1, 2]) == pytest.approx(2 * phi1 / 5, rel=1e-6)
+    # vespo with token IS weights: folded into w (w0 = 2 * 0.5), not multiplied onto the loss
+    isw = torch.tensor([[0.5, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    val, _, _ = run("vespo", is_weights=isw)
+    assert val == pytest.approx((-math.exp(3 - 3) * (lp0[0][0] + lp0[0][1]) + 2 * phi1 * sum(lp0[1])) / 5, rel=1e-6)
+    # bnpo: each micro-batch's token mean over the micro-batches; one micro-batch: dapo
+    per_mb = [(-1.28 - 1.0) / 2, (2.0 + 1.6 + 2.0) / 3]
+    parts = sum(float(grpo.policy_loss(logp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1], eps_low=0.2, eps_high=0.28,
+                                       loss_type="bnpo", num_micro_batches=2)[0]) for i in (0, 1))
+    assert parts == pytest.approx(sum(per_mb) / 2, rel=1e-6)
+    assert run("bnpo")[0] == pytest.approx(run("dapo")[0], rel=1e-7)
+    with pytest.raises(ValueError, match="grpo.loss_type"):
+        run("ppo")
+
+
+def test_entropy_bonus_is_minus_coef_times_the_selected_mean():
+    logp, old, adv, mask = _toy()
+    ent = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.5, 0.5]], requires_grad=True)
+    sel = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    for loss_type in grpo.LOSS_TYPES:
+        base, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=loss_type, token_select=sel,
+                                   num_micro_batches=2)
+        with_bonus, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=loss_type,
+                                         token_select=sel, entropy=ent, entropy_coef=0.1, num_micro_batches=2)
+        # selected real tokens: row0 token0, row1 all three: mean (1 + 3 + 0.5 + 0.5) / 4, halved for 2 micro-batches
+        assert float(with_bonus - base) == pytest.approx(-0.1 * 5.0 / 4 / 2, rel=1e-6), loss_type
+    ent.grad = None
+    with_bonus.backward()
+    torch.testing.assert_close(ent.grad, torch.tensor([[-0.1 / 8, 0.0, 0.0], [-0.1 / 8] * 3]))
+
+
 def test_clipped_tokens_get_no_gradient():
     logp, old, adv, mask = _toy()
     logp = logp.clone().requires_grad_(True)
-    loss, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, aggregation="token")
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type="dapo")
     loss.backward()
     g = logp.grad
     assert g[0, 0] == 0 and g[1, 1] == 0  # clip active
@@ -73,12 +139,12 @@ def test_microbatches_sum_to_full_batch():
     logp, old = torch.randn(6, 5) * 0.1 - 1, torch.randn(6, 5) * 0.1 - 1
     adv = torch.randn(6)
     mask = grpo.completion_mask(torch.tensor([5, 3, 1, 4, 2, 5]), 5)
-    for how in ("sequence", "token", "dr_grpo"):
-        full, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, aggregation=how)
+    for how in ("grpo", "dapo", "dr_grpo"):
+        full, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=how)
         parts = sum(
             grpo.policy_loss(
                 logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], eps_low=0.2, eps_high=0.28,
-                aggregation=how, num_sequences=6, num_tokens=float(mask.sum()), max_len=5,
+                loss_type=how, num_sequences=6, num_tokens=float(mask.sum()), max_len=5,
             )[0]
             for i in (0, 2, 4)
         )
@@ -146,7 +212,7 @@ def test_mismatch_kl_and_weights_multiply_the_surrogate():
     want = sum(math.exp(x) - x - 1 for x in d) / 3
     assert grpo.mismatch_kl(roll, old, mask) == pytest.approx(want, rel=1e-6)
     adv = torch.tensor([1.0])
-    lw, _ = grpo.policy_loss(old, old, adv, mask, eps_low=0.2, eps_high=0.28, is_weights=w, aggregation="token")
+    lw, _ = grpo.policy_loss(old, old, adv, mask, eps_low=0.2, eps_high=0.28, is_weights=w, loss_type="dapo")
     assert float(lw) == pytest.approx(-(1.5 + 1.0 + 0.25) / 3)
     # not the KL term (as TRL): with A = 0 only the KL is left, unweighted
     ref = old - math.log(2)
@@ -158,13 +224,13 @@ def test_gspo_sequence_ratio_hand_computed():
     logp, old, adv, mask = _toy()
     # row0 token log-ratios [ln 2, 0] (third masked): s0 = exp(ln2 / 2) = sqrt(2) > 1.28 with A>0: clipped
     # row1 [0, ln .5, 0]: s1 = 0.5^(1/3) = 0.794 < 0.8 with A<0: min(-2 s1, -1.6) = -1.6, clipped
-    for how, want in (("sequence", (-1.28 + 1.6) / 2), ("token", (2 * -1.28 + 3 * 1.6) / 5)):
-        loss, st = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, aggregation=how, level="sequence")
+    for how, want in (("grpo", (-1.28 + 1.6) / 2), ("dapo", (2 * -1.28 + 3 * 1.6) / 5)):
+        loss, st = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=how, level="sequence")
         assert float(loss) == pytest.approx(want, rel=1e-6), how
         assert st.clip_fraction == pytest.approx(1.0) and st.clip_high_fraction == pytest.approx(2 / 5)
     # unclipped (wide range): loss = (1/2) sum_i -s_i A_i, d/dlogp[i, t] = -A_i s_i / (2 |y_i|)
     lp = logp.clone().requires_grad_(True)
-    loss, _ = grpo.policy_loss(lp, old, adv, mask, eps_low=0.9, eps_high=9.0, aggregation="sequence", level="sequence")
+    loss, _ = grpo.policy_loss(lp, old, adv, mask, eps_low=0.9, eps_high=9.0, loss_type="grpo", level="sequence")
     s0, s1 = math.sqrt(2), 0.5 ** (1 / 3)
     assert float(loss) == pytest.approx((-s0 + 2 * s1) / 2, rel=1e-6)
     loss.backward()
@@ -208,7 +274,7 @@ def test_high_entropy_selection_hand_computed():
     # only selected tokens carry the surrogate; the normaliser still counts all 5 real tokens
     logp = torch.zeros(2, 3)
     adv = torch.tensor([1.0, -2.0])
-    loss, _ = grpo.policy_loss(logp, logp, adv, mask, eps_low=0.2, eps_high=0.28, aggregation="token", token_select=sel)
+    loss, _ = grpo.policy_loss(logp, logp, adv, mask, eps_low=0.2, eps_high=0.28, loss_type="dapo", token_select=sel)
     assert float(loss) == pytest.approx((-1.0 + 2.0) / 5)
     lp = logp.clone().requires_grad_(True)
     grpo.policy_loss(lp, logp, adv, mask, eps_low=0.2, eps_high=0.28, token_select=sel)[0].backward()

@@ -189,6 +189,41 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias), eps=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("keep", ["none", "one", "all"])
+def test_entropy_grad_matches_naive(keep):
+    """entropy_grad: the entropy's gradient (an entropy bonus) joins the log-prob's, as autograd through the naive path."""
+    hidden, weight, bias, targets = make(seed=8, bias=True)
+    up, up_h = _upstream("masked", targets.shape), _upstream("random", targets.shape)
+    ref = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+    logits = F.linear(ref[0], ref[1], ref[2]).float() / TEMP
+    ls = torch.log_softmax(logits, dim=-1)
+    ent_ref = -(ls.exp() * ls).sum(-1)
+    (ls.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * up + ent_ref * up_h).sum().backward()
+    ours = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+    lp, ent = token_logprobs(ours[0], ours[1], targets, bias=ours[2], temperature=TEMP, chunk_tokens=4,
+                             keep_bytes=_keep(keep, 4, weight.shape[0]), entropy_grad=True)
+    assert ent.requires_grad
+    torch.testing.assert_close(ent, ent_ref.detach(), atol=ATOL, rtol=RTOL)
+    (lp * up + ent * up_h).sum().backward()
+    for a, b in zip(ours, ref):
+        assert _rel(a.grad, b.grad) <= 10 * GRAD_REL
+    # without entropy_grad the entropy stays detached (and the default path is unchanged)
+    assert not token_logprobs(ours[0], ours[1], targets, bias=ours[2])[1].requires_grad
+
+
+def test_entropy_gradcheck_float64():
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 3), generator=g)
+
+    def fn(h, w):
+        lp, ent = token_logprobs(h, w, targets, temperature=TEMP, chunk_tokens=4, entropy_grad=True)
+        return lp + 0.7 * ent
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight), eps=1e-6, atol=1e-8)
+
+
 # -------------------------------------------------------------------- bf16
 def test_bf16_inputs_agree_with_fp32_reference():
     hidden, weight, _, targets = make(seed=4, dtype=torch.bfloat16)

@@ -1,5 +1,7 @@
 """Smoke training runs of the loss options, on real vLLM: every ``grpo.is_mode``, GSPO, entropy
-selection, and method ``lora_aqn`` (AQN on a BF16 base).
+selection, every ``grpo.loss_type`` (dapo, the default, in the is_mode runs; grpo in GSPO's; the
+other six each in a run of its own, one of them with the entropy bonus), and method ``lora_aqn``
+(AQN on a BF16 base).
 
 The smoke env's settings (conf/base + conf/smoke parameters, merged as Kedro's soft merge
 does), 2 steps each, one BF16 base and one engine shared by the runs (``train(engine=...)``,
@@ -98,6 +100,30 @@ def test_each_is_mode_finishes_and_logs_its_fraction(setup, mode):
 def test_gspo_runs_and_its_ratios_move(setup):
     history, _ = _train(setup, "gspo", grpo={"importance_sampling_level": "sequence", "loss_aggregation": "sequence",
                                              "updates_per_rollout": 2})
+    assert all(0.0 <= row["policy/clip_fraction"] <= 1.0 for row in history)
+    assert any(row["optim/grad_norm"] > 0 for row in history)
+
+
+#: the loss types beyond the default (dapo) and GSPO's grpo, each with a setting that makes its run tell:
+#: bnpo over two micro-batches (else it is dapo), luspo at GSPO's sequence level (its paper's), vespo with a
+#: token IS mode (it refuses sequence ones), sapo with the entropy bonus (the entropy's gradient on a live update)
+LOSS_TYPE_RUNS = {
+    "bnpo": {"train": {"micro_batch_size": 2}},
+    "dr_grpo": {},
+    "cispo": {},
+    "sapo": {"grpo": {"entropy_coef": 0.01}},
+    "luspo": {"grpo": {"importance_sampling_level": "sequence"}},
+    "vespo": {"grpo": {"is_mode": "token_mask"}},
+}
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPE_RUNS))
+def test_each_loss_type_trains(setup, loss_type):
+    over = {k: dict(v) for k, v in LOSS_TYPE_RUNS[loss_type].items()}
+    over.setdefault("grpo", {})["loss_type"] = loss_type
+    history, logger = _train(setup, f"loss_{loss_type}", **over)
+    assert yaml.safe_load(logger.artifacts["config/resolved_config.yaml"])["grpo"]["loss_type"] == loss_type
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in history)
     assert all(0.0 <= row["policy/clip_fraction"] <= 1.0 for row in history)
     assert any(row["optim/grad_norm"] > 0 for row in history)
 

@@ -55,7 +55,7 @@ def bases(tmp_path_factory):
 
 
 def _cfg(fmt: str, *, dtype: str = "bfloat16", train_norms: bool = True, gc: bool = False, rank: int = 4,
-         optim: str = "adamw", seq: int = 40, completion: int = 20) -> QerlConfig:
+         optim: str = "adamw", seq: int = 40, completion: int = 20, entropy_coef: float = 0.0) -> QerlConfig:
     method = {"nvfp4": "qerl", "nf4": "qlora", "bf16": "lora"}[fmt]
     return QerlConfig.model_validate({
         "method": method,
@@ -64,6 +64,7 @@ def _cfg(fmt: str, *, dtype: str = "bfloat16", train_norms: bool = True, gc: boo
         "lora": {"rank": rank, "alpha": 2 * rank, "train_norms": train_norms, "gradient_checkpointing": gc},
         "optim": {"name": optim},
         "rollout": {"max_new_tokens": completion},
+        "grpo": {"entropy_coef": entropy_coef},
     })
 
 
@@ -157,7 +158,7 @@ def test_bitsandbytes_adamw8bit_state_after_one_step(bases):
 
 
 # ----------------------------------------------------------------------------- activations
-def _saved_bytes(policy, b: int, seq: int, completion: int) -> int:
+def _saved_bytes(policy, b: int, seq: int, completion: int, entropy_grad: bool = False) -> int:
     """Bytes of the distinct tensors autograd saves in one forward (parameters and buffers excluded)."""
     own = {t.untyped_storage().data_ptr() for t in [*policy.parameters(), *policy.buffers()]}
     seen: dict[int, int] = {}
@@ -171,7 +172,8 @@ def _saved_bytes(policy, b: int, seq: int, completion: int) -> int:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (b, seq), generator=g)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, _ = completion_logprobs(policy, ids, torch.full((b,), seq - completion), completion, 1.0)
+        logp, _ = completion_logprobs(policy, ids, torch.full((b,), seq - completion), completion, 1.0,
+                                      entropy_grad=entropy_grad)
     assert logp.requires_grad
     return sum(seen.values())
 
@@ -195,6 +197,18 @@ def test_saved_activations_equal_autograds(bases, kind, fmt, dtype, train_norms,
     if gc:  # checkpointing keeps less, and pays one layer's recompute in backward
         full = sizing.activation_bytes(_cfg(fmt, dtype=dtype, train_norms=train_norms, seq=seq, completion=completion), shape, b)
         assert acts["saved"] < full["saved"] and acts["recompute"] == full["per_layer"] + full["rotary"]
+
+
+def test_an_entropy_bonus_saves_the_entropy_for_backward(bases):
+    """grpo.entropy_coef != 0 makes the head's entropy differentiable: one more fp32 per completion token saved."""
+    b, seq, completion = 3, 40, 20
+    plain = _cfg("nvfp4", seq=seq, completion=completion)
+    bonus = _cfg("nvfp4", seq=seq, completion=completion, entropy_coef=0.01)
+    policy, shape = _policy(bases, "llama", "nvfp4", bonus)
+    policy.train()
+    saved = _saved_bytes(policy, b, seq, completion, entropy_grad=True)
+    assert sizing.activation_bytes(bonus, shape, b)["saved"] == saved
+    assert saved - sizing.activation_bytes(plain, shape, b)["saved"] == 4 * b * completion
 
 
 def test_saved_activations_scale_with_the_micro_batch(bases):

@@ -202,3 +202,51 @@ def test_sampling_seeds_are_distinct_and_deterministic():
     # a prompt drawn twice in one step gets two streams; another run seed gives other seeds
     assert len(set(step.sampling_seeds(0, 3, 0, [5, 5]))) == 2
     assert step.sampling_seeds(1, 3, 0, [5]) != step.sampling_seeds(0, 3, 0, [5])
+
+
+def test_every_loss_type_reaches_the_loss_with_its_batch_counts(base_dir, monkeypatch):
+    """grpo.loss_type and its coefficients reach ``grpo.policy_loss`` with the batch's micro-batch count (bnpo's
+    divisor: 4 rows in micro-batches of 2); each type's update runs and moves the adapter (vespo without IS
+    weights: this batch's random rollout log-probs put its sequence weight near 0, as VESPO means them to)."""
+    seen = []
+    real = grpo.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "policy_loss", spy)
+    for loss_type in grpo.LOSS_TYPES:
+        cfg = _cfg(grpo={"loss_type": loss_type, "kl_beta": 0.0, "log_kl_to_base": False, "sapo_temperature_neg": 1.3,
+                         "is_mode": "none" if loss_type == "vespo" else "token_truncate"})
+        policy, params, opt, sched, *_ = _setup(base_dir, cfg)
+        before = [p.detach().clone() for p in params]
+        seen.clear()
+        out = step.policy_update(policy, step.Optim(opt, sched, params), step.Batch(*_batch()), cfg, 0)
+        assert [kw["loss_type"] for kw in seen] == [loss_type] * 2
+        assert all(kw["num_micro_batches"] == 2 and kw["params"] == grpo.LossParams.of(cfg.grpo) for kw in seen)
+        assert seen[0]["params"].sapo_temperature_neg == 1.3
+        assert all(kw["entropy"] is None for kw in seen)  # entropy_coef 0: no entropy gradient is formed
+        assert torch.isfinite(torch.tensor(out["loss"])) and out["optim/grad_norm"] > 0, loss_type
+        assert any(not torch.equal(a, p.detach()) for a, p in zip(before, params)), loss_type
+
+
+def test_entropy_coef_puts_the_entropy_gradient_into_the_update(base_dir, monkeypatch):
+    seen = []
+    real = grpo.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["entropy"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "policy_loss", spy)
+    grads = {}
+    for coef in (0.0, 0.5):
+        cfg = _cfg(grpo={"entropy_coef": coef, "kl_beta": 0.0, "log_kl_to_base": False})
+        torch.manual_seed(0)
+        policy, params, opt, sched, *_ = _setup(base_dir, cfg)
+        out = step.policy_update(policy, step.Optim(opt, sched, params), step.Batch(*_batch()), cfg, 0)
+        grads[coef] = out["optim/grad_norm"]
+    assert seen[:2] == [None, None]
+    assert all(e is not None and e.requires_grad for e in seen[2:])
+    assert grads[0.5] != pytest.approx(grads[0.0], rel=1e-4)

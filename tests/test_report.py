@@ -179,9 +179,18 @@ def test_claims_by_hand(store):
     # a method not run: the claim says which
     no_aqn = {c.id: c for c in C.claims([r for r in runs if r.method != "lora_aqn"])}
     assert no_aqn["c_lora_aqn_ge_lora"].text == "cannot tell: no data for lora_aqn"
+    # seeds that would tell a "cannot tell" difference from 0 at its measured spread (stats.seeds_needed):
+    # differences 0, 0.01 and 0, 0.02 both have s_d / |d| = sqrt(2): t(n-1)/sqrt(n) < 0.70711 first at n = 11
+    # (t(9)/sqrt(10) = 0.71535, t(10)/sqrt(11) = 0.67181); differences 0, 0 have no difference to tell
+    assert [(found[c].seeds_needed, found[c].seeds_note) for c in ("b_qerl_noaqn_ge_lora", "a_qlora_entropy_gt_lora")] == [
+        (11, "11 seeds"), (11, "11 seeds")]
+    assert found["c_lora_aqn_ge_lora"].seeds_note == "none: the measured difference is 0"
+    assert found["b_qerl_ge_qerl_noaqn"].seeds_note == ""  # supported: nothing to estimate
+    assert {c.seeds_note for c in one.values()} == {"needs ≥2 seeds to estimate"}
     metrics, tags = C.claim_metrics(found.values())
     assert metrics["claims/b_qerl_ge_qerl_noaqn/difference"] == pytest.approx(0.155)
     assert metrics["claims/b_qerl_ge_qerl_noaqn/n_seeds"] == 2
+    assert metrics["claims/b_qerl_noaqn_ge_lora/seeds_needed"] == 11 and "claims/b_qerl_ge_qerl_noaqn/seeds_needed" not in metrics
     assert tags["claims.a_qlora_entropy_gt_lora"].startswith("cannot tell")
 
 
@@ -227,6 +236,13 @@ def test_report_files_through_the_catalog(store, tmp_path):
     claims = json.loads(paths["claims.json"].read_text())
     assert len(claims) == 6 and all(c["text"] in page for c in claims)
     assert "supported: difference 0.210, 95% interval [0.083, 0.337], 2 seeds" in paths["claims.csv"].read_text()
+    import pandas as pd
+
+    table = pd.read_csv(paths["claims.csv"]).set_index("claim")
+    assert table.at["b_qerl_noaqn_ge_lora", "seeds_needed"] == 11 and table.at["b_qerl_noaqn_ge_lora", "seeds_needed_note"] == "11 seeds"
+    assert pd.isna(table.at["b_qerl_ge_qerl_noaqn", "seeds_needed"])
+    assert "<th>seeds to tell it from 0</th>" in page and "<td>11 seeds</td>" in page and "t(0.975, n-1)" in page
+    assert next(c for c in claims if c["id"] == "b_qerl_noaqn_ge_lora")["seeds_needed"] == 11
     curves = paths["curves.csv"].read_text().splitlines()
     assert curves[0] == "curve,method,step,mean,ci_low,ci_high,n_seeds" and len(curves) == 1 + 2 * 5 * 5
     assert paths["accuracy_summary.csv"].read_text().startswith("method,policy,benchmark,n_seeds")

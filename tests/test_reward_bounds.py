@@ -102,6 +102,13 @@ def degenerate_completions() -> dict[str, str]:
         "boxed_text_huge": "\\boxed{\\text{" + "z" * 20_000 + "}}",
         "display_unclosed": "The answer is $$" + "1+" * 2000,
         "mixed_soup": ("{(^_\\frac" * 500) + "The answer is " + "}" * 2000,
+        # many boxes read as one answer, "final answer" mentions after a box
+        "boxes_chain_5000": "\\boxed{1}, \\boxed{2}, " * 2500,
+        "boxes_repeat_5000": "\\boxed{7} " * 5000,
+        "boxes_display_env_2000": "$$" + "\\boxed{1}\\qquad\\qquad \\boxed{2}" * 1000 + "$$",
+        "boxes_unclosed_chain": "\\boxed{1" * 3000 + "\\boxed{2}",
+        "final_answer_after_box": "\\boxed{3}" + " final answer" * 50_000,
+        "final_answer_spaces": "\\boxed{3} final answer" + " " * 200_000 + "is 4",
     }
     return out
 
@@ -148,6 +155,7 @@ def test_degenerate_completions_are_rejected_or_bounded():
         "binomial_power_1000": "power_expansion", "surd_power": "power_expansion",
         "function_power": "power_expansion", "integral": "big_operator", "series": "big_operator",
         "letters_400": "length", "matrix_30": "length", "boxed_text_huge": "length", "display_unclosed": "operators",
+        "boxes_chain_5000": "length", "boxes_display_env_2000": "length",
     }
     for name, reason in expect.items():
         assert rejected[name] == reason, (name, rejected[name])

@@ -227,3 +227,19 @@ def test_a_checkpoint_of_the_same_settings_resumes_with_more_steps_or_another_fo
     _checkpoint_with_config(run_dir, 2, before)
     got, latest, moved = trainer.open_run_dir(_cfg(tmp_path, resume=True))
     assert latest == run_dir / "checkpoints" / "step-000002" and moved is None
+
+
+def test_a_checkpoint_older_than_a_setting_resumes_when_the_setting_is_at_its_default(tmp_path):
+    """A checkpoint written before a setting existed lacks its key: at its default that is no change
+    (a new setting's default keeps the old behaviour); set to anything else it is another run."""
+    run_dir = tmp_path / "qerl"
+    folder = _fake_checkpoint(run_dir, 2)
+    saved = trainer.resume_config(_cfg(tmp_path, resume=True))
+    del saved["grpo.entropy_coef"]
+    torch.save({"trainer": {"step": 2, "run_id": "r", "config": saved}}, folder / "state.pt")
+    _, latest, moved = trainer.open_run_dir(_cfg(tmp_path, resume=True))
+    assert latest == folder and moved is None
+    bonus = _cfg(tmp_path, resume=True).model_copy(update={"grpo": _cfg(tmp_path, True).grpo.model_copy(
+        update={"entropy_coef": 0.01})})
+    _, latest, moved = trainer.open_run_dir(bonus)
+    assert latest is None and moved is not None

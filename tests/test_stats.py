@@ -113,3 +113,27 @@ def test_claim_pairs_seeds():
     assert S.claim("c", "z >= y", "z", "y", "auc", {0: float("nan")}, {0: 1.0}).text == "cannot tell: no data for z"
     d = c.as_dict()
     assert d["seeds"] == [0, 1] and d["difference"]["mean"] == pytest.approx(0.21)
+
+
+def test_seeds_needed_by_hand():
+    """Smallest n with t(0.975, n-1) * s_d / sqrt(n) < |d|, the t values from tables."""
+    # d = 0.005, s_d = 0.01/sqrt(2) (differences 0 and 0.01): need t(n-1)/sqrt(n) < 0.70711;
+    # n = 10: t(9) = 2.26216, / sqrt(10) = 0.71535 (no); n = 11: t(10) = 2.22814, / sqrt(11) = 0.67181 (yes)
+    assert S.seeds_needed(0.005, 0.01 / math.sqrt(2)) == 11
+    assert S.seeds_needed(-0.005, 0.01 / math.sqrt(2)) == 11  # the sign does not matter
+    # differences 0.1, -0.05, 0.25: d = 0.1, s_d = 0.15 (squares 0, 0.0225, 0.0225 over 2), need t/sqrt(n) < 2/3:
+    # n = 11: 0.67181 (no); n = 12: t(11) = 2.20099, / sqrt(12) = 0.63537 (yes)
+    c = S.claim("b_x", "x >= y", "x", "y", "auc", {0: 0.1, 1: -0.05, 2: 0.25}, {0: 0.0, 1: 0.0, 2: 0.0})
+    assert c.verdict == "cannot tell" and c.difference.n == 3
+    assert (c.seeds_needed, c.seeds_note) == (12, "12 seeds")
+    assert c.as_dict()["seeds_needed"] == 12
+    # no spread to estimate from, no difference, no data, a verdict already: no number
+    one = S.claim("b_x", "x >= y", "x", "y", "auc", {0: 0.1}, {0: 0.0})
+    assert (one.seeds_needed, one.seeds_note) == (None, "needs ≥2 seeds to estimate")
+    zero = S.claim("b_x", "x >= y", "x", "y", "auc", {0: 0.1, 1: -0.1}, {0: 0.0, 1: 0.0})
+    assert zero.verdict == "cannot tell" and (zero.seeds_needed, zero.seeds_note) == (None, "none: the measured difference is 0")
+    assert S.claim("c", "z >= y", "z", "y", "auc", {}, {0: 1.0}).seeds_note == "n/a: no paired data"
+    told = S.claim("a_x", "x above y", "x", "y", "entropy", {0: 1.2, 1: 1.22}, {0: 1.0, 1: 1.0})
+    assert told.verdict == "supported" and (told.seeds_needed, told.seeds_note) == (None, "")
+    assert S.seeds_needed(0.0, 1.0) is None and S.seeds_needed(1.0, 0.0) == 2
+    assert S.seeds_needed(1e-9, 1.0) is None  # beyond max_n (about 3.8e18 seeds)

@@ -5,19 +5,8 @@ from __future__ import annotations
 import json
 
 import mlflow
-import pytest
 
 from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG, MemoryLogger, MetricsLogger, MlflowLogger, TrainingRun, label_run
-
-
-@pytest.fixture()
-def sqlite_store(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    monkeypatch.chdir(tmp_path)  # the store's default artifact root is ./mlruns: never the checkout's
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    mlflow.set_tracking_uri(uri)
-    yield uri
-    mlflow.set_tracking_uri(None)
 
 
 def _exercise(logger: MetricsLogger):

@@ -39,30 +39,32 @@ PARAMS = "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},op
 ATOL = 1e-7
 #: per-tensor tolerance of the resume comparison, relative to the tensor's largest entry (see the test)
 ADAPTER_TOL = 1e-3
+#: the damaged checkpoint ``resumed`` plants before its resume (a copy of step 2 with state.pt cut short)
+DAMAGED = "{run_dir}/checkpoints/step-000003"
 
 
 def test_reward_hook_from_import_path_or_callable():
     """``train.reward_fn`` / ``train(reward_fn=...)``: loaded, called with samples, rows completed."""
-    from qerl_pipeline.config import QerlConfig
-    from qerl_pipeline.rl import step
+    from qerl_pipeline.config import QerlConfig, load_reward_fn
+    from qerl_pipeline.rewards.functions import make_scorer
 
     for path in (REWARD_FN, REWARD_FN.replace(":", ".")):
-        assert step.load_reward_fn(path) is letter_fraction
+        assert load_reward_fn(path) is letter_fraction
     cfg = QerlConfig.model_validate({"train": {"reward_fn": REWARD_FN}})
-    scorer = step.make_scorer(cfg)
+    scorer = make_scorer(cfg)
     rows = scorer.score(["ab1!", "", "xyz"], ["1", "2", "3"], [None, None, None])
     assert [r["reward"] for r in rows] == [0.5, 0.0, 1.0]
     assert all(r["accuracy"] == 0.0 and r["format"] == 0.0 for r in rows)
     seen = []
-    scorer = step.make_scorer(cfg, lambda c, g, s: seen.append(s) or [0.25] * len(c))  # the argument wins
+    scorer = make_scorer(cfg, lambda c, g, s: seen.append(s) or [0.25] * len(c))  # the argument wins
     assert [r["reward"] for r in scorer.score(["a", "b"], ["1", "2"], ["s1", "s2"])] == [0.25, 0.25]
     assert seen == [["s1", "s2"]]
     with pytest.raises(ValueError, match="2 completions"):
-        step.make_scorer(cfg, lambda c, g, s: [1.0]).score(["a", "b"], ["1", "2"], [])
+        make_scorer(cfg, lambda c, g, s: [1.0]).score(["a", "b"], ["1", "2"], [])
     with pytest.raises(KeyError, match="no 'reward'"):
-        step.make_scorer(cfg, lambda c, g, s: [{"r": 1.0}]).score(["a"], ["1"], [])
-    with pytest.raises(ValueError, match="cannot be imported"):
-        step.load_reward_fn("tests.helpers.rewards:no_such_function")
+        make_scorer(cfg, lambda c, g, s: [{"r": 1.0}]).score(["a"], ["1"], [])
+    with pytest.raises(ValueError, match="has no attribute 'no_such_function'"):
+        load_reward_fn("tests.helpers.rewards:no_such_function")
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +111,9 @@ def reference(project, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def resumed(project, reference, tmp_path_factory) -> tuple[Path, bool, str, str]:
     """A fresh run (``train.resume=false``) over a copy of the reference's finished run folder,
-    SIGKILLed right after its step-2 checkpoint, then started again (``resume: true``):
-    (its output dir, killed before the end, the run id the killed process used, the log)."""
+    SIGKILLed right after its step-2 checkpoint, then started again (``resume: true``) over a
+    newer checkpoint damaged on disk (``DAMAGED``): (its output dir, killed before the end, the
+    run id the killed process used, the log)."""
     from qerl_pipeline.rl import checkpoint as ckpt
 
     out = tmp_path_factory.mktemp("resume") / "out"
@@ -126,6 +129,10 @@ def resumed(project, reference, tmp_path_factory) -> tuple[Path, bool, str, str]
     stop_kedro(proc)  # SIGKILL to kedro and its children in that group
     killed_mid_run = not (run_dir / "final_adapter").exists()
     killed_run_id = ckpt.peek_state(ckpt.find_latest(run_dir))["run_id"]
+    # a newer checkpoint damaged on disk (step 3 is never saved here: checkpoint_every=2): the resume must skip it
+    shutil.copytree(first.parent, DAMAGED.format(run_dir=run_dir))
+    with (Path(DAMAGED.format(run_dir=run_dir)) / "state.pt").open("r+b") as fh:
+        fh.truncate(100)
     log = wait_kedro(_start(project, out), _log(out), timeout=420).stdout
     return out, killed_mid_run, killed_run_id, log
 
@@ -202,6 +209,11 @@ def test_resume_after_sigkill_continues_the_same_mlflow_run(reference, resumed, 
     run = _run_for(client, out)
     assert killed_run_id and run.info.run_id == killed_run_id  # the resumed run went on in the same MLflow run
     assert run.data.tags.get("qerl.resumed_at_step") == "2"
+    # the damaged step-3 checkpoint was named, skipped for step 2 and kept aside
+    damaged = Path(DAMAGED.format(run_dir=out / "qerl"))
+    assert f"{damaged / 'state.pt'}: size mismatch: 100 bytes" in _log(out).read_text()
+    assert f"{damaged / 'state.pt'}: size mismatch" in run.data.tags["qerl.resume_fallback"]
+    assert (damaged.with_name("step-000003.damaged") / "state.pt").stat().st_size == 100 and not damaged.exists()
     assert run.info.status == "FINISHED"
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean"))
     assert steps == list(range(1, STEPS + 1))  # one run: steps before and after the kill
@@ -311,6 +323,7 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(project, reference, track
     from qerl_pipeline.config import QerlConfig
     from qerl_pipeline.rl import checkpoint as ckpt
     from qerl_pipeline.rl import trainer
+    from qerl_pipeline.rl.step import TrainingDiverged
     from qerl_pipeline.tracking import MlflowLogger
 
     mlflow.set_tracking_uri(tracking)
@@ -341,7 +354,7 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(project, reference, track
         return loggers[-1]
 
     try:
-        with pytest.raises(trainer.TrainingDiverged, match=r"at step 3\b"):
+        with pytest.raises(TrainingDiverged, match=r"at step 3\b"):
             trainer.train(cfg, base, records, make_logger=make_logger, progress=False, reward_fn=nan_at_step_3)
     finally:
         if mlflow.active_run() is not None:

@@ -12,12 +12,20 @@ also be used outside Kedro.
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 from omegaconf.resolvers import oc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,95 @@ class SourceConfig(Section):
     limit: int | None = Field(None, gt=0, description="Keep at most this many rows (deterministic: first N after the seeded shuffle).")
 
 
+#: File formats of a user set (``UserSetConfig.format``) by file suffix; a folder is ``hf_disk``.
+USER_SET_SUFFIXES: dict[str, str] = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+
+
+class UserSetConfig(Section):
+    """A data set of the user's own (``data.train_file``, ``data.eval_files.<name>``), read through a column mapping.
+
+    Where it comes from: ``path`` (a JSONL, CSV or Parquet file, or a folder written by
+    ``datasets.Dataset.save_to_disk``) or ``hub_id`` (``datasets.load_dataset``). Which columns
+    hold what: ``question`` (text) or ``prompt`` (chat messages), ``answer``, optional ``id`` and
+    ``level``. Rows are validated as the built-in sets' are (``data.on_bad_row``; a bad row is
+    named by file and 1-based line, or row for Parquet, folders and the Hub).
+    """
+
+    path: str | None = Field(
+        None, description="A .jsonl (JSON Lines; .json too), .csv (header line) or .parquet file, or a folder saved by "
+        "datasets' save_to_disk (a Dataset, or a DatasetDict whose `split` is read). Relative paths are taken from the "
+        "working directory, the project root under `kedro run`. Give path or hub_id.",
+    )
+    hub_id: str | None = Field(
+        None, description="A Hub dataset id, read with datasets.load_dataset(hub_id, hub_config, split=split). Give path "
+        "or hub_id.",
+    )
+    hub_config: str | None = Field(None, description="The Hub dataset's config name, if it has several.")
+    split: str = Field("train", description="The split of a Hub set or of a saved DatasetDict folder.")
+    format: Literal["auto", "jsonl", "csv", "parquet", "hf_disk"] = Field(
+        "auto", description="How `path` is read. auto: by its suffix (.jsonl/.json, .csv, .parquet), a folder as hf_disk.",
+    )
+    question: str | None = Field(
+        None, description="Column of the question text (the user turn, built as the built-in sets' prompts are: "
+        "data.system_prompt, data.prompt_style); None = 'question' unless `prompt` is given.",
+    )
+    prompt: str | None = Field(
+        None, description="Column of a chat-format prompt instead of `question`: a list of {role, content} messages "
+        "(a JSON string in a CSV cell), sent as it is (TRL's conversational prompt): data.system_prompt and "
+        "prompt_style do not apply; its last message must be the user's.",
+    )
+    answer: str = Field("answer", description="Column of the gold answer; math-verify must parse it (else the row is "
+                        "malformed: never trained on or scored).")
+    id: str | None = Field(None, description="Column of a row id (unique); None = `<name>-line<N>` / `<name>-row<N>`.")
+    level: str | None = Field(None, description="Column of a difficulty level (an integer, or text such as 'Level 3').")
+    levels: list[int] | None = Field(None, description="Keep only rows of these levels (needs `level`); None = all.")
+    limit: int | None = Field(None, gt=0, description="Keep at most this many rows (first N after the seeded shuffle).")
+
+    @model_validator(mode="after")
+    def _one_place_one_prompt(self) -> UserSetConfig:
+        if (self.path is None) == (self.hub_id is None):
+            raise ValueError("give exactly one of path (a file or a saved dataset folder) and hub_id (a Hub dataset id)"
+                             f", got path={self.path!r}, hub_id={self.hub_id!r}")
+        if self.prompt is not None and self.question is not None:
+            raise ValueError(f"give the question column or the prompt column, not both (question={self.question!r}, "
+                             f"prompt={self.prompt!r})")
+        if self.levels and self.level is None:
+            raise ValueError(f"levels {self.levels} needs the level column (level: <column name>)")
+        if self.hub_id is not None and self.format != "auto":
+            raise ValueError(f"format {self.format!r} applies to path; a Hub set (hub_id) is read by datasets.load_dataset")
+        return self
+
+    def file_format(self) -> str | None:
+        """How ``path`` is read (``format``, else by its suffix; a folder: hf_disk); None for a Hub set."""
+        if self.path is None:
+            return None
+        if self.format != "auto":
+            return self.format
+        path = Path(self.path).expanduser()
+        return "hf_disk" if path.is_dir() else USER_SET_SUFFIXES.get(path.suffix.lower())
+
+    def columns(self) -> dict[str, str]:
+        """The mapping ``{field: column}`` of the columns this set reads (``prompt`` replaces ``question``)."""
+        text = {"prompt": self.prompt} if self.prompt is not None else {"question": self.question or "question"}
+        optional = {k: v for k, v in (("id", self.id), ("level", self.level)) if v is not None}
+        return {**text, "answer": self.answer, **optional}
+
+    def where_problem(self) -> str | None:
+        """Why ``path`` cannot be read (missing, unknown suffix), or None (a Hub set: checked when read)."""
+        if self.path is None:
+            return None
+        path = Path(self.path).expanduser()
+        if not path.exists():
+            return f"path: no file or folder at {self.path!r} (relative paths are taken from {Path.cwd()})"
+        fmt = self.file_format()
+        if fmt is None:
+            return (f"format: cannot tell how to read {self.path!r} from its suffix {path.suffix!r}; name it .jsonl, "
+                    ".csv or .parquet, or set format: jsonl | csv | parquet | hf_disk")
+        if (fmt == "hf_disk") != path.is_dir():
+            return f"format: {fmt} {'needs a folder' if fmt == 'hf_disk' else 'needs a file'}, {self.path!r} is not one"
+        return None
+
+
 class GeneratorConfig(Section):
     """The built-in generator of verifiable arithmetic word problems (the offline default)."""
 
@@ -159,13 +256,23 @@ class GeneratorConfig(Section):
 class DataConfig(Section):
     """data_prep: which sets to read and how prompts are built."""
 
-    train_source: Literal["generator", "gsm8k", "bigmath"] = Field(
-        "generator", description="Training set: the generator's train split, or `sources.<name>_train` when that key "
-        "exists (gsm8k_train: GSM8K's train split), else `sources.<name>`."
+    train_source: Literal["generator", "gsm8k", "bigmath", "file"] = Field(
+        "generator", description="Training set: the generator's train split; gsm8k/bigmath: `sources.<name>_train` when "
+        "that key exists (gsm8k_train: GSM8K's train split), else `sources.<name>`; file: the user's set `train_file`."
+    )
+    train_file: UserSetConfig | None = Field(
+        None, description="The user's training set for train_source: file (a file, a saved dataset folder or a Hub id, "
+        "and its column names): `--params data.train_source=file,data.train_file.path=my.jsonl,"
+        "data.train_file.question=problem,data.train_file.answer=solution`.",
     )
     eval_sources: list[str] = Field(
         default_factory=lambda: ["generator", "gsm8k", "math500", "aime24", "amc23"],
         description="Evaluation sets, keys of `sources` or 'generator' (its held-out split).",
+    )
+    eval_files: dict[str, UserSetConfig] = Field(
+        default_factory=dict,
+        description="The user's evaluation sets, by name (as train_file; e.g. `data.eval_files.mine.path=my_eval.jsonl`): "
+        "prepared after eval_sources under that name, and evaluated beside evaluate.benchmarks.",
     )
     sources: dict[str, SourceConfig] = Field(default_factory=dict, description="Per-source settings, by name.")
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
@@ -180,6 +287,30 @@ class DataConfig(Section):
         "it with a warning naming the source and why (listed in the data report). The training source always fails."
     )
     seed: int = Field(42, description="Seed of shuffles and splits.")
+
+    @model_validator(mode="after")
+    def _user_sets(self) -> DataConfig:
+        if self.train_source == "file":
+            if self.train_file is None:
+                raise ValueError("train_file: data.train_source is 'file' but data.train_file is not set (e.g. "
+                                 "data.train_file.path=my.jsonl,data.train_file.question=problem,data.train_file.answer=solution)")
+            problem = self.train_file.where_problem()
+            if problem:
+                raise ValueError(f"train_file.{problem}")
+        for name, user_set in self.eval_files.items():
+            if name == "generator" or name in self.eval_sources or name in self.sources:
+                raise ValueError(f"eval_files.{name}: the name {name!r} is a built-in set's (data.eval_sources, "
+                                 "data.sources, generator); give the user's set a name of its own")
+            problem = user_set.where_problem()
+            if problem:
+                raise ValueError(f"eval_files.{name}.{problem}")
+        return self
+
+    def user_sets(self) -> dict[str, tuple[str, UserSetConfig]]:
+        """The user's sets in use, by field: ``{"data.train_file": ("file", cfg), "data.eval_files.<n>": (n, cfg)}``."""
+        out = {"data.train_file": ("file", self.train_file)} if self.train_source == "file" and self.train_file else {}
+        out.update({f"data.eval_files.{n}": (n, c) for n, c in self.eval_files.items()})
+        return out
 
 
 class RewardConfig(Section):
@@ -227,6 +358,15 @@ class QuantizeConfig(Section):
         False,
         description="Re-quantize even when the base folder already holds a base with the same fingerprint (model "
         "identity and revision, these quantize settings, serving dtype, codec version). false = reuse it and say so.",
+    )
+    verify: Literal["requantize", "fail", "sizes"] = Field(
+        "requantize",
+        description="How a stored base is checked before reuse (quantization/store.py). requantize: every file's size "
+        "and sha256 against the base's stamp (a full read: well under a second for a 135M model, seconds for a 7B "
+        "one); a damaged base is re-quantized and the log names the file. fail: the same check, but a damaged base "
+        "stops the run naming the file (quantize.force still rewrites it). sizes: sizes only, no hashing (misses damage "
+        "at the same size). A base whose stamp holds no hashes (written by an older version) is re-quantized once "
+        "under requantize and fail, reused by its sizes under sizes.",
     )
 
 
@@ -341,19 +481,83 @@ class OverlongConfig(Section):
     penalty: float = Field(1.0, ge=0, description="Penalty at the cap (linear ramp across the buffer).")
 
 
+#: the loss types ``loss_aggregation`` (the older field) can name, and the reduction each shares with it
+LOSS_TYPE_OF_AGGREGATION = {"sequence": "grpo", "token": "dapo", "dr_grpo": "dr_grpo"}
+AGGREGATION_OF_LOSS_TYPE = {"grpo": "sequence", "sapo": "sequence", "dapo": "token", "cispo": "token", "vespo": "token",
+                            "dr_grpo": "dr_grpo"}
+
+
 class GRPOConfig(Section):
-    """Loss and advantages (GRPO, DAPO, Dr. GRPO)."""
+    """Loss and advantages: TRL 1.16's loss types (GRPO, BNPO, Dr. GRPO, DAPO, CISPO, SAPO, LUSPO, VESPO)."""
 
     num_generations: int = Field(8, ge=2, description="Group size G: samples per prompt (>= 2 for a group baseline).")
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group", description="Divide (r - group mean) by the group's std, the batch's std, or nothing (Dr. GRPO)."
     )
     advantage_eps: float = Field(1e-4, gt=0, description="eps in (r - mean) / (std + eps).")
-    loss_aggregation: Literal["sequence", "token", "dr_grpo"] = Field(
-        "token", description="sequence: mean over tokens then sequences (GRPO); token: mean over all tokens (DAPO/BNPO); dr_grpo: sum / (batch * max_new_tokens)."
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] | None = Field(
+        None,
+        description="The policy loss, by TRL 1.16's loss_type names (rl/grpo.py; each checked against TRL's own "
+        "_compute_loss, value and gradient, micro-batched: tests/test_trl_oracle.py). "
+        "grpo: clipped surrogate, mean over each sequence's tokens then over sequences (DeepSeekMath, arXiv 2402.03300; "
+        "short correct / long wrong answers weigh more). "
+        "bnpo: clipped surrogate, token mean of each micro-batch (train.micro_batch_size sequences), averaged over the "
+        "micro-batches (TRL's bnpo; dapo when the batch is one micro-batch). "
+        "dr_grpo: clipped surrogate, token sum / (sequences * rollout.max_new_tokens) (Dr. GRPO, arXiv 2503.20783). "
+        "dapo: clipped surrogate, token sum / the whole batch's tokens (DAPO, arXiv 2503.14476; TRL's default). "
+        "cispo: -sg(min(ratio, cispo_clip_max)) A logp, the ratio clipped as a detached weight so clipped tokens keep "
+        "their gradient, dapo's normaliser (MiniMax-M1, arXiv 2506.13585; ScaleRL, arXiv 2510.13786). "
+        "sapo: a soft, temperature-controlled gate -(4/tau) sigmoid(tau (ratio - 1)) A instead of the clip "
+        "(sapo_temperature_pos/neg), grpo's normaliser (SAPO, arXiv 2511.20347). "
+        "luspo: GSPO with each sequence's loss scaled by its length: clipped surrogate summed over each sequence's "
+        "tokens, mean over sequences (LUSPO, arXiv 2602.05261; meant for importance_sampling_level sequence, warned "
+        "otherwise as TRL). "
+        "vespo: -sg(phi(w)) A logp with the Gamma weight phi(w) = exp(lambda) w^k exp(-lambda w) of the sequence ratio w "
+        "(times the token IS weights, which then do not multiply the loss), dapo's normaliser (VESPO, arXiv 2602.10693; "
+        "vespo_k_*/vespo_lambda_*; is_mode must be token_truncate, token_mask or none, as TRL). "
+        "clip_eps_low/high apply to grpo, bnpo, dr_grpo, dapo and luspo only. Warned as TRL: importance_sampling_level "
+        "sequence with bnpo, dr_grpo, dapo or cispo (long sequences weigh more), vespo with level sequence. "
+        "null = from loss_aggregation (token -> dapo, the default). Deviations from TRL: with a micro-batch smaller "
+        "than the others (the batch does not split evenly) grpo/sapo/luspo/dr_grpo average over the batch's sequences "
+        "(TRL's micro-batches are all equal); top_entropy_quantile's threshold is the whole batch's (TRL's: each "
+        "micro-batch's); CISPO's bound is its own field (TRL reuses epsilon_high for it).",
+    )
+    loss_aggregation: Literal["sequence", "token", "dr_grpo"] | None = Field(
+        None,
+        description="The older name of the loss's reduction, still read: sequence = loss_type grpo, token = dapo "
+        "(whole-batch token mean; not bnpo, which is per micro-batch), dr_grpo = dr_grpo. With loss_type set too, "
+        "it must name loss_type's reduction (sequence: grpo, sapo; token: dapo, cispo, vespo; dr_grpo: dr_grpo; "
+        "bnpo and luspo have none), else the config is refused. null = decided by loss_type.",
     )
     clip_eps_low: float = Field(0.2, ge=0, description="Lower clip of the ratio: 1 - eps_low.")
     clip_eps_high: float = Field(0.28, ge=0, description="Upper clip of the ratio: 1 + eps_high (DAPO clip-higher).")
+    cispo_clip_max: float = Field(
+        5.0, gt=0,
+        description="loss_type cispo: upper bound of the detached ratio weight min(ratio, cispo_clip_max) (ScaleRL's "
+        "epsilon_max, recommended 5.0 there; MiniMax-M1's 1 + eps_high^IS). TRL reads epsilon_high as this bound "
+        "under cispo; ours is a field of its own, so clip_eps_high keeps meaning 1 + eps whatever the loss type.",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="loss_type sapo: gate temperature tau for tokens with positive advantage (SAPO; TRL's default)."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="loss_type sapo: gate temperature tau for tokens with advantage <= 0 (SAPO; TRL's default)."
+    )
+    vespo_k_pos: float = Field(
+        2.0, ge=0, description="loss_type vespo: exponent k of phi(w) for advantage >= 0 (how hard w < 1 is down-weighted)."
+    )
+    vespo_lambda_pos: float = Field(
+        3.0, gt=0, description="loss_type vespo: decay lambda of phi(w) for advantage >= 0 (how hard w > 1 is down-weighted)."
+    )
+    vespo_k_neg: float = Field(3.0, ge=0, description="loss_type vespo: exponent k of phi(w) for advantage < 0.")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="loss_type vespo: decay lambda of phi(w) for advantage < 0.")
+    entropy_coef: float = Field(
+        0.0,
+        description="Entropy bonus: the loss minus entropy_coef times the mean policy entropy of the real tokens "
+        "(those selected by top_entropy_quantile when < 1), taken per micro-batch and averaged over the micro-batches, "
+        "the same for every loss type (TRL 1.16's entropy_coef; negative = an entropy penalty). 0 = off (no gradient "
+        "through the entropy is formed). TRL's adaptive control (use_adaptive_entropy, Skywork-OR1) is not offered.",
+    )
     kl_beta: float = Field(0.0, ge=0, description="Weight of KL to the base (the base without LoRA is the reference).")
     log_kl_to_base: bool = Field(
         True, description="Log the KL to the base even when kl_beta is 0 (one extra no-grad forward on the steps of "
@@ -386,8 +590,8 @@ class GRPOConfig(Section):
         "token",
         description="Level of the clipped policy ratio pi_theta/pi_old: token (PPO/GRPO/DAPO) or sequence (GSPO, "
         "Zheng et al. 2025: exp of the mean token log-ratio, one per sequence, clipped as a whole; TRL's "
-        "importance_sampling_level). GSPO's runs pair it with clip ranges of ~3e-4/4e-4 and loss_aggregation "
-        "'sequence' (then the loss is exactly GSPO's).",
+        "importance_sampling_level). GSPO's runs pair it with clip ranges of ~3e-4/4e-4 and loss_type grpo "
+        "(then the loss is exactly GSPO's).",
     )
     kl_bias_correction: bool = Field(
         False,
@@ -418,6 +622,43 @@ class GRPOConfig(Section):
                 raise ValueError("tis_cap is the old name of is_cap (with is_mode token_truncate): give is_mode/is_cap only")
             data["is_mode"], data["is_cap"] = ("none", 2.0) if cap is None else ("token_truncate", cap)
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_type_from_aggregation(cls, data: Any) -> Any:
+        """``loss_type`` null: the loss type ``loss_aggregation`` names (dapo when that is null too)."""
+        if isinstance(data, dict) and data.get("loss_type") is None:
+            agg = data.get("loss_aggregation")
+            data = {**data, "loss_type": LOSS_TYPE_OF_AGGREGATION.get(agg, "dapo") if isinstance(agg, str) else "dapo"}
+        return data
+
+    @model_validator(mode="after")
+    def _loss_type_rules(self) -> GRPOConfig:
+        """loss_aggregation agrees with loss_type; TRL 1.16's refusal (vespo with a sequence IS mode) and its warnings."""
+        agg = self.loss_aggregation
+        if agg is not None and AGGREGATION_OF_LOSS_TYPE.get(self.loss_type) != agg:
+            own = AGGREGATION_OF_LOSS_TYPE.get(self.loss_type)
+            raise ValueError(
+                f"grpo.loss_type {self.loss_type!r} and grpo.loss_aggregation {agg!r} disagree: {self.loss_type} reduces "
+                f"{'by ' + repr(own) if own else 'in a way loss_aggregation cannot name'}; give loss_type only "
+                f"(grpo.loss_aggregation: null; {agg!r} alone means loss_type {LOSS_TYPE_OF_AGGREGATION[agg]!r})"
+            )
+        if self.loss_type == "vespo" and self.is_mode not in ("token_truncate", "token_mask", "none"):
+            raise ValueError(
+                f"grpo.loss_type vespo folds the token importance weights into its sequence weight: grpo.is_mode must be "
+                f"token_truncate, token_mask or none, got {self.is_mode!r} (TRL 1.16 refuses the same)"
+            )
+        level = self.importance_sampling_level
+        if self.loss_type == "luspo" and level != "sequence":
+            _log.warning("grpo.loss_type luspo is meant for importance_sampling_level 'sequence' (the LUSPO paper's "
+                         "setup), got %r", level)
+        if self.loss_type == "vespo" and level != "token":
+            _log.warning("grpo.loss_type vespo computes its sequence weight itself: importance_sampling_level should be "
+                         "'token' (it only changes the KL's bias correction here), got %r", level)
+        if level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            _log.warning("grpo.importance_sampling_level 'sequence' with loss_type %r sums per-token terms, so each "
+                         "sequence weighs by its length; GSPO's own objective is loss_type 'grpo'", self.loss_type)
+        return self
 
     @model_validator(mode="after")
     def _is_bounds(self) -> GRPOConfig:
@@ -472,6 +713,46 @@ class OptimConfig(Section):
         return self
 
 
+#: The built-in math reward (math-verify accuracy + format, ``reward.*``) as an entry of a ``train.reward_fn`` list.
+MATH_REWARD = "math"
+
+
+def load_reward_fn(path: str) -> Callable[..., Any]:
+    """The function at ``"package.module:function"`` (or ``"package.module.function"``), checked to be
+    callable as ``f(completions, golds, samples)``; a ValueError says what is wrong with ``path``."""
+    module, sep, name = path.partition(":")
+    if not sep:
+        module, _, name = path.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"{path!r}: expected an import path 'package.module:function' (or {MATH_REWARD!r}, the math reward)")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ValueError(f"{path!r} cannot be imported: {type(exc).__name__}: {exc}") from None
+    except AttributeError:
+        raise ValueError(f"{path!r}: module {module!r} has no attribute {name!r}") from None
+    if not callable(fn):
+        raise ValueError(f"{path!r} is not callable: it is {type(fn).__name__} {fn!r:.40}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none: called as they are
+        return fn
+    try:
+        signature.bind([], [], [])
+    except TypeError as exc:
+        raise ValueError(f"{path!r} takes {signature}, so it cannot be called as f(completions, golds, samples): "
+                         f"{exc}") from None
+    return fn
+
+
+def reward_name(path: str) -> str:
+    """The name a reward entry is logged under: 'math', or the function's ``__name__`` (loaded and checked)."""
+    if path == MATH_REWARD:
+        return MATH_REWARD
+    fn = load_reward_fn(path)
+    return str(getattr(fn, "__name__", None) or path.replace(":", ".").rpartition(".")[2])
+
+
 class TrainConfig(Section):
     """Run control of the training loop."""
 
@@ -511,13 +792,69 @@ class TrainConfig(Section):
     node_rank: int = Field(0, ge=0, description="This node's index in a multi-node run (0 writes MLflow and files).")
     master_addr: str = Field("127.0.0.1", description="Rendezvous host of a multi-node run (node 0's address).")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port of a multi-node run.")
-    reward_fn: str | None = Field(
+    reward_fn: str | list[str] | None = Field(
         None,
-        description="Custom reward instead of the math reward (the library hook, as TRL's reward_funcs): an import "
-        "path 'package.module:function' (or 'package.module.function') of f(completions: list[str], golds: list[str], "
-        "samples) -> list[dict] with at least 'reward' (optional 'accuracy', 'format'), one per completion, like "
-        "RewardScorer.score; samples are the rollout Samples (token ids, log-probs). None = RewardScorer(reward).",
+        description="The reward, as TRL's reward_funcs. None: the math reward (math-verify accuracy + format, `reward.*`). "
+        "One import path 'package.module:function' (or 'package.module.function'): that function instead of the math "
+        "reward. A list: the weighted sum of its entries (weights: reward_weights), where 'math' names the built-in "
+        "math reward, e.g. [math, my_rewards:brevity]. A function is f(completions: list[str], golds: list[str], "
+        "samples) -> one float or dict per completion (a dict has 'reward', optional 'accuracy' and 'format', like "
+        "RewardScorer.score); samples are the rollout Samples (token ids, log-probs). Each path is imported and its "
+        "signature checked at validation, before any model loads. Every entry of a list is logged per step as "
+        "`rewards/<name>/mean` (name: 'math' or the function's __name__, as TRL's `rewards/<func>/mean`), their "
+        "weighted sum as `reward/mean`; `reward/accuracy` and `reward/format` are the math entry's (without one: the "
+        "first entry that returns them, else 0).",
     )
+    reward_weights: list[float] | None = Field(
+        None,
+        description="Weight of each reward_fn entry, in order (TRL's reward_weights); None = 1.0 each. Any finite "
+        "number; a list in an env's parameters.yml (`kedro run --params` splits on commas).",
+    )
+
+    @field_validator("reward_fn")
+    @classmethod
+    def _reward_fns_load(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list; null is the math reward alone, [math, <path>] adds a function to it")
+            names: dict[str, str] = {}
+            for path in value:
+                name = reward_name(path)
+                if name in names:
+                    raise ValueError(f"entries {names[name]!r} and {path!r} are both named {name!r} (the name each is "
+                                     "logged under, rewards/<name>/mean): give the functions distinct names")
+                names[name] = path
+        elif value is not None:
+            reward_name(value)
+        return value
+
+    @model_validator(mode="after")
+    def _reward_weights_match(self) -> TrainConfig:
+        weights = self.reward_weights
+        if weights is None:
+            return self
+        if not isinstance(self.reward_fn, list):
+            raise ValueError(f"reward_weights {weights} goes with a reward_fn list (e.g. [math, my_rewards:brevity]), "
+                             f"got reward_fn {self.reward_fn!r}")
+        paths = self.reward_paths()
+        if len(weights) != len(paths):
+            raise ValueError(f"reward_weights: {len(weights)} weight(s) for {len(paths)} reward function(s) "
+                             f"({', '.join(paths)}); give one weight per reward_fn entry")
+        bad = [w for w in weights if not math.isfinite(w)]
+        if bad:
+            raise ValueError(f"reward_weights: every weight must be a finite number, got {bad}")
+        return self
+
+    def reward_paths(self) -> list[str]:
+        """``reward_fn`` as a list (``[math]`` when it is None)."""
+        value = self.reward_fn
+        return [MATH_REWARD] if value is None else [value] if isinstance(value, str) else list(value)
+
+    def reward_components(self) -> list[tuple[str, str, float]]:
+        """``(name, import path or 'math', weight)`` of each reward entry, in order."""
+        paths = self.reward_paths()
+        weights = self.reward_weights or [1.0] * len(paths)
+        return [(reward_name(p), p, float(w)) for p, w in zip(paths, weights, strict=True)]
 
 
 # ----------------------------------------------------------------- evaluate/compare
@@ -560,9 +897,12 @@ class _CompareSettings(Section):
     """
 
     methods: list[Method] = Field(
-        default_factory=lambda: list(METHODS),
-        description="Methods in the report, in this order (every branch still runs in `kedro run --pipelines=compare`; "
-        "run a subset with `--namespaces=compare.<method>,...`).",
+        default_factory=lambda: list(METHODS), min_length=1,
+        description="Methods the compare trains, evaluates and reports, in this order. Every branch is in the pipeline "
+        "(Kedro builds it before parameters are known); the branch of a method not listed trains and evaluates "
+        "nothing: its nodes log `compare.<method>: not in compare.methods, skipped` and write a `skipped` marker "
+        "(pipelines/compare/pipeline.py). On the command line: `--params compare.methods=[lora]`, or several as one "
+        "space-separated string, `--params \"compare.methods=qerl lora\"` (`kedro run --params` splits on commas).",
     )
     reuse_group: str | None = Field(
         None, description="compare_report pipeline only: the compare run id whose branch runs to report; None = the "
@@ -576,9 +916,17 @@ class _CompareSettings(Section):
         "A seed sets train.seed (data order, dropout, torch), rollout.seed (sampling) and aqn.seed (noise draws) of "
         "its training; the base model, the data and evaluate.seed stay as configured, so seeds differ only in the "
         "training's randomness. The report gives means and 95% intervals over them (evaluation/stats.py); with one "
-        "seed every claim reads 'cannot tell'. The paper reports single runs per method. `kedro run --params` splits its value on commas, so give a list in an env's parameters.yml "
-        "(conf/smoke sets [0, 1]) or a `kedro run --config` file.",
+        "seed every claim reads 'cannot tell'. The paper reports single runs per method. `kedro run --params` splits its value on "
+        "commas, so give a list in an env's parameters.yml (conf/smoke sets [0, 1]), as one space-separated string "
+        "(`--params \"compare.seeds=0 1 2\"`) or in a `kedro run --config` file.",
     )
+
+    @field_validator("methods", "seeds", mode="before")
+    @classmethod
+    def _space_separated(cls, value: Any) -> Any:
+        """A list given as one string of space-separated items (``--params "compare.seeds=0 1 2"``) as that list."""
+        return value.split() if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _branches_are_their_methods(self) -> _CompareSettings:
         for name in METHODS:
@@ -587,6 +935,8 @@ class _CompareSettings(Section):
                 raise ValueError(f"{name}.method: the branch compare.{name} trains {name!r}, got {got!r}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds: each seed once, got {self.seeds}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods: each method once, got {self.methods}")
         return self
 
 
@@ -595,6 +945,24 @@ CompareConfig = create_model(
     **{m: (CompareBranch, Field(default_factory=partial(CompareBranch, method=m), description=f"The {m} branch "
                                 f"(Kedro namespace compare.{m}).")) for m in METHODS},
 )
+
+#: The key a compare branch's ``train_summary`` and ``eval_result`` hold (the sentence it logged) when
+#: ``compare.methods`` leaves its method out and it trained and evaluated nothing (``compare_branch``).
+SKIPPED_BRANCH = "skipped"
+
+
+def compare_branch(method: str, methods: Any = None, seeds: Any = None) -> tuple[list[int] | None, str]:
+    """What the compare branch of ``method`` does: ``(seeds, skipped)``.
+
+    ``methods``, ``seeds``: the raw ``compare.methods`` and ``compare.seeds`` parameters (None: not given), validated
+    as ``CompareConfig`` validates them (a space-separated string is a list). ``seeds``: the list, None when not
+    given. ``skipped``: "compare.<method>: not in compare.methods, skipped" when ``methods`` leaves ``method`` out
+    (the branch's nodes then log it, train and evaluate nothing and return a ``SKIPPED_BRANCH`` marker), else "".
+    """
+    given = {k: v for k, v in (("methods", methods), ("seeds", seeds)) if v is not None}
+    cc = validate(given, CompareConfig, prefix="compare")
+    skipped = "" if method in cc.methods else f"compare.{method}: not in compare.methods, skipped"
+    return (cc.seeds if seeds is not None else None), skipped
 
 
 class BenchmarkConfig(Section):

@@ -1,7 +1,8 @@
 """Project hooks: validate every parameter before any node runs, and say what is wrong briefly.
 
 Design. ``ValidateConfigHook.before_pipeline_run`` validates the whole parameter tree
-(``config.validate``, the one home of the schema's error lines) and the AQN noise precision,
+(``config.validate``, the one home of the schema's error lines), the AQN noise precision and
+the columns of the user's data sets (``data.user_sets.column_problems``),
 ``tryfirst`` so that it runs before kedro-mlflow's hook: a bad config starts no MLflow run
 and loads no model. A ``ConfigError`` leaves the hook as a ``ParameterError``: still a
 ``ConfigError`` (callers and tests that catch that keep working), and also a
@@ -11,18 +12,40 @@ prints for anything else. So ``kedro run`` (and ``python -m qerl_pipeline``) sho
 parameter in a few lines, while every other exception, a real bug, keeps its full traceback.
 ``config_error_message`` composes those lines: the field by dotted path, the value given,
 what is allowed (for a misspelt key: the keys its section has), and where parameters live.
+
+Settings that pass alone but not together across sections (``cross_field_errors``) are checked
+here, on the whole tree, and only for the nodes the run has: a node validates just its own
+sections (their defaults would stand in for the rest), so these checks cannot live in
+``QerlConfig``.
+
+The tracking store is tried in ``after_context_created``, ``tryfirst`` so before kedro-mlflow's
+(which connects to the store there, and retries an unreachable server for minutes):
+``tracking.check_store`` gives a one-line ``TrackingStoreUnusable`` within seconds.
+
+``RunStatusHook`` makes the MLflow run of a ``kedro run`` say how it ended. Kedro calls no hook
+for a ``KeyboardInterrupt`` and MLflow's exit handler closes the active run as FINISHED, so
+during the run SIGINT and SIGTERM raise ``tracking.Interrupted`` (a KeyboardInterrupt naming
+the signal: every ``finally`` runs, the engines close), and an exit handler, which runs before
+MLflow's, ends the run KILLED with the signal and the last completed node. An error reaches
+``on_pipeline_error``: the run is tagged with its one-line summary and kedro-mlflow ends it FAILED.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import re
+import signal
+import threading
 
 import click
 from kedro.framework.hooks import hook_impl
 from pydantic import BaseModel
 
+from qerl_pipeline import tracking
 from qerl_pipeline.config import ConfigError, QerlConfig, validate
+from qerl_pipeline.data.user_sets import column_problems
 from qerl_pipeline.platform import current_platform
 
 log = logging.getLogger(__name__)
@@ -72,6 +95,79 @@ class ParameterError(ConfigError, click.ClickException):
         click.ClickException.__init__(self, config_error_message(err))
 
 
+class TrackingStoreUnusable(click.ClickException):
+    """The tracking store cannot be used: printed by the Kedro CLI as one ``Error:`` line, exit code 1."""
+
+    def __init__(self, err: tracking.TrackingStoreError) -> None:
+        super().__init__(f"{err} (nothing ran; set MLFLOW_TRACKING_URI, or server.mlflow_tracking_uri in "
+                         f"conf/local/mlflow.yml)")
+
+
+def tracking_uri(context) -> str | None:
+    """The tracking URI kedro-mlflow will use for ``context`` (its ``mlflow.yml``, else MLFLOW_TRACKING_URI, else
+    ``mlruns``); None when a run is already active (an orchestrator's: kedro-mlflow then uses its store) or the
+    context has no config loader."""
+    import mlflow
+    from kedro.config import MissingConfigException
+
+    loader = getattr(context, "config_loader", None)
+    if loader is None or mlflow.active_run() is not None:
+        return None
+    if "mlflow" not in loader.config_patterns:  # the patterns kedro-mlflow registers, if it has not yet
+        loader.config_patterns.update({"mlflow": ["mlflow*", "mlflow*/**", "**/mlflow*"]})
+    try:
+        server = (loader["mlflow"] or {}).get("server") or {}
+    except MissingConfigException:
+        server = {}
+    return server.get("mlflow_tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI", "mlruns")
+
+
+def cross_field_errors(cfg: QerlConfig, nodes: set[str] | None = None) -> list[str]:
+    """Lines ``  field: why`` for settings of different sections that do not fit together.
+
+    ``nodes``: the short names of the run's nodes (``train_policy``, ``evaluate_policies``, and
+    ``compare:train_policy`` for a compare branch's training); a check runs only when a node
+    that would fail on it is in the run. None: every check.
+    """
+    from qerl_pipeline.rollout.serving import VLLM_LORA_RANKS
+
+    def runs(name: str) -> bool:
+        return nodes is None or name in nodes
+
+    errors = []
+    if runs("evaluate_policies"):
+        sets = [*cfg.data.eval_sources, *cfg.data.eval_files]  # the user's sets are evaluated anyway, listed or not
+        unknown = [b for b in cfg.evaluate.benchmarks if b not in sets]
+        if unknown:
+            errors.append(f"  evaluate.benchmarks: {', '.join(map(repr, unknown))} not an evaluation set; allowed: "
+                          f"{', '.join(sets)} (data.eval_sources, data.eval_files: data_prep writes prompts only for those)")
+        budget = cfg.model.max_seq_len - cfg.evaluate.max_new_tokens
+        if budget <= 0:
+            errors.append(f"  evaluate.max_new_tokens: {cfg.evaluate.max_new_tokens} must be below model.max_seq_len "
+                          f"({cfg.model.max_seq_len}): the prompt budget, max_seq_len - max_new_tokens, is {budget} tokens")
+    if runs("compare:train_policy") and cfg.train.nproc * cfg.train.nnodes > 1:
+        errors.append(f"  train.nproc: {cfg.train.nproc} (x train.nnodes {cfg.train.nnodes}) ranks are not supported in "
+                      f"compare branches (their engines are shared within one process): use 1, or train each method alone")
+    if runs("train_policy") or runs("compare:train_policy"):
+        if cfg.lora.rank > VLLM_LORA_RANKS[-1]:
+            errors.append(f"  lora.rank: {cfg.lora.rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
+        if cfg.rollout.sync == "merge" and cfg.rollout.tensor_parallel_size > 1:
+            errors.append(f"  rollout.sync: merge needs each engine worker to hold whole linears, but "
+                          f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} shards them; use adapter or auto")
+    return errors
+
+
+def node_roles(pipeline) -> set[str]:
+    """The short names of ``pipeline``'s nodes; a compare branch's also as ``compare:<name>``."""
+    out = set()
+    for node in pipeline.nodes:
+        short = node.name.rsplit(".", 1)[-1]
+        out.add(short)
+        if (node.namespace or "").split(".")[0] == "compare":
+            out.add(f"compare:{short}")
+    return out
+
+
 class ValidateConfigHook:
     """Fail a run at its start, before any model loads, when a parameter is wrong.
 
@@ -83,9 +179,16 @@ class ValidateConfigHook:
     def __init__(self) -> None:
         self._context = None
 
-    @hook_impl
+    @hook_impl(tryfirst=True)  # before kedro-mlflow's, which connects to the tracking store
     def after_context_created(self, context) -> None:
         self._context = context
+        tracking.bound_http_retries()
+        uri = tracking_uri(context)
+        if uri is not None:
+            try:
+                tracking.check_store(uri)
+            except tracking.TrackingStoreError as err:
+                raise TrackingStoreUnusable(err) from None
 
     @hook_impl(tryfirst=True)  # before kedro-mlflow's: a bad config starts no MLflow run
     def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
@@ -93,10 +196,114 @@ class ValidateConfigHook:
             return
         try:
             cfg = validate(dict(self._context.params), QerlConfig)
+            errors = cross_field_errors(cfg, node_roles(pipeline))
+            if errors:
+                raise ConfigError("\n".join(["invalid parameters:", *errors]))
             from qerl_pipeline.models import resolve_dtype  # torch and transformers: only when a run starts
             from qerl_pipeline.quantization.norms import check_noise_precision
 
             check_noise_precision(cfg, resolve_dtype(cfg.model, current_platform()))
+            problems = column_problems(cfg.data)  # the user's data sets name columns they have
+            if problems:
+                raise ConfigError("invalid parameters:\n" + "\n".join(f"  {p}" for p in problems))
         except ConfigError as err:
             raise ParameterError(err) from None
         log.info("parameters valid: method=%s model=%s", cfg.method, cfg.model.name)
+
+
+class RunStatusHook:
+    """The MLflow run of a ``kedro run`` ends as the run did: FINISHED, FAILED with why, KILLED with the signal.
+
+    See the module docstring. The signal handlers are this run's only: they are put back when
+    the pipeline ends (after it, or on its error), and an ignored SIGINT (a background job) stays ignored.
+    """
+
+    def __init__(self) -> None:
+        self._run_id: str | None = None
+        self._open = False
+        self._last_node: str | None = None
+        self._signal: str | None = None
+        self._handlers: dict[int, object] = {}
+        self._exit_registered = False
+
+    @hook_impl(trylast=True)  # after kedro-mlflow's, which starts the run
+    def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        import mlflow
+
+        active = mlflow.active_run()
+        self._run_id = active.info.run_id if active is not None else None
+        self._open, self._last_node, self._signal = True, None, None
+        self._catch_signals()
+        if not self._exit_registered:  # registered after MLflow's own, so it runs before it
+            atexit.register(self._at_exit)
+            self._exit_registered = True
+
+    @hook_impl
+    def after_node_run(self, node) -> None:
+        self._last_node = node.name
+
+    @hook_impl
+    def after_pipeline_run(self) -> None:
+        self._close()
+
+    @hook_impl(tryfirst=True)  # before kedro-mlflow's, which ends the run FAILED
+    def on_pipeline_error(self, error: Exception) -> None:
+        self._tag(tracking.end_tags(error))
+        self._close()
+
+    def _catch_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(sig)
+            if previous is not signal.SIG_IGN:
+                self._handlers[sig] = previous
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self._signal is None:
+            log.warning("%s received: stopping the run (its MLflow run ends KILLED)", name)
+        self._signal = name
+        raise tracking.Interrupted(name)
+
+    def _close(self) -> None:
+        self._open = False
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers = {}
+
+    def _tag(self, tags: dict[str, str]) -> None:
+        if self._run_id is None:
+            return
+        if self._last_node:
+            tags = {**tags, tracking.LAST_NODE_TAG: self._last_node}
+        try:
+            from mlflow.tracking import MlflowClient
+
+            for key, value in tags.items():
+                MlflowClient().set_tag(self._run_id, key, value)
+        except Exception as err:  # noqa: BLE001 - recording the end must not hide the error
+            log.warning("could not tag MLflow run %s: %s", self._run_id, err)
+
+    def _at_exit(self) -> None:
+        """The process exits with the pipeline neither finished nor failed: an interrupt (or a SystemExit)."""
+        if not self._open or self._run_id is None:
+            return
+        self._open = False
+        exc = tracking.Interrupted(self._signal) if self._signal else SystemExit("the process exited during the run")
+        self._tag(tracking.end_tags(exc))
+        try:
+            import mlflow
+
+            status, ended = tracking.end_status(exc), set()
+            # every run on this thread's stack: kedro-mlflow restarts its run before each node (nested: true in
+            # mlflow.yml), so it can stand there several times, and MLflow's own exit handler would end the
+            # copy left over FINISHED
+            while (active := mlflow.active_run()) is not None:
+                ended.add(active.info.run_id)
+                mlflow.end_run(status)
+            if self._run_id not in ended:  # started in another thread
+                mlflow.tracking.MlflowClient().set_terminated(self._run_id, status)
+        except Exception as err:  # noqa: BLE001 - the process is ending anyway
+            log.warning("could not end MLflow run %s: %s", self._run_id, err)

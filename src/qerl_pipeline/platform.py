@@ -27,6 +27,13 @@ PLATFORMS = ("cuda", "cpu")
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
+def check(platform: str) -> str:
+    """``platform`` itself when it is one of ``PLATFORMS``, else a ValueError naming the allowed ones."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)}")
+    return platform
+
+
 def cuda_present(environ=os.environ) -> bool:
     """Whether this process sees a CUDA GPU, asked without initialising the CUDA driver (module docstring)."""
     environ[NVML_CHECK_ENV] = "1"

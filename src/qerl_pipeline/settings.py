@@ -12,7 +12,7 @@ import warnings
 from kedro.config import OmegaConfigLoader
 
 from qerl_pipeline.config import CONFIG_LOADER_ARGS  # noqa: F401 - Kedro reads it from this module
-from qerl_pipeline.hooks import ValidateConfigHook
+from qerl_pipeline.hooks import RunStatusHook, ValidateConfigHook
 from qerl_pipeline.rollout.pool import SharedEngineHook
 
 # omegaconf 2.4 deprecates register_new_resolver(); Kedro's OmegaConfigLoader and kedro-mlflow
@@ -21,9 +21,10 @@ warnings.filterwarnings(
     "ignore", message=r"register_new_resolver\(\) is deprecated", category=UserWarning, module=r"(kedro|kedro_mlflow)\."
 )
 
-# Validation runs before any node, so a bad parameter fails before a model loads.
+# Validation runs before any node, so a bad parameter (or an unusable tracking store) fails before a model loads.
 # kedro-mlflow registers its own hook through its entry point.
+# RunStatusHook makes the run's MLflow status say how it ended (KILLED on SIGINT/SIGTERM, FAILED with why).
 # SharedEngineHook closes the engine compare's branches share when the run ends (rollout/pool.py).
-HOOKS = (ValidateConfigHook(), SharedEngineHook())
+HOOKS = (ValidateConfigHook(), RunStatusHook(), SharedEngineHook())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader

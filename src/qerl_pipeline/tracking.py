@@ -12,7 +12,14 @@ imports MLflow's fluent API directly. That keeps three things simple:
 - Tests: ``MemoryLogger`` keeps everything in memory, so the numbers can be asserted.
 
 The tracking store defaults to the embedded SQLite file ``mlflow.db`` at the project root
-(conf/base/mlflow.yml); ``MLFLOW_TRACKING_URI`` overrides it.
+(conf/base/mlflow.yml); ``MLFLOW_TRACKING_URI`` overrides it. ``check_store`` tries it within
+seconds (a TCP connect to a server, a write probe beside a SQLite file) so a run that cannot log
+stops before its first node, and ``bound_http_retries`` shortens MLflow's HTTP retries.
+
+How a run ended is its MLflow status and tags (``mark_ended``, ``reopen``): FINISHED when every
+step ran; KILLED on Ctrl-C or SIGTERM (``Interrupted``), tagged with the signal; FAILED on an
+error, tagged with its one-line summary; a training also tags its last completed step. A
+resumed training reopens its run and keeps how it ended before as ``qerl.previous_end``.
 
 MLflow is imported inside the functions that use it: it is a heavy import, and code that logs
 to a ``MemoryLogger`` (tests, the ranks after the first of a distributed training) never needs it.
@@ -24,6 +31,7 @@ import json
 import logging
 import math
 import os
+import socket
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -201,6 +209,154 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return "unknown"
 
 
+# ------------------------------------------------------------------ how a run ended
+#: FAILED: the exception's one-line summary (``one_line``).
+FAILURE_TAG = "qerl.failure"
+#: KILLED: what stopped it, the signal (SIGINT, SIGTERM) or KeyboardInterrupt.
+KILLED_BY_TAG = "qerl.killed_by"
+#: A training that did not finish: its last step whose metrics were logged (a resume continues from its checkpoint).
+LAST_STEP_TAG = "qerl.last_completed_step"
+#: A ``kedro run`` that did not finish: its last node that completed.
+LAST_NODE_TAG = "qerl.last_completed_node"
+#: A resumed run: how it ended before the resume (its status and the tags above, which the resume removes).
+PREVIOUS_END_TAG = "qerl.previous_end"
+END_TAGS = (FAILURE_TAG, KILLED_BY_TAG, LAST_STEP_TAG, LAST_NODE_TAG)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM during a ``kedro run`` (``hooks.RunStatusHook`` raises it in the main thread).
+
+    A ``KeyboardInterrupt``, so no ``except Exception`` swallows it and every ``finally`` (the
+    engine's close) runs; it names the signal for the run's ``qerl.killed_by`` tag.
+    """
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+def end_status(exc: BaseException | None) -> str:
+    """The MLflow status of a run that ended with ``exc``: FINISHED (none), KILLED (an interrupt), FAILED."""
+    if exc is None:
+        return "FINISHED"
+    return "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+
+
+def one_line(exc: BaseException, limit: int = 500) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def end_tags(exc: BaseException) -> dict[str, str]:
+    """Why a run ended with ``exc``: ``qerl.killed_by`` for an interrupt, ``qerl.failure`` for an error."""
+    if isinstance(exc, KeyboardInterrupt):
+        return {KILLED_BY_TAG: getattr(exc, "signal_name", type(exc).__name__)}
+    return {FAILURE_TAG: one_line(exc)}
+
+
+def mark_ended(logger: MetricsLogger, exc: BaseException, last_step: int | None = None) -> None:
+    """Tag and close the run of ``logger`` that ``exc`` ended (KILLED or FAILED, ``end_tags``, ``last_step``).
+
+    Never raises: recording the end must not hide ``exc`` (a dead tracking server only warns).
+    """
+    tags = end_tags(exc)
+    if last_step is not None:
+        tags[LAST_STEP_TAG] = str(last_step)
+    try:
+        logger.set_tags(tags)
+        if hasattr(logger, "end"):
+            logger.end(end_status(exc))
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        log.warning("could not record how the run ended (%s): %s", end_status(exc), err)
+
+
+def reopen(logger: MlflowLogger) -> None:
+    """A resumed run is running again: a KILLED or FAILED run gets status RUNNING, its end tags are
+    removed and summed up in ``qerl.previous_end`` (a FINISHED or RUNNING run is left as it is)."""
+    run = logger.client.get_run(logger.run_id)
+    if run.info.status in ("RUNNING", "FINISHED"):
+        return
+    ended = {k: run.data.tags[k] for k in END_TAGS if k in run.data.tags}
+    logger.client.set_tag(logger.run_id, PREVIOUS_END_TAG,
+                          "; ".join([run.info.status, *(f"{k.removeprefix('qerl.')}={v}" for k, v in ended.items())]))
+    for key in ended:
+        logger.client.delete_tag(logger.run_id, key)
+    logger.client.update_run(logger.run_id, status="RUNNING")
+
+
+# ------------------------------------------------------------------ the tracking store
+class TrackingStoreError(RuntimeError):
+    """The tracking store cannot be used; the one-line message names its URI or path and why."""
+
+
+#: MLflow's HTTP retry settings where the user set none. MLflow's own (7 retries, backoff factor 2,
+#: a 120 s timeout) retry one call for about four minutes, so a server that dies mid-run held a
+#: training ~12 minutes; these give up after ~15 s of refused connections (a hung server: ~2 min).
+HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2",
+                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def bound_http_retries(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set ``HTTP_RETRY_DEFAULTS`` in ``environ`` (``os.environ``) where unset; return what was set."""
+    environ = os.environ if environ is None else environ
+    added = {k: v for k, v in HTTP_RETRY_DEFAULTS.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
+def check_store(uri: str, timeout_s: float = 5.0) -> None:
+    """Raise ``TrackingStoreError`` (one line naming ``uri`` or the path) when the store cannot be used.
+
+    ``http(s)://``: a TCP connect to its host and port within ``timeout_s`` (MLflow's client
+    retries a dead server for minutes). ``sqlite:///<path>``: an existing database must be a
+    file this process can open for writing, and its folder (the nearest existing one, which
+    MLflow would create the rest under) must take a new file: SQLite writes its journal there,
+    and MLflow retries a database it cannot open for ~100 s. The probes write, not ask
+    (``os.access`` says yes to root on a folder it may not write in, e.g. a read-only mount).
+    ``file:`` or a plain path: its folder must take a new file. Other schemes are not checked.
+    """
+    from urllib.parse import urlparse
+
+    parsed = urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        try:
+            socket.create_connection((parsed.hostname or "", port), timeout=timeout_s).close()
+        except OSError as err:
+            raise TrackingStoreError(f"MLflow tracking server {uri} is unreachable: {err.strerror or err}") from None
+    elif parsed.scheme == "sqlite":
+        path = uri[len("sqlite:///"):].split("?", 1)[0] if uri.startswith("sqlite:///") else ""
+        if path and path != ":memory:":
+            _check_sqlite(uri, Path(path))
+    elif parsed.scheme in ("", "file"):
+        _check_folder(uri, Path(parsed.path if parsed.scheme == "file" else uri))
+
+
+def _check_sqlite(uri: str, path: Path) -> None:
+    if path.exists():
+        if not path.is_file():
+            raise TrackingStoreError(f"MLflow tracking store {uri}: {path} is not a file")
+        try:
+            open(path, "r+b").close()  # noqa: SIM115 - opened for writing, nothing written
+        except OSError as err:
+            raise TrackingStoreError(f"MLflow tracking store {uri}: cannot write {path} ({err.strerror})") from None
+    _check_folder(uri, path.parent)
+
+
+def _check_folder(uri: str, folder: Path) -> None:
+    folder = folder.absolute()
+    while not folder.exists() and folder != folder.parent:  # MLflow creates the missing part
+        folder = folder.parent
+    if not folder.is_dir():
+        raise TrackingStoreError(f"MLflow tracking store {uri}: {folder} is not a folder")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise TrackingStoreError(f"MLflow tracking store {uri}: cannot write in {folder} ({err.strerror})") from None
+
+
 # ------------------------------------------------------------------ run names, groups
 #: Tag of a compare run's children: the id of the compare run (``evaluation/report_runs.py`` reads it).
 GROUP_TAG = "qerl.compare_group"
@@ -277,7 +433,9 @@ class TrainingRun:
     its run, re-nested under ``parent``. ``tags`` are set on the run used, whichever it is.
 
     ``finish`` closes what kedro-mlflow does not: a branch's own run, or the original run a
-    resume logged into (left RUNNING by the killed process); a fresh standalone run gets its name.
+    resume logged into (``reopen``: RUNNING again while it trains); a fresh standalone run gets
+    its name. ``fail`` ends such a run when the training raised before its loop could (the loop
+    tags and closes its run itself, ``rl/trainer.py``).
     """
 
     def __init__(self, name: str, method: str, params: dict[str, Any], parent: str | None = None,
@@ -305,12 +463,16 @@ class TrainingRun:
         except Exception:  # noqa: BLE001 - e.g. a different tracking store: keep the new run
             log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
             return logger
-        return MlflowLogger(run_id=run_id)
+        resumed = MlflowLogger(run_id=run_id)
+        reopen(resumed)
+        return resumed
 
     def _branch(self, run_id: str | None) -> MlflowLogger:
         if run_id:
             regroup(run_id, self.parent)
-            return MlflowLogger(run_id=run_id)
+            resumed = MlflowLogger(run_id=run_id)
+            reopen(resumed)
+            return resumed
         rid = child_run(self.parent, self.name, tags={"method": self.method})
         name_run(rid, self.name, "train")
         logger = MlflowLogger(run_id=rid)
@@ -330,6 +492,21 @@ class TrainingRun:
         active = MlflowLogger(self.active_run_id)
         self.active_run_id = active.run_id
         self.run = active if run_id in (None, active.run_id) else MlflowLogger(run_id=run_id)
+
+    def fail(self, exc: BaseException) -> None:
+        """After a training that raised ``exc``: end its run if still RUNNING (not kedro-mlflow's, which the
+        Kedro hooks end), tagged as ``mark_ended`` does with the last step its metrics reached."""
+        run = self.run
+        if run is None or (not self.parent and run.run_id == self.active_run_id):
+            return
+        try:
+            if run.client.get_run(run.run_id).info.status != "RUNNING":
+                return
+            steps = [s for s, _ in run.history([REWARD_MEAN])[REWARD_MEAN]]
+        except Exception as err:  # noqa: BLE001 - must not hide exc
+            log.warning("could not read MLflow run %s: %s", run.run_id, err)
+            return
+        mark_ended(run, exc, last_step=max(steps, default=0))
 
     def finish(self, run_id: str | None, resumed: bool) -> None:
         """After the training: close the run kedro-mlflow does not own; name a fresh standalone run."""
@@ -356,3 +533,11 @@ BASE_WEIGHT_MIB = "base/weight_mib"
 LINEAR_BYTES_RATIO = "quantize/linear_bytes_ratio"
 #: the per-step curves a training returns and plots
 CURVE_METRICS = (REWARD_MEAN, REWARD_ACCURACY, REWARD_FORMAT, POLICY_ENTROPY, COMPLETION_LENGTH, AQN_SIGMA)
+#: Each entry of a ``train.reward_fn`` list, per step: ``rewards/<name>/mean`` and ``rewards/<name>/std`` (TRL's names;
+#: ``<name>`` is 'math' or the function's ``__name__``); their weighted sum is ``reward/mean``.
+REWARD_COMPONENT = "rewards/{name}/{stat}"
+
+
+def reward_component(name: str, stat: str = "mean") -> str:
+    """The metric name of one reward entry's ``stat`` (mean, std): ``REWARD_COMPONENT``."""
+    return REWARD_COMPONENT.format(name=name, stat=stat)

@@ -16,3 +16,8 @@ def letter_fraction(completions: list[str], golds: list[str], samples) -> list[d
         letters = sum(c.isascii() and c.isalpha() for c in text)
         out.append({"reward": letters / len(text) if text else 0.0})
     return out
+
+
+def brevity(completions: list[str], golds: list[str], samples) -> list[float]:
+    """Reward = 1 / (1 + the completion's length in characters): a plain float per completion."""
+    return [1.0 / (1.0 + len(text)) for text in completions]

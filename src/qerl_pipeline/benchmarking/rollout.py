@@ -27,7 +27,7 @@ reports what the measurement recommends. The mode training really uses is
 ``rollout.serving.resolve_sync(rollout.sync, served)`` (``auto``: merge on CPU, adapter on
 CUDA), recorded as ``sync[fmt]["used"]``: the benchmark table's "our step" follows it.
 
-``measure_reward``: seconds of one call of our reward scorer (``rl.step.make_scorer(cfg)``,
+``measure_reward``: seconds of one call of our reward scorer (``rewards.functions.make_scorer(cfg)``,
 the trainer's: math-verify in a process pool unless ``train.reward_fn``) on the completions
 of the training-batch rollout (the used sync's path), each against the gold ``"42"``. One
 untimed warm-up call on the same completions runs first (excluded from ``reward_s``): the
@@ -65,7 +65,8 @@ import torch
 from qerl_pipeline.benchmarking.bases import method_formats
 from qerl_pipeline.config import BenchmarkConfig, LoraConfig, QerlConfig
 from qerl_pipeline.quantization.policy import build_policy
-from qerl_pipeline.rl.step import _score, make_scorer
+from qerl_pipeline.rewards.functions import make_scorer
+from qerl_pipeline.rl.step import _score
 from qerl_pipeline.rollout.engine import EngineError, RolloutEngine
 from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
 

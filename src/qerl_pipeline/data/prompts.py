@@ -18,13 +18,19 @@ Prompt record (ARCHITECTURE.md), one per problem::
          # prompt_style suffix: [{"role": "user", "content": question + "\n" + instruction}]
      "question": str, "gold": str, "level": int | None}
 
+A user's set may give a chat-format prompt instead of a question (``data.train_file.prompt``):
+its messages are the record's, as they are (TRL's conversational prompts); ``question`` is
+then the content of its last (user) message.
+
 Validation
 ----------
 A row is malformed when its question is missing/empty, its gold answer is missing/empty,
 or math-verify cannot parse the gold (``rewards.extraction.gold_is_parseable``, the same
-parser the reward uses, so a kept row can always score 1.0). ``split_valid`` returns the
-good records and a list of ``BadRow`` (id, source, reason); the caller fails or drops per
-``data.on_bad_row`` and always reports them (``bad_rows_error`` formats the failure).
+parser the reward uses, so a kept row can always score 1.0, and a gold it cannot parse is
+never trained on or scored). ``split_valid`` returns the good records and a list of ``BadRow``
+(id, source, reason, and for the user's sets where: file and 1-based line or row); the caller
+fails or drops per ``data.on_bad_row`` and always reports them (``bad_rows_error`` formats
+the failure).
 """
 
 from __future__ import annotations
@@ -64,30 +70,35 @@ def build_messages(question: str, system: str | None = None, style: str = "syste
 
 def make_record(
     *, id: str, source: str, split: str, question: str, gold: str, level: int | None = None, system: str | None = None,
-    style: str = "system",
+    style: str = "system", messages: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """A prompt record (see the module docstring)."""
+    """A prompt record (see the module docstring); ``messages``: a chat-format prompt of the user's, used as it is."""
     return {
         "id": str(id),
         "source": source,
         "split": split,
-        "messages": build_messages(question, system, style),
+        "messages": [dict(m) for m in messages] if messages is not None else build_messages(question, system, style),
         "question": question,
         "gold": gold,
         "level": None if level is None else int(level),
     }
 
 
+#: The start of the reason a row whose gold math-verify cannot parse is malformed (the data report counts them).
+UNPARSABLE_GOLD = "gold answer math-verify cannot parse"
+
+
 @dataclass(frozen=True)
 class BadRow:
-    """A malformed row, named by id and source."""
+    """A malformed row, named by id and source, and for the user's sets by ``where`` (file and line or row)."""
 
     id: str
     source: str
     reason: str
+    where: str | None = None
 
     def as_dict(self) -> dict[str, str]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 def row_problem(row: dict[str, Any]) -> str | None:
@@ -100,7 +111,7 @@ def row_problem(row: dict[str, Any]) -> str | None:
     if gold is None or not str(gold).strip():
         return "missing gold answer"
     if not gold_is_parseable(str(gold)):
-        return f"gold answer math-verify cannot parse: {str(gold)[:80]!r}"
+        return f"{UNPARSABLE_GOLD}: {str(gold)[:80]!r}"
     return None
 
 
@@ -120,13 +131,13 @@ def split_valid(
         if problem is None:
             good.append(row)
         else:
-            bad.append(BadRow(id=str(row.get("id")), source=source, reason=problem))
+            bad.append(BadRow(id=str(row.get("id")), source=source, reason=problem, where=row.get("where")))
     return good, bad
 
 
 def bad_rows_error(bad: list[BadRow], limit: int = 20) -> str:
     """An error message listing malformed rows (first ``limit``, then a count)."""
-    lines = [f"  {b.source}/{b.id}: {b.reason}" for b in bad[:limit]]
+    lines = [f"  {b.source}/{b.id}{f' ({b.where})' if b.where else ''}: {b.reason}" for b in bad[:limit]]
     if len(bad) > limit:
         lines.append(f"  ... and {len(bad) - limit} more")
     return (

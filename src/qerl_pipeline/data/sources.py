@@ -31,7 +31,10 @@ level column, so with ``levels: [3, 4, 5]`` we load ``level_3``, ``level_4`` and
 and MATH-500 are filtered on their ``level`` column instead.
 
 A row that cannot be read (bad JSON line, a field of the wrong type) becomes a row with
-an ``error`` so validation reports it by id and source instead of crashing.
+an ``error`` so validation reports it by id and source instead of crashing. Row ids
+(``<name>-<split>-<n>``, without an id column) number the rows from 0 and stay so: evaluation
+order and its reuse hash them. A row of a local file also carries ``where``, its file and
+1-based line, which every bad-row message shows.
 Order: rows are shuffled with ``random.Random(f"{seed}:{name}")`` (deterministic), so
 ``limit`` keeps a fixed, unbiased subset.
 """
@@ -230,6 +233,16 @@ def load_source(name: str, cfg: SourceConfig, seed: int) -> tuple[list[dict[str,
     raw, origin = read_raw(name, cfg)
     kind = source_kind(name, cfg)
     rows = [normalise_row(kind, name, cfg.split, i, row) for i, row in enumerate(raw)]
+    if origin.startswith("local:"):  # a bad row is named by its file and 1-based line too (its id counts rows from 0)
+        for row, raw_row in zip(rows, raw):
+            row["where"] = f"{origin.removeprefix('local:')} line {raw_row['__line__']}"
+    rows = finish_rows(name, rows, cfg.levels, seed)
+    log.info("source %s: %d rows from %s (kind %s)", name, len(rows), origin, kind)
+    return rows, origin
+
+
+def finish_rows(name: str, rows: list[dict[str, Any]], levels: list[int] | None, seed: int) -> list[dict[str, Any]]:
+    """Normalised rows with duplicate ids flagged (``<id>#dupN``, an ``error``), kept to ``levels``, shuffled by seed."""
     seen: dict[str, int] = {}
     for row in rows:
         count = seen.get(row["id"], 0)
@@ -237,11 +250,10 @@ def load_source(name: str, cfg: SourceConfig, seed: int) -> tuple[list[dict[str,
         if count:
             row["id"] = f"{row['id']}#dup{count}"
             row.setdefault("error", "duplicate id")
-    if cfg.levels:
+    if levels:
         if not any(row.get("level") is not None for row in rows):
-            log.warning("source %r: levels %s set but its rows carry no level; keeping all rows", name, cfg.levels)
+            log.warning("source %r: levels %s set but its rows carry no level; keeping all rows", name, levels)
         else:
-            rows = [row for row in rows if row.get("level") in cfg.levels]  # unknown level: dropped
+            rows = [row for row in rows if row.get("level") in levels]  # unknown level: dropped
     random.Random(f"{seed}:{name}").shuffle(rows)
-    log.info("source %s: %d rows from %s (kind %s)", name, len(rows), origin, kind)
-    return rows, origin
+    return rows

@@ -55,7 +55,7 @@ def render_html(runs: Sequence[RunData], pngs: dict[str, bytes], title: str = "Q
     found = claims(runs) if found is None else found
     claim_rows = "".join(
         f"<tr><td>{html.escape(c.id)}</td><td>{html.escape(c.statement)}</td><td>{html.escape(c.statistic)}</td>"
-        f"<td>{html.escape(c.text)}</td></tr>" for c in found)
+        f"<td>{html.escape(c.text)}</td><td>{html.escape(c.seeds_note)}</td></tr>" for c in found)
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
@@ -63,11 +63,16 @@ def render_html(runs: Sequence[RunData], pngs: dict[str, bytes], title: str = "Q
         f"{html.escape(', '.join(map(str, seeds)))}. "
         f"Generated {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} from MLflow runs.</p>",
         "<h2>The paper's claims, measured</h2>",
-        "<table><tr><th>claim</th><th>statement</th><th>statistic (per seed)</th><th>measured: verdict, A - B</th></tr>"
+        "<table><tr><th>claim</th><th>statement</th><th>statistic (per seed)</th><th>measured: verdict, A - B</th>"
+        "<th>seeds to tell it from 0</th></tr>"
         f"{claim_rows}</table>",
         "<p class='note'>Each claim compares the two methods seed by seed (the same seed trains both on the same "
         "prompts); the interval is the 95% Student-t interval of the per-seed differences. 'cannot tell' when it "
-        "contains 0 or there is one seed (see qerl_pipeline/evaluation/stats.py).</p>",
+        "contains 0 or there is one seed (see qerl_pipeline/evaluation/stats.py). Seeds to tell it from 0: for a "
+        "'cannot tell' claim, the smallest n with t(0.975, n-1) &middot; s_d / &radic;n &lt; |d|, d and s_d the mean "
+        "and standard deviation of the measured per-seed differences, assuming the differences are independent and "
+        "normal across seeds and d and s_d are the true ones: a plug-in estimate (at that n an interval clears 0 "
+        "about half the time), not a power calculation. One seed has no spread to estimate it from.</p>",
         "<h2>Runs</h2>",
         tbl(runs_table(runs)),
         "<h2>Accuracy per benchmark (trained policy): pass@1 averaged over k samples</h2>",

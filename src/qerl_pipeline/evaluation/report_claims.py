@@ -8,9 +8,14 @@
 * (c) the same for AQN without quantization: lora_aqn >= lora.
 
 Where the interval contains 0, or there is one seed, the claim reads "cannot tell" with the
-numbers (``stats.verdict``). They are shown as ``claims.csv``, ``claims.json``, on the report
-page, and as the compare run's ``claims/<id>/...`` metrics and ``claims.<id>`` tags
-(``claim_metrics``).
+numbers (``stats.verdict``), and says how many seeds would tell its measured difference from 0
+at the spread it measured: the smallest n with ``t(0.975, n-1) * s_d / sqrt(n) < |d|`` (``d``,
+``s_d``: mean and sd of the seed-paired differences), assuming the differences are independent
+and normal across seeds and the measured ``d`` and ``s_d`` are the true ones (``stats.seeds_needed``;
+a plug-in estimate, not a power calculation); with one seed there is no spread: "needs ≥2 seeds
+to estimate". They are shown as ``claims.csv`` (columns ``seeds_needed``, the number, and
+``seeds_needed_note``, what the page prints), ``claims.json``, on the report page, and as the
+compare run's ``claims/<id>/...`` metrics and ``claims.<id>`` tags (``claim_metrics``).
 """
 
 from __future__ import annotations
@@ -97,21 +102,25 @@ def claims(runs: Sequence[RunData]) -> list[S.Claim]:
 
 
 def claims_frame(found: Sequence[S.Claim]) -> pd.DataFrame:
-    """One row per claim: id, statement, verdict, difference with its interval, seeds, the sentence."""
+    """One row per claim: id, statement, verdict, difference with its interval, seeds, the sentence, and for a
+    "cannot tell" claim the seeds it would need (``seeds_needed``: a number or empty; ``seeds_needed_note``: the words)."""
     rows = [{"claim": c.id, "statement": c.statement, "verdict": c.verdict, "difference": c.difference.mean,
              "ci_low": c.difference.low, "ci_high": c.difference.high, "n_seeds": c.difference.n,
-             "seeds": " ".join(map(str, c.seeds)), "statistic": c.statistic, "text": c.text} for c in found]
+             "seeds": " ".join(map(str, c.seeds)), "statistic": c.statistic, "text": c.text,
+             "seeds_needed": c.seeds_needed, "seeds_needed_note": c.seeds_note} for c in found]
     return pd.DataFrame(rows, columns=["claim", "statement", "verdict", "difference", "ci_low", "ci_high", "n_seeds", "seeds",
-                                       "statistic", "text"])
+                                       "statistic", "text", "seeds_needed", "seeds_needed_note"]).astype({"seeds_needed": "Int64"})
 
 
 def claim_metrics(found: Sequence[S.Claim]) -> tuple[dict[str, float], dict[str, str]]:
     """``(metrics, tags)`` of the claims for the compare run: ``claims/<id>/{difference,ci_low,ci_high,n_seeds}``
-    (NaN left out) and ``claims.<id>`` = the sentence."""
+    and, for a "cannot tell" claim with an estimate, ``claims/<id>/seeds_needed`` (NaN left out); ``claims.<id>`` =
+    the sentence."""
     metrics, tags = {}, {}
     for c in found:
+        needed = math.nan if c.seeds_needed is None else float(c.seeds_needed)
         for name, value in (("difference", c.difference.mean), ("ci_low", c.difference.low), ("ci_high", c.difference.high),
-                            ("n_seeds", float(c.difference.n))):
+                            ("n_seeds", float(c.difference.n)), ("seeds_needed", needed)):
             if not math.isnan(value):
                 metrics[f"claims/{c.id}/{name}"] = float(value)
         tags[f"claims.{c.id}"] = c.text

@@ -41,6 +41,18 @@ prompts in the same order, so pairing removes the seeds' shared part). The verdi
   its interval and the number of seeds, e.g. ``cannot tell: difference 0.010, 95% interval
   [-0.030, 0.050], 2 seeds``.
 
+Seeds a "cannot tell" claim would need (``seeds_needed``): with the measured mean ``d`` and
+sample sd ``s_d`` (ddof 1) of the seed-paired differences, the smallest number of seeds ``n``
+(in total, not more) whose interval would exclude 0,
+``t(0.975, n-1) * s_d / sqrt(n) < |d|``, found by trying n = 2, 3, ... (from
+``(z(0.975) s_d / |d|)^2``, below which no n passes since t > z). The assumptions: the
+per-seed differences are independent and normally distributed across seeds (what the t
+interval itself assumes) and the measured ``d`` and ``s_d`` are the true ones. It is a
+plug-in estimate, not a power calculation: ``d`` and ``s_d`` from a few seeds are themselves
+uncertain, and at that n an experiment whose true difference and spread are these would
+exclude 0 only about half the time (the expected interval just clears 0). One seed has no
+spread: "needs ≥2 seeds to estimate"; a measured difference of exactly 0 needs no finite n.
+
 Area under the reward curve (``curve_auc``): the trapezoid area over the logged steps divided
 by their span (last - first step), i.e. the curve's mean height in reward units, so runs of
 different lengths compare; a single step's AUC is its value. Both methods of a claim use the
@@ -150,6 +162,25 @@ def crossed_interval(table: Sequence[Sequence[float]]) -> Interval:
     return Interval(grand, low, high, s * n, "seeds+problems")
 
 
+def seeds_needed(d: float, s_d: float, level: float = LEVEL, max_n: int = 10**9) -> int | None:
+    """The smallest n >= 2 with ``t(1 - (1 - level)/2, n-1) * s_d / sqrt(n) < |d|`` (module docstring: the
+    formula, its assumptions and why it is a plug-in estimate); None when no n up to ``max_n`` does (``d``
+    is 0 or NaN, or the spread is too large for it)."""
+    from statistics import NormalDist
+
+    if math.isnan(d) or math.isnan(s_d) or d == 0:
+        return None
+    if s_d == 0:
+        return 2
+    z = NormalDist().inv_cdf(1 - (1 - level) / 2)
+    n = max(2, math.floor((z * s_d / abs(d)) ** 2))  # t(df) > z for every df: no smaller n passes
+    while n <= max_n:
+        if t_quantile(n - 1, level) * s_d / math.sqrt(n) < abs(d):
+            return n
+        n += 1
+    return None
+
+
 def curve_auc(points: Sequence[tuple[int, float]], steps: Sequence[int] | None = None) -> float:
     """Trapezoid area under ``(step, value)`` points divided by the step span (the mean height).
 
@@ -197,6 +228,11 @@ class Claim:
     seeds: tuple[int, ...]
     verdict: str  # supported | contradicted | cannot tell
     text: str  # the sentence the report prints
+    #: "cannot tell" only: the seeds that would tell the measured difference from 0 at its measured spread
+    #: (``seeds_needed``); None when there is no such number or the verdict is not "cannot tell"
+    seeds_needed: int | None = None
+    #: what the report prints for it: "11 seeds", "needs ≥2 seeds to estimate", ...; "" unless "cannot tell"
+    seeds_note: str = ""
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -240,7 +276,23 @@ def claim(claim_id: str, statement: str, a: str, b: str, statistic: str,
 
     missing = [m for m, d in ((a, per_seed_a), (b, per_seed_b)) if not any(ok(v) for v in d.values())]
     seeds = tuple(sorted(s for s in per_seed_a if s in per_seed_b and ok(per_seed_a[s]) and ok(per_seed_b[s])))
-    diff = seed_interval([float(per_seed_a[s]) - float(per_seed_b[s]) for s in seeds])
+    diffs = [float(per_seed_a[s]) - float(per_seed_b[s]) for s in seeds]
+    diff = seed_interval(diffs)
     why = f"no data for {', '.join(missing)}" if missing else ""
     v, text = verdict(diff, why)
-    return Claim(claim_id, statement, a, b, statistic, diff, seeds, v, text)
+    needed, note = None, ""
+    if v == "cannot tell":
+        needed, note = _seeds_note(diffs, diff, bool(missing))
+    return Claim(claim_id, statement, a, b, statistic, diff, seeds, v, text, needed, note)
+
+
+def _seeds_note(diffs: Sequence[float], diff: Interval, missing: bool) -> tuple[int | None, str]:
+    """``(seeds_needed, note)`` of a "cannot tell" claim with the paired differences ``diffs``."""
+    if missing or diff.n == 0:
+        return None, "n/a: no paired data"
+    if diff.n == 1:
+        return None, "needs ≥2 seeds to estimate"
+    if diff.mean == 0:
+        return None, "none: the measured difference is 0"
+    n = seeds_needed(diff.mean, math.sqrt(_var(diffs)))
+    return (n, f"{n} seeds") if n is not None else (None, "over 10^9 seeds")

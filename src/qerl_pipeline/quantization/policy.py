@@ -55,7 +55,6 @@ from torch import nn
 from qerl_pipeline.adapter import hf_name
 from qerl_pipeline.config import LoraConfig
 from qerl_pipeline.quantization import checkpoint, nf4, nvfp4, triton_nvfp4
-from qerl_pipeline.quantization.checkpoint import serving_dir  # noqa: F401  (public API)
 from qerl_pipeline.quantization.norms import keep_norm_weights_fp32
 
 Format = Literal["nvfp4", "nf4", "bf16"]

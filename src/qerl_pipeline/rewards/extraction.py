@@ -8,7 +8,10 @@ Faithful to the paper's reward, with these deviations:
   extracts nothing from such golds; so a gold with no ``$``/``\\boxed`` is wrapped as
   ``\\boxed{gold}``. No string fallback is kept (``fallback_mode="no_fallback"``): a gold
   that does not parse to a math object gives accuracy 0 and is reported, never a string
-  match, so an unparseable gold can never yield reward 1.0.
+  match, so an unparseable gold can never yield reward 1.0. So a bare gold with a comma
+  between two numbers (``-2,1``, ``1,22``) is a list, where the paper's parse reads a
+  decimal: MATH-500's gold ``-2,1`` is two roots, and reading it as -2.1 would let the wrong
+  answer -2.1 score 1.
 * Prediction: LaTeX extraction with ``boxed_match_priority=0`` (``\\boxed{}`` first) and
   ``try_extract_without_anchor=False`` (no anchorless fallback), the paper's
   normalisation (basic LaTeX, units, ``boxed="all"``; no nits/malformed-operator fixes),
@@ -39,9 +42,25 @@ math-verify only that, after the cheap checks of ``rewards.bounds``. In the answ
 stray NUL neither crashes the parser nor glues two numbers together), in order, the first
 that parses wins:
 
-1. the last ``\\boxed{...}`` (balanced braces): parsed as ``\\boxed{content}``, what
-   math-verify's first-match boxed priority picks; one difference: several boxes joined
-   by "and" in one ``$...$`` are not read as a set, the last box counts;
+1. the boxes (``box_group``), read as math-verify reads several boxes: the last
+   ``\\boxed{...}`` (balanced braces) and, going back from it, each earlier box that is
+   fewer than ``BOX_GAP_CHARS`` (10) characters before the box after it, or fewer than
+   ``BOX_SEPARATOR_GAP_CHARS`` (70) with "and", "or", "," or ";" between and another
+   content, or inside the math environment (``$$...$$``, ``\\[...\\]``, ``\\(...\\)``,
+   one-line ``$...$``) that holds the last box; a repeated content counts once. The
+   contents, joined by ",", are parsed as ``\\boxed{a,b}``, a set: ``\\boxed{1}, \\boxed{2}``
+   and ``$\\boxed{-2} \\quad\\text{and}\\quad \\boxed{1}$`` read {1, 2} and {-2, 1}, so a
+   hedge over several boxes does not match one of them. When the last box is malformed,
+   there is no box reading (steps 2-4 follow); boxes that do not parse give no answer.
+   With ``anchored_plain_answers``, a "final answer ... is" after the last box
+   (``FINAL_ANSWER``, math-verify's pattern: "is" within 100 characters; looked for at the
+   last ``ANCHOR_TRIES`` mentions of "final answer") is read first: the span after it as
+   in step 2 when it is a strict anchor ("The final answer is 7"), then its window as in
+   step 3; the boxes only when neither parses.
+   math-verify's default priorities rank that pattern with the box and take the later
+   one; a later "Answer: 7" ranks below the box there and here. With
+   ``anchored_plain_answers`` False (the paper's extraction, whose
+   ``boxed_match_priority=0`` ranks the box first) the box still wins;
 2. ``anchored_plain_answers`` only: the text after the last strict anchor
    (``ANSWER_ANCHOR``: "answer is", "answer:", "answer =", case-insensitive) up to the end
    of its line and its first sentence-ending period (a display ``$$...$$``/``\\[...\\]``
@@ -51,15 +70,33 @@ that parses wins:
    inside; then step 3 reads it). A plain number ("1 000 000", "42!", "**18**") is handed
    as ``answer: <number>`` to math-verify's plain-number reading. So "The answer is
    \\frac{3\\sqrt{3}}{4}." scores like its boxed form, and "The answer is 11\\sqrt2." does
-   not score as 11;
+   not score as 11. A decimal comma (``1,22``, ``-0,5``: a comma not followed by 3-digit
+   groups; ``1,234`` is a thousands separator, as in math-verify) is handed the same way,
+   and so read as a decimal as math-verify reads it, when the gold is a number that is not
+   an integer (``gold_is_decimal``: ``1.22``, ``18.0``, ``\\frac12``); a set never equals
+   such a gold, so this only turns into 1 what math-verify scores 1. Otherwise the span
+   stays a list, parsed as ``\\boxed{1,22}`` (deviation: math-verify reads 1.22 whatever the
+   gold), so "The answer is -2,1." keeps matching the list gold ``-2,1``, and an integer
+   gold is never compared with a decimal reading ("18,00" does not score against 18);
 3. a window of ``ANCHOR_WINDOW_CHARS`` from that anchor (or the last "answer" in any
-   form) to math-verify's own anchored patterns (LaTeX, and plain numbers with
-   ``anchored_plain_answers``): prose spans and the paper's extraction. math-verify reaches
-   at most 100 characters past the anchor, so the window loses only answers longer than
+   form; from "final answer" when "final " precedes it, so math-verify's "final answer ...
+   is" pattern, which reaches 100 characters, keeps working, not only its "answer"
+   pattern, which reaches 50) to math-verify's own anchored patterns (LaTeX, and plain
+   numbers with ``anchored_plain_answers``): prose spans and the paper's extraction (so
+   "Final Answer: after giving 3 apples ... Jenny keeps is 42" reads 42, not 3).
+   math-verify reaches at most 100 characters past the anchor (its "final answer ... is"
+   pattern 100 past "final answer"), so the window loses only answers longer than
    ``MAX_ANSWER_CHARS``. Windows from the last ``ANCHOR_TRIES`` strict anchors are tried,
    last first; with no strict anchor, one window from the last "answer". Deviation: an
    anchored answer further back is not seen (math-verify scans the whole text);
 4. ``answer_tag_as_boxed``: the whole tag content as ``\\boxed{content}``.
+
+The default (CPU) run's answers are not touched by the boxes, final-answer and
+decimal-comma rules: its golds are integers and its completions end with "The answer is
+N" without a box, so the first input is ``answer: N`` from the last strict anchor and
+step 3 is never reached (tests/test_answer_reading.py checks the inputs of such
+completions). tests/test_answer_reading.py compares each rule with math-verify's own
+reading of the whole completion and asserts every deviation above.
 
 Self-scoring (tests/test_gold_self_scoring.py, every gold of GSM8K test, MATH-500,
 AIME24, AMC23 in ../shared/data, in-process): as ``\\boxed{gold}``, as ``<answer>gold</answer>``
@@ -150,8 +187,29 @@ def gold_is_parseable(gold: Any) -> bool:
     return gold is not None and bool(parse_gold(str(gold)))
 
 
+@lru_cache(maxsize=4096)
+def gold_is_decimal(gold: str) -> bool:
+    """Whether ``gold`` parses to a number that is not an integer (``1.22``, ``18.0``,
+    ``\\frac12``): then a decimal comma after an anchor is read as a decimal (module docstring)."""
+    from sympy import Expr  # sympy is loaded with math-verify by parse_gold
+
+    return any(isinstance(g, Expr) and g.is_number and g.is_integer is not True for g in parse_gold(gold))
+
+
 #: A strict answer anchor: "The answer is", "the final answer is:", "Answer:", "answer =".
 ANSWER_ANCHOR = re.compile(r"\banswer\b[ \t]*(?:is\b[ \t]*:?|:|=)\s*", re.IGNORECASE)
+#: math-verify's "final answer ... is" anchor (the "is" within 100 characters of "final answer").
+FINAL_ANSWER = re.compile(r"final answer.{0,100}?\sis", re.IGNORECASE | re.DOTALL)
+_FINAL = "final "
+_FINAL_MENTION = re.compile("final answer", re.IGNORECASE)
+#: Two boxes are one answer when fewer than ``BOX_GAP_CHARS`` characters separate them, or fewer
+#: than ``BOX_SEPARATOR_GAP_CHARS`` holding a separator (math-verify's reading of several boxes).
+BOX_GAP_CHARS, BOX_SEPARATOR_GAP_CHARS = 10, 70
+_BOX_SEPARATOR = re.compile(r"\b(?:and|or)\b|[,;]")
+_SINGLE_DOLLAR = re.compile(r"(?<![\\$])\$(?!\$)")
+#: A decimal comma ("1,22", "-0,5"); a comma before 3-digit groups ("1,234") is a thousands
+#: separator and matches ``_PLAIN_NUMBER`` first.
+_DECIMAL_COMMA = re.compile(r"-?\d+,\d+")
 #: Windows tried from the last strict anchors, last first ("The answer is 7. ... Answer: yes").
 ANCHOR_TRIES = 3
 _SENTENCE_END = re.compile(r"\.(?=\s|$)")
@@ -163,15 +221,75 @@ _PLAIN_NUMBER = re.compile(r"[-+]?\$?(?:\d{1,3}(?:[ ,]\d{3})+|\d+)(?:\.\d+)?")
 _NUMBER_THEN_WORD = re.compile(r"^[-+]?\$?\d[\d,]*(?:\.\d+)?\s+[A-Za-z]")
 
 
-def _boxed_content(region: str, at: int) -> str | None:
-    r"""The content of the ``\boxed{...}`` starting at ``region[at]``, or None when malformed."""
+def _boxed_content(region: str, at: int, limit: int | None = None) -> tuple[str, int] | None:
+    r"""The content of the ``\boxed{...}`` starting at ``region[at]`` and the index past its
+    closing brace, or None when it is malformed or not closed before ``limit``."""
+    stop = len(region) if limit is None else limit
     j = at + len("\\boxed")
-    while j < len(region) and region[j].isspace():
+    while j < stop and region[j].isspace():
         j += 1
-    if j >= len(region) or region[j] != "{":
+    if j >= stop or region[j] != "{":
         return None
-    end = match_close(region, j)
-    return None if end < 0 else region[j + 1 : end - 1]
+    end = match_close(region, j, stop)
+    return None if end < 0 else (region[j + 1 : end - 1], end)
+
+
+def _math_env_start(region: str, at: int, end: int) -> int:
+    r"""Start of the math environment holding ``region[at:end]`` (``$$...$$``, ``\[...\]``,
+    ``\(...\)``, or ``$...$`` within one line), or -1 when it is in none."""
+    if region.count("$$", 0, at) % 2 and region.find("$$", end) >= 0:
+        return region.rfind("$$", 0, at)
+    for left, right in (("\\[", "\\]"), ("\\(", "\\)")):
+        opener = region.rfind(left, 0, at)
+        if opener >= 0 and region.find(right, opener, at) < 0 and region.find(right, end) >= 0:
+            return opener
+    line_start = region.rfind("\n", 0, at) + 1
+    line_end = region.find("\n", end)
+    before = [m.start() for m in _SINGLE_DOLLAR.finditer(region, line_start, at)]
+    if len(before) % 2 and _SINGLE_DOLLAR.search(region, end, len(region) if line_end < 0 else line_end):
+        return before[-1]
+    return -1
+
+
+def box_group(region: str) -> tuple[str, int] | None:
+    r"""The boxed answer of ``region`` as math-verify reads several boxes, and the index past
+    its last box; None when there is no box or the last one is malformed.
+
+    From the last ``\boxed{}`` back, an earlier box joins while the text between it and the
+    box after it is shorter than ``BOX_GAP_CHARS``, or shorter than ``BOX_SEPARATOR_GAP_CHARS``
+    with "and"/"or"/","/";" in it and a different content, or while it lies in the math
+    environment that holds the last box; a content equal to the next one counts once. The
+    contents are joined with "," (math-verify's own join), so ``\boxed{1}, \boxed{2}`` is
+    read as the set {1, 2}. Linear: each box is scanned once, only up to the box after it,
+    and collecting stops once the joined text is longer than ``MAX_ANSWER_CHARS`` (the
+    length check then rejects it).
+    """
+    at = region.rfind("\\boxed")
+    last = _boxed_content(region, at) if at >= 0 else None
+    if last is None:
+        return None
+    content, end = last
+    env_start = _math_env_start(region, at, end)
+    contents, later_at, later = [content], at, content.strip()
+    size = len(content)
+    while size <= MAX_ANSWER_CHARS:
+        prev = region.rfind("\\boxed", 0, later_at)
+        got = _boxed_content(region, prev, later_at) if prev >= 0 else None
+        if got is None:
+            break
+        text, close = got
+        gap = region[close:later_at]
+        same = text.strip() == later
+        if not (
+            0 <= env_start <= prev or len(gap) < BOX_GAP_CHARS
+            or (not same and len(gap) < BOX_SEPARATOR_GAP_CHARS and _BOX_SEPARATOR.search(gap))
+        ):
+            break
+        if not same:
+            contents.append(text)
+            size += len(text) + 1
+        later_at, later = prev, text.strip()
+    return ",".join(reversed(contents)), end
 
 
 def _strip_delimiters(span: str) -> str:
@@ -208,43 +326,77 @@ def _is_prose(span: str) -> bool:
     )
 
 
-def _prediction_inputs(completion: str, answer_tag_as_boxed: bool, anchored_plain: bool):
+def _span_inputs(region: str, at: int, decimal_gold: bool):
+    """Step 2 of the module docstring for the anchor ending at ``region[at]``."""
+    span = anchor_span(region, at)
+    number = span.rstrip("!")
+    if _PLAIN_NUMBER.fullmatch(number) or (decimal_gold and _DECIMAL_COMMA.fullmatch(number)):
+        yield "window", f"answer: {number}"  # math-verify's plain-number reading
+    elif span and not _is_prose(span):
+        yield "boxed", span
+
+
+def _window(region: str, start: int) -> str:
+    """The anchor window from ``region[start]`` (an "answer"), from "final answer" when the
+    anchor is one, so math-verify's "final answer ... is" pattern stays in reach."""
+    if region[max(0, start - len(_FINAL)) : start].lower() == _FINAL:
+        start -= len(_FINAL)
+    return region[start : start + ANCHOR_WINDOW_CHARS]
+
+
+def _final_answer_after(region: str, end: int) -> re.Match | None:
+    """The last "final answer ... is" (``FINAL_ANSWER``) after ``region[end]``, looked for at the
+    last ``ANCHOR_TRIES`` mentions of "final answer" (one literal scan, then at most
+    ``ANCHOR_TRIES`` bounded matches), or None."""
+    mentions = deque((m.start() for m in _FINAL_MENTION.finditer(region, end)), maxlen=ANCHOR_TRIES)
+    for at in reversed(mentions):
+        found = FINAL_ANSWER.match(region, at)
+        if found:
+            return found
+    return None
+
+
+def _prediction_inputs(completion: str, answer_tag_as_boxed: bool, anchored_plain: bool, decimal_gold: bool = False):
     """Yield, lazily and in order, what math-verify may be given: ``("boxed", answer)``
     (parsed as ``\\boxed{answer}``) or ``("window", text)`` (math-verify's anchored patterns)."""
     region, tagged = answer_region(completion)
     region = _CONTROL_CHARS.sub(" ", region)
-    at = region.rfind("\\boxed")
-    if at >= 0:
-        content = _boxed_content(region, at)
-        if content is not None:
-            yield "boxed", content
-            return
+    boxes = box_group(region)
+    if boxes is not None:
+        content, end = boxes
+        final = _final_answer_after(region, end) if anchored_plain else None
+        if final is not None:  # a later "final answer ... is" is read before the boxes
+            anchor = ANSWER_ANCHOR.match(region, final.start() + len(_FINAL))
+            if anchor:
+                yield from _span_inputs(region, anchor.end(), decimal_gold)
+            yield "window", region[final.start() : final.start() + ANCHOR_WINDOW_CHARS]
+        yield "boxed", content
+        return
     anchors = deque(ANSWER_ANCHOR.finditer(region), maxlen=ANCHOR_TRIES)
     if anchors and anchored_plain:
-        span = anchor_span(region, anchors[-1].end())
-        if _PLAIN_NUMBER.fullmatch(span.rstrip("!")):
-            yield "window", f"answer: {span.rstrip('!')}"  # math-verify's plain-number reading
-        elif span and not _is_prose(span):
-            yield "boxed", span
+        yield from _span_inputs(region, anchors[-1].end(), decimal_gold)
     starts = [m.start() for m in reversed(anchors)] or [region.lower().rfind("answer")]
     for start in starts:
         if start >= 0:
-            yield "window", region[start : start + ANCHOR_WINDOW_CHARS]
+            yield "window", _window(region, start)
     if tagged and answer_tag_as_boxed:
         inner = region.strip().strip("$").strip().rstrip(".").strip()
         if inner and "\\boxed" not in inner:
             yield "boxed", inner
 
 
-def prediction_trace(completion: str, answer_tag_as_boxed: bool = True, anchored_plain: bool = True) -> dict:
+def prediction_trace(
+    completion: str, answer_tag_as_boxed: bool = True, anchored_plain: bool = True, decimal_gold: bool = False
+) -> dict:
     """Extraction with its record: ``{parsed, rejected, inputs}``. ``inputs`` lists what was
     handed to math-verify, in order, as ``(kind, text)``: kind ``boxed`` is parsed as
     ``\\boxed{text}``, kind ``window`` as is. ``rejected`` names the check the next input
-    failed (a rejected input never reaches math-verify), else None."""
+    failed (a rejected input never reaches math-verify), else None. ``decimal_gold``
+    (``gold_is_decimal``) reads a decimal comma after an anchor as a decimal."""
     mv = _math_verify()
     cfg = _prediction_config(anchored_plain)
     inputs: list[tuple[str, str]] = []
-    for kind, text in _prediction_inputs(completion, answer_tag_as_boxed, anchored_plain):
+    for kind, text in _prediction_inputs(completion, answer_tag_as_boxed, anchored_plain, decimal_gold):
         text = normalise_tex_shorthand(text)
         reason = bounds_violation(text, MAX_ANSWER_CHARS if kind == "boxed" else ANCHOR_WINDOW_CHARS)
         if reason:
@@ -270,7 +422,8 @@ def score_accuracy(completion: str, gold: str, answer_tag_as_boxed: bool = True,
     only the worker's time limit bounds the time: call it directly on trusted inputs.
     """
     gold_parsed = parse_gold(str(gold))
-    trace = prediction_trace(completion, answer_tag_as_boxed, anchored_plain)
+    decimal_gold = bool(gold_parsed) and anchored_plain and gold_is_decimal(str(gold))
+    trace = prediction_trace(completion, answer_tag_as_boxed, anchored_plain, decimal_gold)
     pred = trace["parsed"]
     extracted = str(pred[0])[:EXTRACTED_MAX_CHARS] if pred else None
     accuracy = 0.0

@@ -23,12 +23,13 @@ OPEN_BRACKETS, CLOSE_BRACKETS = "{([", "})]"
 _SHORTHAND = re.compile(r"\\(?:[dt]?frac|sqrt)(?![a-zA-Z])")
 
 
-def _partner(text: str, i: int) -> int:
-    """Index of the bracket matching ``text[i]`` (forward from an opener, backward from a
-    closer, same family), or -1 when there is none."""
+def _partner(text: str, i: int, limit: int | None = None) -> int:
+    """Index of the bracket matching ``text[i]`` (forward from an opener, before ``limit``;
+    backward from a closer; same family), or -1 when there is none."""
     mine = text[i]
     if mine in OPEN_BRACKETS:
-        other, step, stop = CLOSE_BRACKETS[OPEN_BRACKETS.index(mine)], 1, len(text)
+        end = len(text) if limit is None else min(limit, len(text))
+        other, step, stop = CLOSE_BRACKETS[OPEN_BRACKETS.index(mine)], 1, end
     else:
         other, step, stop = OPEN_BRACKETS[CLOSE_BRACKETS.index(mine)], -1, -1
     depth = 0
@@ -43,9 +44,10 @@ def _partner(text: str, i: int) -> int:
     return -1
 
 
-def match_close(text: str, i: int) -> int:
-    """Index just past the bracket group opening at ``text[i]``, or -1 if unclosed."""
-    j = _partner(text, i)
+def match_close(text: str, i: int, limit: int | None = None) -> int:
+    """Index just past the bracket group opening at ``text[i]``, or -1 if it is not closed
+    before ``limit`` (default: the end of ``text``)."""
+    j = _partner(text, i, limit)
     return j + 1 if j >= 0 else -1
 
 

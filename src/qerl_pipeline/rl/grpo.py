@@ -1,4 +1,4 @@
-"""GRPO / DAPO / Dr. GRPO as pure functions on tensors.
+"""GRPO and its relatives (TRL 1.16's ``loss_type`` zoo) as pure functions on tensors.
 
 Shapes: a rollout batch has ``N = num_prompts * G`` completions, grouped consecutively
 (rows ``g*G .. g*G+G-1`` answer prompt ``g``). Per-token tensors are ``[N, T]`` over the
@@ -13,9 +13,24 @@ completion tokens, with a float ``mask`` (1 = token counts in the loss).
   sampling weights, plus ``kl_beta * KL(pi || pi_ref)`` (k3 estimator
   ``exp(ref - logp) - (ref - logp) - 1``, the base model without LoRA being the reference).
 - ``aggregate``: how per-token losses become one number: ``sequence`` (mean over each
-  sequence's tokens, then over sequences: GRPO), ``token`` (sum over all tokens / number of
-  tokens: DAPO / BNPO), ``dr_grpo`` (sum / (num_sequences * max_new_tokens)). The counts are
-  passed in so that micro-batches of one batch add up exactly to the full-batch loss.
+  sequence's tokens, then over sequences: GRPO, SAPO), ``token`` (sum over all tokens of the
+  batch / their number: DAPO, CISPO, VESPO), ``micro_batch`` (each micro-batch's token mean,
+  averaged over the micro-batches: BNPO as TRL defines it; equal to ``token`` with one
+  micro-batch), ``dr_grpo`` (sum / (num_sequences * max_new_tokens)), ``sequence_sum`` (sum
+  over each sequence's tokens, mean over sequences: LUSPO). The batch's counts are passed in
+  so that the micro-batches of one batch add up to the batch's loss as TRL's gradient
+  accumulation does.
+- ``loss_type`` (``LOSS_TYPES``, TRL 1.16's names; ``LOSS_AGGREGATION`` maps each to its
+  reduction): ``grpo``/``bnpo``/``dr_grpo``/``dapo``/``luspo`` share the clipped surrogate
+  below and differ in the reduction; ``cispo`` (MiniMax-M1, arXiv 2506.13585; ScaleRL's
+  choice, arXiv 2510.13786) is ``-sg(min(rho, clip_max)) A logp``: the clipped ratio is a
+  detached weight on the REINFORCE term, so clipped tokens keep a gradient; ``sapo`` (SAPO,
+  arXiv 2511.20347) replaces the clip by a soft gate ``-(4/tau) sigmoid(tau (rho - 1)) A``
+  (``tau`` per sign of A); ``luspo`` (LUSPO, arXiv 2602.05261) is GSPO's objective with each
+  sequence's loss scaled by its length; ``vespo`` (VESPO, arXiv 2602.10693) is
+  ``-sg(phi(w)) A logp`` with ``phi(w) = exp(lambda) w^k exp(-lambda w)`` of the sequence
+  ratio ``w = exp(sum_t (logp - old_logp))`` times the token IS weights (``vespo_weights``),
+  which therefore do not multiply its loss. ``LossParams`` holds their coefficients.
 - ``is_weights``: importance sampling for the rollout/trainer mismatch (vLLM's log-probs
   differ from the trainer's, more so on a quantized base), under TRL 1.x's names
   (``vllm_importance_sampling_mode``): the ratio ``rho = pi_old_trainer / pi_rollout`` per
@@ -53,11 +68,19 @@ completion tokens, with a float ``mask`` (1 = token counts in the loss).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import torch
 
-Aggregation = str  # "sequence" | "token" | "dr_grpo"
+Aggregation = str  # "sequence" | "token" | "micro_batch" | "dr_grpo" | "sequence_sum"
+
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+#: each loss type's reduction (``aggregate``'s ``how``), as TRL 1.16's ``_compute_loss`` reduces it
+LOSS_AGGREGATION: dict[str, Aggregation] = {
+    "grpo": "sequence", "sapo": "sequence", "bnpo": "micro_batch", "dr_grpo": "dr_grpo",
+    "dapo": "token", "cispo": "token", "vespo": "token", "luspo": "sequence_sum",
+}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
@@ -115,11 +138,14 @@ def aggregate(
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     max_len: int | None = None,
+    num_micro_batches: int = 1,
 ) -> torch.Tensor:
     """Reduce ``[N, T]`` per-token values to a scalar.
 
-    ``num_sequences``/``num_tokens`` are the full batch's counts (default: this tensor's own);
-    summing the results over the micro-batches of one batch gives the full-batch value.
+    ``num_sequences``/``num_tokens`` are the full batch's counts (default: this tensor's own),
+    ``num_micro_batches`` the number of micro-batches the batch is split into (over every
+    data-parallel rank; ``micro_batch`` only); summing the results over the micro-batches of
+    one batch gives the batch's value.
     """
     n_seq = per_token.shape[0] if num_sequences is None else num_sequences
     masked = per_token * mask
@@ -129,10 +155,14 @@ def aggregate(
     if how == "token":
         n_tok = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=per_token.dtype)
         return masked.sum() / torch.clamp(n_tok, min=1.0)
+    if how == "micro_batch":
+        return masked.sum() / mask.sum().clamp(min=1.0) / num_micro_batches
     if how == "dr_grpo":
         length = per_token.shape[1] if max_len is None else max_len
         return masked.sum() / (n_seq * length)
-    raise ValueError(f"grpo.loss_aggregation: unknown {how!r} (sequence | token | dr_grpo)")
+    if how == "sequence_sum":
+        return masked.sum() / n_seq
+    raise ValueError(f"aggregate: unknown reduction {how!r} (sequence | token | micro_batch | dr_grpo | sequence_sum)")
 
 
 IS_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
@@ -242,9 +272,63 @@ def mismatch_kl(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: to
     return float((per_tok * mask.double()).sum() / mask.double().sum().clamp(min=1.0))
 
 
+@dataclass(frozen=True)
+class LossParams:
+    """The coefficients of the loss types beyond the clipped surrogate (TRL 1.16's defaults).
+
+    ``cispo_clip_max``: CISPO's upper bound of the ratio weight (ScaleRL's epsilon_max; TRL reads
+    ``epsilon_high`` as this bound under cispo); ``sapo_temperature_pos``/``_neg``: SAPO's gate
+    temperatures for A > 0 / A <= 0; ``vespo_k_*``/``vespo_lambda_*``: VESPO's Gamma exponent and
+    decay for A >= 0 (``pos``) / A < 0 (``neg``).
+    """
+
+    cispo_clip_max: float = 5.0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @classmethod
+    def of(cls, section) -> LossParams:
+        """The fields of the same names from ``section`` (``config.GRPOConfig``)."""
+        return cls(**{f.name: getattr(section, f.name) for f in fields(cls)})
+
+
+#: VESPO's bounds of log-ratios: log(1e-8) below (as its reference implementation), 20 above
+VESPO_LOG_MIN, VESPO_LOG_MAX = math.log(1e-8), 20.0
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                  is_weights: torch.Tensor | None, params: LossParams) -> torch.Tensor:
+    """VESPO's Gamma weights ``phi(w) = exp(lambda + k log w - lambda w)`` ``[N, 1]`` (detached; phi(1) = 1).
+
+    ``log_ratio`` ``[N, T]``: ``logp - old_logp`` per token, each clamped to +-20; ``w`` is the
+    sequence ratio ``exp(sum_t log_ratio)`` times the product of the token importance weights
+    ``is_weights`` (``[N, T]``, token modes only; their logs clamped to [log 1e-8, 20]),
+    ``log w`` clamped to [log 1e-8, 20]. ``k``/``lambda`` by the sign of ``advantages``
+    (``[N, 1]``; ``>= 0`` takes ``*_pos``). Sums run over the real tokens (mask 1) only: TRL
+    adds the IS weights' logs over the padding too, where they are 1 (log 0) unless
+    ``is_lower > 1`` masks padding. Non-finite weights become 0, as TRL.
+    """
+    seq = (log_ratio.detach().clamp(-20.0, 20.0) * mask).sum(dim=1, keepdim=True)
+    if is_weights is not None:
+        seq = seq + (torch.log(is_weights.detach()).clamp(VESPO_LOG_MIN, VESPO_LOG_MAX) * mask).sum(dim=1, keepdim=True)
+    log_w = seq.clamp(VESPO_LOG_MIN, VESPO_LOG_MAX)
+    pos = advantages >= 0
+    k = torch.where(pos, params.vespo_k_pos, params.vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(pos, params.vespo_lambda_pos, params.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 @dataclass
 class LossStats:
-    """Diagnostics of one policy-loss evaluation (token means over the mask)."""
+    """Diagnostics of one policy-loss evaluation (token means over the mask).
+
+    Clipped tokens: those where a hard clip is active (the clipped surrogate's, or CISPO's
+    upper bound with A > 0); SAPO and VESPO have no hard clip (0)."""
 
     clip_fraction: float
     clip_low_fraction: float
@@ -262,24 +346,36 @@ def policy_loss(
     *,
     eps_low: float,
     eps_high: float,
-    aggregation: Aggregation = "token",
+    loss_type: str = "dapo",
     is_weights: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     kl_beta: float = 0.0,
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     max_len: int | None = None,
+    num_micro_batches: int = 1,
     level: str = "token",
     kl_bias_correction: bool = False,
     token_select: torch.Tensor | None = None,
+    params: LossParams | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Clipped-ratio policy loss (+ optional KL to the reference) and its diagnostics.
+    """The policy loss of ``loss_type`` (``LOSS_TYPES``; + optional KL to the reference) and its diagnostics.
 
-    ``logp``/``old_logp``/``ref_logp``/``is_weights``/``token_select``/``mask``: ``[N, T]``;
-    ``advantages``: ``[N]``. ``level``: ``token`` (PPO/GRPO ratios) or ``sequence`` (GSPO).
-    A token is "clipped" when the clip is the active branch of the min: ratio below
+    ``logp``/``old_logp``/``ref_logp``/``is_weights``/``token_select``/``entropy``/``mask``:
+    ``[N, T]``; ``advantages``: ``[N]``. ``level``: ``token`` (PPO/GRPO ratios) or ``sequence``
+    (GSPO). ``is_weights`` multiply the per-token loss, except VESPO's, which folds them into its
+    weights (token weights only: ``config.GRPOConfig`` refuses sequence IS modes with vespo). A
+    token is "clipped" when the clip is the active branch of the min: ratio below
     ``1 - eps_low`` with A < 0, or above ``1 + eps_high`` with A > 0 (its gradient is zero).
+    ``entropy`` (differentiable) with ``entropy_coef != 0``: minus ``entropy_coef`` times the
+    micro-batch's mean entropy over the selected real tokens, divided by ``num_micro_batches``
+    (TRL's entropy bonus, the same for every loss type).
     """
+    if loss_type not in LOSS_AGGREGATION:
+        raise ValueError(f"grpo.loss_type: unknown {loss_type!r} ({' | '.join(LOSS_TYPES)})")
+    p = params or LossParams()
     adv = advantages.to(logp.dtype).unsqueeze(1)
     log_ratio = logp - old_logp.detach()
     if level == "sequence":  # GSPO: the length-normalised sequence ratio, one per row
@@ -289,12 +385,23 @@ def policy_loss(
         ratio = torch.exp(log_ratio)
     else:
         raise ValueError(f"grpo.importance_sampling_level: unknown {level!r} (token | sequence)")
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    low = high = None
+    if loss_type == "cispo":
+        per_token = -ratio.clamp(max=p.cispo_clip_max).detach() * adv * logp
+        high = (ratio > p.cispo_clip_max) & (adv > 0)
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, p.sapo_temperature_pos, p.sapo_temperature_neg).to(logp.dtype)
+        per_token = -(torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau) * adv
+    elif loss_type == "vespo":
+        per_token = -vespo_weights(log_ratio, mask, adv, is_weights, p) * adv * logp
+    else:
+        unclipped = ratio * adv
+        clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+        per_token = -torch.minimum(unclipped, clipped)
+        low, high = (ratio < 1.0 - eps_low) & (adv < 0), (ratio > 1.0 + eps_high) & (adv > 0)
     if token_select is not None:
         per_token = per_token * token_select.detach()
-    if is_weights is not None:
+    if is_weights is not None and loss_type != "vespo":
         per_token = per_token * is_weights.detach()
     kl_val = None
     if ref_logp is not None:
@@ -302,10 +409,15 @@ def policy_loss(
         if kl_beta > 0:
             per_token = per_token + kl_beta * (kl_tok * ratio if kl_bias_correction else kl_tok)
         kl_val = float((kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1.0))
-    loss = aggregate(per_token, mask, aggregation, num_sequences=num_sequences, num_tokens=num_tokens, max_len=max_len)
+    loss = aggregate(per_token, mask, LOSS_AGGREGATION[loss_type], num_sequences=num_sequences, num_tokens=num_tokens,
+                     max_len=max_len, num_micro_batches=num_micro_batches)
+    if entropy is not None and entropy_coef != 0.0:
+        chosen = mask if token_select is None else mask * token_select.detach()
+        loss = loss - entropy_coef * (entropy * chosen).sum() / chosen.sum().clamp(min=1.0) / num_micro_batches
     with torch.no_grad():
-        low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype) * mask
-        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(mask.dtype) * mask
+        none = torch.zeros_like(mask)
+        low = none if low is None else low.to(mask.dtype) * mask
+        high = none if high is None else high.to(mask.dtype) * mask
         n = mask.sum().clamp(min=1.0)
         stats = LossStats(
             clip_fraction=float((low + high).sum() / n),

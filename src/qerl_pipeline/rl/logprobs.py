@@ -44,8 +44,13 @@ inputs' dtype, as ``lm_head`` does (so bf16 logits are rounded to bf16 exactly a
 ``lm_head(h).float()``), everything after it in fp32 (fp64 for fp64 inputs, which
 ``torch.autograd.gradcheck`` uses). Chunked matmuls and a different order of the
 reductions can change the last bits. Mixed input dtypes are computed in their promoted
-dtype (``torch.promote_types``). The entropy is detached (no gradient); double backward
-is not supported.
+dtype (``torch.promote_types``). Double backward is not supported.
+
+The entropy is detached unless ``entropy_grad`` (an entropy bonus in the loss): then its
+gradient joins the log-prob's in the same backward pass, per chunk
+``dH/dz = -p * (log p + H) / temperature`` (``H`` the row's entropy, saved from the
+forward; ``p log p`` as ``xlogy`` on kept chunks, so a probability that underflowed to 0
+adds 0), at the cost of one more fp32 ``[chunk_tokens, V]`` buffer.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ def _chunk_logits(h_c, weight, bias, temperature: float, acc: torch.dtype) -> to
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, keep_bytes):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, keep_bytes, entropy_grad):
         # hidden [N, H], weight [V, H], bias [V] | None, targets [N] (long)
         cdt = weight.dtype
         acc = _acc_dtype(cdt)
@@ -104,20 +109,25 @@ class _TokenLogprobs(torch.autograd.Function):
                 budget -= p.numel() * p.element_size()
             zmax[s:e], logsum[s:e] = m.squeeze(1), ls.squeeze(1)
             del z, p
-        ctx.save_for_backward(hidden, weight, bias, targets, zmax, logsum)
+        ctx.save_for_backward(hidden, weight, bias, targets, zmax, logsum, entropy if entropy_grad else None)  # the planner counts it only then
         ctx.temperature = temperature
         ctx.chunk = chunk
         ctx.kept = kept
-        ctx.mark_non_differentiable(entropy)
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, bias, targets, zmax, logsum = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, zmax, logsum, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if grad_logp is None or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None
+        gh_all = grad_entropy.to(zmax.dtype) if ctx.entropy_grad and grad_entropy is not None else None
+        if (grad_logp is None and gh_all is None) or not (need_h or need_w or need_b):
+            return None, None, None, None, None, None, None, None
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(zmax)
         t, chunk = ctx.temperature, ctx.chunk
         acc = zmax.dtype
         cdt = weight.dtype
@@ -129,6 +139,8 @@ class _TokenLogprobs(torch.autograd.Function):
         g_all = grad_logp.to(acc)
         kept = ctx.kept  # freed with the graph (a retained graph's next backward reuses them: same result)
         live = g_all != 0  # masked / padded positions contribute nothing
+        if gh_all is not None:
+            live |= gh_all != 0
         # the forward's chunks whose softmax was kept (their live rows), then the other live rows, recomputed
         work: list[tuple[torch.Tensor, int | None]] = []  # (rows, start of their kept chunk or None)
         todo = live.clone()
@@ -142,7 +154,19 @@ class _TokenLogprobs(torch.autograd.Function):
                 continue
             h_c = hidden.index_select(0, r).to(cdt)
             g = g_all.index_select(0, r).unsqueeze(1)  # [c, 1]
-            if s is not None:  # the kept softmax's live rows (a fresh copy: the kept one stays as saved)
+            if gh_all is not None:  # -g p - gh p (log p + H) = -p (g + gh H) - gh p log p
+                gh = gh_all.index_select(0, r).unsqueeze(1)
+                if s is not None:
+                    p = kept[s].index_select(0, r - s)
+                    plogp = torch.xlogy(p, p)
+                else:
+                    z = _chunk_logits(h_c, weight, bias, t, acc)
+                    z.sub_(zmax.index_select(0, r).unsqueeze(1)).sub_(logsum.index_select(0, r).unsqueeze(1))  # log p
+                    p = torch.exp(z)
+                    plogp = z.mul_(p)
+                dz = p.mul_((g + gh * entropy.index_select(0, r).unsqueeze(1)).neg_()).sub_(plogp.mul_(gh))
+                del p, plogp
+            elif s is not None:  # the kept softmax's live rows (a fresh copy: the kept one stays as saved)
                 dz = kept[s].index_select(0, r - s).mul_(g.neg())  # -g * p
             else:
                 z = _chunk_logits(h_c, weight, bias, t, acc)
@@ -163,7 +187,7 @@ class _TokenLogprobs(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if need_b:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def token_logprobs(
@@ -175,6 +199,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     keep_bytes: int = DEFAULT_KEEP_BYTES,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target and the entropy, under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -183,7 +208,7 @@ def token_logprobs(
     ``bias`` ``[V]``): the lm_head. Returns ``(logp, entropy)``, both shaped like
     ``targets``, in fp32 (fp64 for fp64 inputs). ``logp`` is differentiable w.r.t.
     ``hidden``, and w.r.t. ``weight``/``bias`` when they require grad; ``entropy`` is
-    detached. Positions are processed ``chunk_tokens`` rows at a time, so the extra
+    detached unless ``entropy_grad`` (then differentiable the same way). Positions are processed ``chunk_tokens`` rows at a time, so the extra
     memory is O(chunk_tokens x V), plus up to ``keep_bytes`` of softmax chunks kept for
     backward instead of recomputed (see the module docstring).
     """
@@ -212,5 +237,6 @@ def token_logprobs(
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     if int(keep_bytes) < 0:
         raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
-    logp, entropy = _TokenLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature), int(chunk_tokens), int(keep_bytes))
+    logp, entropy = _TokenLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature), int(chunk_tokens), int(keep_bytes),
+                                         bool(entropy_grad))
     return logp.view(targets.shape), entropy.view(targets.shape)

@@ -4,11 +4,9 @@ Plain functions the loop in ``rl/trainer.py`` calls in order (rollout -> reward 
 advantages -> update); each is usable alone (``benchmarking/training.py`` times
 ``policy_update`` on a fixed batch).
 
-Rewards: by default ``RewardScorer`` (math-verify accuracy + format). ``train.reward_fn``
-(or ``train(..., reward_fn=...)``) replaces it with any function
-``f(completions, golds, samples) -> list[dict]`` (the library hook for custom rewards, as
-TRL's ``reward_funcs``); ``FunctionScorer`` adapts it to the scorer interface and fills
-missing ``accuracy``/``format`` with 0.
+Rewards: the scorer ``rewards.functions.make_scorer`` builds from ``train.reward_fn``: the math
+``RewardScorer`` by default, a user function, or the weighted sum of a list of them (as TRL's
+``reward_funcs``/``reward_weights``); ``collect`` calls it with the rollout samples.
 
 Log-probs are computed from the decoder's hidden states at the completion positions
 only (right-padded batch), divided by the sampling temperature, which is what vLLM
@@ -23,9 +21,7 @@ optimizer update, so the newest checkpoint stays the last good state.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,63 +97,11 @@ class PromptSampler:
 
 
 # ----------------------------------------------------------------- rewards
-RewardFn = Callable[[list[str], list[str], list], list[dict]]
-
-
-def load_reward_fn(path: str) -> RewardFn:
-    """The function at ``"package.module:function"`` (or ``"package.module.function"``)."""
-    module, sep, name = path.partition(":")
-    if not sep:
-        module, _, name = path.rpartition(".")
-    if not module or not name:
-        raise ValueError(f"train.reward_fn {path!r}: expected 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"train.reward_fn {path!r} cannot be imported: {exc}") from exc
-    if not callable(fn):
-        raise TypeError(f"train.reward_fn {path!r} is not callable")
-    return fn
-
-
-class FunctionScorer:
-    """A custom reward function behind ``RewardScorer``'s ``score``/``close`` interface."""
-
-    def __init__(self, fn: RewardFn):
-        self.fn = fn
-
-    def score(self, completions: list[str], golds: list[str], samples: list | None = None) -> list[dict]:
-        out = self.fn(list(completions), list(golds), list(samples or []))
-        if len(out) != len(completions):
-            raise ValueError(f"reward_fn returned {len(out)} rewards for {len(completions)} completions")
-        rows = []
-        for i, x in enumerate(out):
-            x = {"reward": float(x)} if isinstance(x, (int, float)) else dict(x)
-            if "reward" not in x:
-                raise KeyError(f"reward_fn result {i} has no 'reward' key: {x!r}")
-            x["reward"] = float(x["reward"])
-            x.setdefault("accuracy", 0.0)
-            x.setdefault("format", 0.0)
-            rows.append(x)
-        return rows
-
-    def close(self) -> None:
-        pass
-
-
-def make_scorer(cfg: QerlConfig, reward_fn: RewardFn | str | None = None):
-    """``reward_fn`` (a callable or import path), else ``train.reward_fn``, else the math ``RewardScorer``."""
-    reward_fn = reward_fn or cfg.train.reward_fn
-    if reward_fn is None:
-
-        return RewardScorer(cfg.reward)
-    return FunctionScorer(load_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn)
-
-
 def _score(scorer, texts: list[str], golds: list[str], samples: list) -> list[dict]:
-    if isinstance(scorer, FunctionScorer):
-        return scorer.score(texts, golds, samples)
-    return scorer.score(texts, golds)
+    """``scorer``'s rows for the completions; the math ``RewardScorer`` takes no samples, user rewards do."""
+    if isinstance(scorer, RewardScorer):
+        return scorer.score(texts, golds)
+    return scorer.score(texts, golds, samples)
 
 
 def _mean(values) -> float:
@@ -184,9 +128,11 @@ def collate(samples: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def completion_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int, temperature: float,
-    *, share_prompts: bool = True,
+    *, share_prompts: bool = True, entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs ``[n, T]`` of the completion tokens and the policy entropy ``[n, T]`` (detached).
+    """Per-token log-probs ``[n, T]`` of the completion tokens and the policy entropy ``[n, T]``.
+
+    The entropy is detached unless ``entropy_grad`` (``grpo.entropy_coef != 0``: the loss's entropy bonus).
 
     ``model``: a (PEFT-wrapped) causal LM; lm_head runs only on the ``T`` positions that
     predict completion tokens. ``share_prompts`` (``train.share_prompt_forward``): rows
@@ -211,11 +157,11 @@ def completion_logprobs(
     if type(head) is not torch.nn.Linear:  # a wrapped head (LoRA on lm_head, ...): its own forward, [n, T, V]
         logits = head(hidden).float() / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
     # chunked: log-softmax at the targets and the entropy without materialising [n, T, V] (rl/logprobs.py)
-    return token_logprobs(hidden, head.weight, targets, bias=head.bias, temperature=temperature)
+    return token_logprobs(hidden, head.weight, targets, bias=head.bias, temperature=temperature, entropy_grad=entropy_grad)
 
 
 # ------------------------------------------------------------ rollout + update
@@ -382,6 +328,11 @@ def policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int, 
     A token whose vLLM log-prob is missing (NaN) gets pi_old as its rollout log-prob, so its
     importance ratio is 1 in every update of the batch.
 
+    The loss is ``grpo.loss_type``'s with the global batch's counts (sequences, tokens,
+    micro-batches over every rank: bnpo's and the entropy bonus's divisor), so the micro-batches
+    add up as TRL's gradient accumulation does; with ``grpo.entropy_coef != 0`` the entropy of
+    each forward is differentiable and its bonus enters the loss.
+
     ``dist`` (``rl/dist.py``'s ``Dist``; None = one process): this rank's rows are its
     share of the global batch; the normalisers (sequences, tokens), the entropy threshold, the
     gradients (summed before clipping) and every returned statistic are the global batch's.
@@ -402,6 +353,9 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
     mb = tc.micro_batch_size
     share = tc.share_prompt_forward
     chunks = [slice(i, min(n_local, i + mb)) for i in range(0, n_local, mb)]
+    n_mb = int(d.sum(len(chunks)))  # micro-batches of the global batch (bnpo's and the entropy bonus's divisor)
+    loss_params = grpo.LossParams.of(gc)
+    want_entropy_grad = gc.entropy_coef != 0.0
     old_logp: dict[int, torch.Tensor] = {}
     is_w: dict[int, torch.Tensor | None] = {}
     select: dict[int, torch.Tensor] = {}
@@ -438,8 +392,10 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
         total = 0.0
         with aqn.noisy_norms(norm_params, noisy):
             for k, sl in enumerate(chunks):
-                logp, ent = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share)
+                logp, ent = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share,
+                                                entropy_grad=want_entropy_grad)
                 logp = logp.cpu() if logp.device.type != "cpu" else logp
+                ent = ent.cpu() if ent.device.type != "cpu" else ent
                 m = mask[sl]
                 if u == 0:
                     if k not in old_logp:
@@ -447,7 +403,7 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
                     roll = roll_logp[sl]
                     roll_filled = torch.where(torch.isfinite(roll), roll, old_logp[k])  # missing: ratio 1
                     w = m.sum().clamp(min=1.0) / max(n_tok, 1.0)
-                    stats_acc["entropy"] += float((ent.cpu() * m).sum() / m.sum().clamp(min=1.0)) * float(w)
+                    stats_acc["entropy"] += float((ent.detach() * m).sum() / m.sum().clamp(min=1.0)) * float(w)
                     stats_acc["mismatch_kl"] += grpo.mismatch_kl(roll_filled, old_logp[k], m) * float(w)
                     is_w[k], st_is = grpo.is_weights(old_logp[k], roll_filled, m, gc.is_mode, gc.is_cap, gc.is_lower)
                     if st_is is not None:
@@ -455,9 +411,11 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
                         stats_acc["is_weight"] += float((is_w[k] * m).sum()) / max(n_tok, 1.0)
                 loss, st = grpo.policy_loss(
                     logp, old_logp[k], adv[sl], m, eps_low=gc.clip_eps_low, eps_high=gc.clip_eps_high,
-                    aggregation=gc.loss_aggregation, is_weights=is_w[k], ref_logp=ref_logp.get(k), kl_beta=gc.kl_beta,
-                    num_sequences=n, num_tokens=n_tok, max_len=rc.max_new_tokens, level=gc.importance_sampling_level,
-                    kl_bias_correction=gc.kl_bias_correction, token_select=select.get(k),
+                    loss_type=gc.loss_type, is_weights=is_w[k], ref_logp=ref_logp.get(k), kl_beta=gc.kl_beta,
+                    num_sequences=n, num_tokens=n_tok, max_len=rc.max_new_tokens, num_micro_batches=n_mb,
+                    level=gc.importance_sampling_level, kl_bias_correction=gc.kl_bias_correction,
+                    token_select=select.get(k), params=loss_params, entropy=ent if want_entropy_grad else None,
+                    entropy_coef=gc.entropy_coef,
                 )
                 if not torch.isfinite(loss):
                     raise TrainingDiverged(
@@ -508,6 +466,7 @@ def completion_rows(groups, rewards, items, info, step: int) -> list[dict]:
                 "step": step, "prompt_id": item.record.get("id"), "question": item.record.get("question", ""),
                 "gold": item.gold, "completion": s.text, "reward": x["reward"], "accuracy": x["accuracy"],
                 "extracted": x.get("extracted"), "length": len(s.completion_ids), "finish_reason": s.finish_reason,
+                **({"rewards": x["rewards"]} if "rewards" in x else {}),
             })
             k += 1
     return rows

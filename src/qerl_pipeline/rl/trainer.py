@@ -17,7 +17,7 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
    ``reward/kept_mean``/``kept_accuracy``/``kept_format`` are over the groups trained on
    (``groups/sampled``, ``groups/kept`` count them). Without dynamic sampling both agree.
 3. Rewards (``RewardScorer``, or a custom ``reward_fn``: argument or ``train.reward_fn``
-   import path, see ``step.make_scorer``) + optional overlong shaping; group advantages.
+   import path or a weighted list, see ``rewards/functions.py``) + optional overlong shaping; group advantages.
 4. ``updates_per_rollout`` optimizer steps over the batch (micro-batches, gradient
    accumulation); forward and backward inside ``aqn.noisy_norms`` so the trainer's
    log-probs are those of the policy that generated the batch, ``optimizer.step()``
@@ -39,15 +39,17 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
 The step's parts (prompts, rollout + rewards, log-probs, the update) live in
 ``rl/step.py``; this module is the loop, the optimizer, adapters and run control.
 
-Resume: the newest checkpoint of ``<output_dir>/<method>`` restores trainable tensors,
-optimizer, scheduler, RNG, data cursor and the MLflow run id; metrics go on in that run.
+Resume: the newest intact checkpoint of ``<output_dir>/<method>`` (``open_run_dir``) restores
+trainable tensors, optimizer, scheduler, RNG, data cursor and the MLflow run id; metrics go on in that run.
 A fresh run never mixes with an earlier one's files: the earlier folder is moved aside
 first (``open_run_dir``).
 Every random draw is a function of ``(seed, step)`` (sampling seeds, AQN noise, data
 order), so a resumed run reproduces the uninterrupted one.
 
 A NaN/Inf loss raises ``TrainingDiverged`` naming the step before any optimizer update,
-so the newest checkpoint is the last good state; the run is marked FAILED in MLflow.
+so the newest checkpoint is the last good state. A loop that ends early marks its MLflow run
+(``tracking.mark_ended``): FAILED with the error's one-line summary, or KILLED (Ctrl-C, SIGTERM)
+with the signal, both with the last completed step.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from qerl_pipeline.quantization import aqn
 from qerl_pipeline.quantization.norms import check_noise_precision, sigma_effective
 from qerl_pipeline.quantization.policy import build_policy
 from qerl_pipeline.quantization.store import read_stamp
+from qerl_pipeline.rewards.functions import RewardFn, make_scorer, reward_component_metrics
 from qerl_pipeline.rl import checkpoint as ckpt
 from qerl_pipeline.rl import grpo
 from qerl_pipeline.rl.dist import SINGLE, rank_device
@@ -84,13 +87,10 @@ from qerl_pipeline.rl.step import (
     Batch,
     Optim,
     PromptSampler,
-    RewardFn,
-    TrainingDiverged,
     _mean,
     collate,
     collect,
     completion_rows,
-    make_scorer,
     policy_update,
     tokenize_prompts,
 )
@@ -128,7 +128,9 @@ def open_run_dir(cfg: QerlConfig, output_dir: str | Path | None = None) -> tuple
     The rule: one run folder ``<output_dir>/<method>`` holds one run (one lineage of steps).
 
     - Resume (``train.resume: true`` and ``run_dir`` holds a complete checkpoint): the folder
-      is kept as it is and the newest checkpoint is resumed (unchanged behaviour).
+      is kept as it is and the newest intact checkpoint is resumed (``checkpoint.find_resumable``:
+      damaged newer ones are named in the log, then kept as ``step-NNNNNN.damaged`` and tagged
+      ``qerl.resume_fallback`` by ``train``; none intact: ``CheckpointDamaged``).
     - Fresh run (``train.resume: false``, or no complete checkpoint) over a folder that holds
       anything (an earlier run, finished or not, or one killed before its first checkpoint):
       the folder is moved aside, renamed to the sibling
@@ -143,11 +145,12 @@ def open_run_dir(cfg: QerlConfig, output_dir: str | Path | None = None) -> tuple
       run folder; checkpoints keep their ``keep_last`` (``checkpoint.save_checkpoint``).
     """
     run_dir = run_dir_for(cfg, output_dir)
-    latest = ckpt.find_latest(run_dir) if cfg.train.resume else None
+    latest = ckpt.find_resumable(run_dir) if cfg.train.resume else None
     why = "train.resume is false" if not cfg.train.resume else "it holds no complete checkpoint to resume"
     if latest is not None:
         stored = ckpt.peek_state(latest).get("config")
-        changed = config_changes(stored, resume_config(cfg)) if stored is not None else []
+        defaults = resume_config(QerlConfig.model_validate({"method": cfg.method}))
+        changed = config_changes(stored, resume_config(cfg), defaults) if stored is not None else []
         if changed:
             latest = None
             shown = ", ".join(changed[:6]) + (f" (+{len(changed) - 6} more)" if len(changed) > 6 else "")
@@ -164,8 +167,9 @@ def open_run_dir(cfg: QerlConfig, output_dir: str | Path | None = None) -> tuple
 #: sections training never reads. Any other difference makes the checkpoint another run.
 RESUMABLE_CHANGES = ("train.steps", "train.resume", "train.checkpoint_every", "train.log_completions_every",
                      "train.output_dir", "train.nproc", "train.nnodes", "train.node_rank", "train.master_addr",
-                     "train.master_port", "quantize.force", "rollout.shared_engines", "rollout.gpu_memory_utilization",
-                     "rollout.sleep_between_steps", "rollout.sleep_level", "reward.max_workers", "evaluate", "compare", "benchmark")
+                     "train.master_port", "quantize.force", "quantize.verify", "rollout.shared_engines",
+                     "rollout.gpu_memory_utilization", "rollout.sleep_between_steps", "rollout.sleep_level",
+                     "reward.max_workers", "data.eval_files", "evaluate", "compare", "benchmark")
 
 
 def resume_config(cfg: QerlConfig) -> dict[str, Any]:
@@ -174,9 +178,15 @@ def resume_config(cfg: QerlConfig) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)}
 
 
-def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Dotted keys whose value differs between a checkpoint's settings and the current ones."""
-    return sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
+def config_changes(stored: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+    """Dotted keys whose value differs between a checkpoint's settings and the current ones.
+
+    A key the checkpoint lacks whose current value is its default (``defaults``) is no change:
+    the checkpoint predates that setting, and a new setting's default keeps the behaviour it was trained with.
+    """
+    defaults = defaults or {}
+    return sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k)
+                  and not (k not in stored and k in defaults and current.get(k) == defaults[k]))
 
 
 def _log_fresh_run(logger: MetricsLogger, cfg: QerlConfig, base_dir: Path, *, dataset_name: str | None, optimizer_note: str,
@@ -214,17 +224,6 @@ def prune_adapters(adapters: Path, keep: list[Path]) -> None:
 
 def _peak_memory_gb() -> float:
     return peak_memory_bytes() / 2**30
-
-
-def _mark_failed(logger: MetricsLogger, message: str) -> None:
-    try:
-        logger.set_tags({"qerl.failure": message[:4000]})
-        if hasattr(logger, "end"):
-            logger.end("FAILED")
-    except Exception as exc:  # noqa: BLE001 - reporting must not hide the divergence
-        log.warning("could not mark the run failed: %s", exc)
-
-
 
 
 def train(
@@ -311,7 +310,9 @@ def train(
         start_step = int(state["step"])
         sampler = PromptSampler(len(items), tc.seed, **state["sampler"])
         log.info("resuming from %s (step %d, MLflow run %s)", latest, start_step, run_id)
-        logger.set_tags({"qerl.resumed_at_step": str(start_step)})
+        kept = ckpt.set_aside_damaged(run_dir, latest) if d.is_main else []
+        fallback = {"qerl.resume_fallback": " | ".join(f"{dmg} (kept as {to.name})" for dmg, to in kept)[:4000]} if kept else {}
+        logger.set_tags({"qerl.resumed_at_step": str(start_step), **fallback})
     else:
         _log_fresh_run(logger, cfg, base_dir, dataset_name=dataset_name, optimizer_note=opt_note, data_report=data_report,
                        moved_aside=moved_aside)
@@ -414,8 +415,8 @@ def train(
                 step + 1, tc.steps, metrics[T.REWARD_MEAN], metrics["accuracy"], metrics[T.POLICY_ENTROPY], sigma,
                 roll["seconds"], roll["tokens_per_s"], metrics["time/update_s"],
             )
-    except TrainingDiverged as exc:
-        _mark_failed(logger, str(exc))
+    except BaseException as exc:  # the run says how it ended: KILLED (Ctrl-C, SIGTERM) or FAILED, after which step
+        T.mark_ended(logger, exc, last_step=history[-1]["step"] if history else start_step)
         raise
     finally:
         if bar is not None:
@@ -458,6 +459,7 @@ def _step_metrics(g_all: dict, r: torch.Tensor, info: dict, upd: dict, sleep_met
         T.ROLLOUT_TOKENS_PER_S: g_all["tokens_per_s"], "time/rollout_s": g_all["rollout_s"], "time/reward_s": g_all["reward_s"],
         "time/sync_s": times["time/sync_s"], "time/update_s": times["time/update_s"], T.STEP_TIME_S: times[T.STEP_TIME_S],
         T.PEAK_MEMORY_GB: _peak_memory_gb(), **{k: v for k, v in upd.items() if k != "lr"}, **sleep_metrics,
+        **reward_component_metrics(sampled),  # rewards/<name>/mean|std of a train.reward_fn list
     }
     if engine_cpu[0] is not None and engine_cpu[1] is not None:  # ~0: the engine leaves the cores to the update
         metrics["time/engine_cpu_during_update_s"] = engine_cpu[1] - engine_cpu[0]

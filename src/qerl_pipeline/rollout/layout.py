@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qerl_pipeline.platform import PLATFORMS
+from qerl_pipeline.platform import check as check_platform
 
 
 def tensor_parallel_args(rollout: Any, platform: str) -> dict[str, Any]:
@@ -33,8 +33,7 @@ def tensor_parallel_args(rollout: Any, platform: str) -> dict[str, Any]:
     ="uni"``, rollout/server.py), one worker by construction, and a CPU engine has host RAM,
     not a GPU's memory, to outgrow.
     """
-    if platform not in PLATFORMS:
-        raise ValueError(f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)}")
+    check_platform(platform)
     size = int(getattr(rollout, "tensor_parallel_size", 1) or 1)
     if size == 1:
         return {}

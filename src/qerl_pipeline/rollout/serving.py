@@ -90,7 +90,8 @@ from typing import Any
 
 from qerl_pipeline.config import METHOD_SPECS, ModelConfig, parse
 from qerl_pipeline.models import resolve_dtype
-from qerl_pipeline.platform import PLATFORMS, current_platform
+from qerl_pipeline.platform import check as check_platform
+from qerl_pipeline.platform import current_platform
 from qerl_pipeline.quantization import checkpoint
 from qerl_pipeline.quantization.bnb import ensure_bnb_nf4
 from qerl_pipeline.quantization.checkpoint import BNB_SUBDIR, SERVING_SUBDIR
@@ -130,8 +131,7 @@ class ServedModel:
 def _check(fmt: str, platform: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown base format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    if platform not in PLATFORMS:
-        raise ValueError(f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)}")
+    check_platform(platform)
 
 
 def decide(fmt: str, platform: str, *, bitsandbytes_in_vllm: bool = False) -> ServedModel:

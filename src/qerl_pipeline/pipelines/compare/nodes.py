@@ -15,7 +15,7 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from qerl_pipeline.config import CompareConfig, parse
+from qerl_pipeline.config import SKIPPED_BRANCH, CompareConfig, parse
 from qerl_pipeline.evaluation import report_runs
 from qerl_pipeline.evaluation.report import report_artifacts
 from qerl_pipeline.evaluation.report_claims import claim_metrics, claims
@@ -43,7 +43,8 @@ def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branc
 
     ``branches``: ``<method>_summary`` (each branch's ``train_summary``, which names its run) and
     ``<method>_accuracy`` (its ``eval_accuracy``, an input so the report comes after every
-    evaluation). Returns ``report_outputs``'s dict.
+    evaluation). Only ``compare.methods`` are read; the others' branches were skipped. Returns
+    ``report_outputs``'s dict.
     """
     cc: CompareConfig = parse(CompareConfig, compare, "compare")
     selection = {}
@@ -51,6 +52,10 @@ def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branc
         summary = branches.get(f"{method}_summary")
         if summary is None:
             raise ValueError(f"compare.methods: no branch for {method!r} in the compare pipeline")
+        if summary.get(SKIPPED_BRANCH):  # only when this node runs alone after a compare with other methods
+            raise ValueError(f"compare.methods lists {method!r}, but its branch's train_summary says "
+                             f"{summary[SKIPPED_BRANCH]!r}: run the compare (or its branch, --namespaces=compare.{method}) "
+                             f"with {method} in compare.methods first")
         runs = summary.get("runs", [summary])  # one entry per seed (train/nodes.py)
         selection[method] = [{"run_id": r["mlflow_run_id"], "eval_run_id": None, "seed": r.get("seed")} for r in runs]
     return report_outputs(report_runs.load_selected(selection, client=MlflowClient()), compare_group["run_id"])

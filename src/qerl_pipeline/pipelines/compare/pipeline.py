@@ -24,6 +24,21 @@ seed. A seed sets ``train.seed``, ``rollout.seed`` and ``aqn.seed`` of its train
 (``train/nodes.py::seeded_sections``); the base, the prompts and the evaluation are the same
 for every seed. The base alone is evaluated once per branch, not once per seed.
 
+Methods (``compare.methods``): what the compare trains, evaluates and reports. Every branch
+stays in the pipeline, so ``kedro viz`` and the lineage are the same whatever the list; the
+nodes of a branch whose method is not listed train and evaluate nothing: they log
+``compare.<method>: not in compare.methods, skipped`` and write a marker (``config.SKIPPED_BRANCH``:
+its ``train_summary`` and ``eval_result`` hold that sentence under ``skipped``; its adapter
+folder gets no new ``seed-<k>/``) that the evaluation's outputs and the report understand:
+no run folder, no MLflow run, no engine start for it. Skipping inside the nodes, rather than
+leaving the branches out of the pipeline, is what Kedro allows: ``register_pipelines`` takes
+no arguments (Kedro calls it while it creates the context), so a pipeline that depended on
+``compare.methods`` would need its own config loading outside Kedro's, would ignore
+``kedro run --params compare.methods=...`` and would make ``kedro viz`` draw a different
+experiment per config. The bases are still made (or reused) for every format: the
+``quantize_<fmt>`` nodes' outputs are model folders, which cannot be written as a marker,
+and a base is reused by fingerprint once made.
+
 Run one branch alone with Kedro's selection options, e.g. ``kedro run --pipelines=compare
 --namespaces=compare.qlora`` (its inputs, the prompts, ``compare_group`` and its base, are
 persisted by an earlier compare run), then ``--nodes=build_comparison_report``.
@@ -47,10 +62,10 @@ from qerl_pipeline.pipelines.compare.nodes import build_report, open_compare, re
 from qerl_pipeline.pipelines.data_prep.pipeline import create_pipeline as data_prep
 from qerl_pipeline.pipelines.evaluate.pipeline import evaluation_nodes
 from qerl_pipeline.pipelines.quantize.pipeline import format_nodes
-from qerl_pipeline.pipelines.train.pipeline import SECTIONS, SEEDS_PARAM, training_nodes
+from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SECTIONS, SEEDS_PARAM, training_nodes
 
-#: Parameters every branch shares (everything but ``params:method``), compare's seeds included.
-SHARED_PARAMS = sorted({f"params:{s}" for s in SECTIONS} | {"params:evaluate", SEEDS_PARAM})
+#: Parameters every branch shares (everything but ``params:method``), compare's seeds and methods included.
+SHARED_PARAMS = sorted({f"params:{s}" for s in SECTIONS} | {"params:evaluate", SEEDS_PARAM, METHODS_PARAM})
 #: The report nodes' outputs (``nodes.report_outputs``'s keys) -> datasets; ``<stem>.<ext>`` -> ``compare_report_<stem>_<ext>``.
 OUTPUTS = {"runs": "compare_runs", "accuracy_table": "compare_accuracy", "summary": "compare_summary",
            **{name: "compare_report_" + name.replace(".", "_") for name in REPORT_FILES}}

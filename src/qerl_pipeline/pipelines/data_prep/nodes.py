@@ -2,8 +2,10 @@
 
 Each node takes ``params:data`` (``DataConfig``) and is a plain function, usable outside
 Kedro. Malformed rows (``data.prompts.row_problem``) fail the node or are dropped per
-``data.on_bad_row``; either way each is named by id and source, in the error or in the
-log and the report. An eval source that cannot be had is skipped with a warning (and
+``data.on_bad_row``; either way each is named by id and source (and, in the user's sets, by
+file and line), in the error or in the log and the report. The user's sets
+(``data.train_source: file`` with ``data.train_file``, and ``data.eval_files``) are read by
+``data.user_sets``; each eval file is prepared after ``data.eval_sources`` under its name. An eval source that cannot be had is skipped with a warning (and
 listed under ``skipped`` in the report) or fails the run, per ``data.on_missing_source``;
 the training source always fails.
 """
@@ -14,14 +16,19 @@ import logging
 from collections import Counter
 from typing import Any
 
+import click
+
 from qerl_pipeline.config import DataConfig, SourceConfig, parse
 from qerl_pipeline.data.generator import generate_splits
-from qerl_pipeline.data.prompts import BadRow, bad_rows_error, make_record, split_valid, system_prompt
+from qerl_pipeline.data.prompts import UNPARSABLE_GOLD, BadRow, bad_rows_error, make_record, split_valid, system_prompt
 from qerl_pipeline.data.sources import SourceUnavailable, load_source
+from qerl_pipeline.data.user_sets import load_user_set
 
 log = logging.getLogger(__name__)
 
 GENERATOR = "generator"
+#: ``data.train_source`` naming the user's training set, ``data.train_file``.
+USER_FILE = "file"
 
 
 def _generator_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
@@ -43,25 +50,35 @@ def _records(
     system = system_prompt(cfg.system_prompt)
     records = [
         make_record(id=r["id"], source=name, split=split, question=r["question"], gold=r["gold"], level=r["level"],
-                    system=system, style=cfg.prompt_style)
+                    system=system, style=cfg.prompt_style, messages=r.get("messages"))
         for r in good
     ]
     summary = {
         "rows_read": len(rows),
         "kept": len(records),
         "dropped": len(bad),
+        "unparsable_golds": sum(b.reason.startswith(UNPARSABLE_GOLD) for b in bad),
         "levels": {str(k): v for k, v in sorted(Counter(r["level"] for r in records).items(), key=lambda kv: str(kv[0]))},
     }
     return records, bad, summary
+
+
+class MalformedRows(ValueError, click.ClickException):
+    """Malformed rows with ``data.on_bad_row: fail``: a ValueError for callers, and for ``kedro run`` a
+    click error, which its CLI prints as ``Error:`` and the rows (exit code 1) without a traceback:
+    the rows are the user's to fix, not a bug in the code."""
+
+    def __init__(self, bad: list[BadRow]) -> None:
+        click.ClickException.__init__(self, bad_rows_error(bad))
 
 
 def _report_bad(bad: list[BadRow], cfg: DataConfig) -> None:
     if not bad:
         return
     if cfg.on_bad_row == "fail":
-        raise ValueError(bad_rows_error(bad))
+        raise MalformedRows(bad)
     for b in bad[:50]:
-        log.warning("dropped malformed row %s/%s: %s", b.source, b.id, b.reason)
+        log.warning("dropped malformed row %s/%s%s: %s", b.source, b.id, f" ({b.where})" if b.where else "", b.reason)
     if len(bad) > 50:
         log.warning("... dropped %d more malformed rows (all listed in the data report)", len(bad) - 50)
 
@@ -71,12 +88,20 @@ def prepare_train_prompts(data: dict[str, Any]) -> tuple[list[dict[str, Any]], d
 
     generator: its train split (``data.generator``). gsm8k/bigmath: ``data.sources.<name>_train``
     when that key exists (GSM8K's train split), else ``data.sources.<name>``; its ``limit``
-    applies. A missing training source always fails the run.
+    applies. file: the user's set ``data.train_file`` (``data.user_sets``). A missing training
+    source always fails the run. In the train pipeline this node runs before the base model
+    loads (tests/test_user_data.py checks the order), so a bad row stops the run before that.
     """
     cfg: DataConfig = parse(DataConfig, data, "data")
     name = cfg.train_source
     if name == GENERATOR:
         rows, origin, split, limit = _generator_rows(cfg, "train"), f"generator(seed={cfg.generator.seed})", "train", None
+    elif name == USER_FILE:
+        try:
+            rows, origin = load_user_set(name, "data.train_file", cfg.train_file, cfg.seed)
+        except SourceUnavailable as err:
+            raise RuntimeError(f"training source unavailable: data.train_file: {err}") from err
+        split, limit = cfg.train_file.split, cfg.train_file.limit
     else:
         key = f"{name}_train" if f"{name}_train" in cfg.sources else name
         src = _source_config(cfg, key, "train_source")
@@ -97,20 +122,25 @@ def prepare_train_prompts(data: dict[str, Any]) -> tuple[list[dict[str, Any]], d
 def prepare_eval_prompts(data: dict[str, Any]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     """Eval prompt records keyed by source name (``data.eval_sources``) and a summary.
 
-    'generator' is the generator's held-out split (disjoint from its train split). Bad
-    rows of every source are collected first, so a failing run lists them all at once.
+    'generator' is the generator's held-out split (disjoint from its train split). The user's
+    sets (``data.eval_files``) follow ``data.eval_sources``, each under its name. Bad rows of
+    every source are collected first, so a failing run lists them all at once.
     """
     cfg: DataConfig = parse(DataConfig, data, "data")
     out: dict[str, list[dict[str, Any]]] = {}
     summary: dict[str, Any] = {"sources": {}, "skipped": {}}
     all_bad: list[BadRow] = []
-    for name in dict.fromkeys(cfg.eval_sources):  # unique, in order
+    for name in [*dict.fromkeys(cfg.eval_sources), *cfg.eval_files]:  # unique, in order
         if name == GENERATOR:
             rows, origin, split, limit = _generator_rows(cfg, "test"), f"generator(seed={cfg.generator.seed})", "test", None
         else:
-            src = _source_config(cfg, name, "eval_sources")
+            user = cfg.eval_files.get(name)
+            src = user or _source_config(cfg, name, "eval_sources")
             try:
-                rows, origin = load_source(name, src, cfg.seed)
+                if user is not None:
+                    rows, origin = load_user_set(name, f"data.eval_files.{name}", user, cfg.seed)
+                else:
+                    rows, origin = load_source(name, src, cfg.seed)
             except SourceUnavailable as err:
                 if cfg.on_missing_source == "fail":
                     raise RuntimeError(f"eval source unavailable (data.on_missing_source: fail): {err}") from err
@@ -129,7 +159,8 @@ def prepare_eval_prompts(data: dict[str, Any]) -> tuple[dict[str, list[dict[str,
 
 
 def build_data_report(train_summary: dict[str, Any], eval_summary: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
-    """The data report: per-set counts, dropped rows (id, source, reason), skipped sources, settings."""
+    """The data report: per-set counts (rows read, kept, dropped, of those with a gold math-verify cannot
+    parse), dropped rows (id, source, reason; file and line for the user's sets), skipped sources, settings."""
     cfg: DataConfig = parse(DataConfig, data, "data")
     dropped = train_summary["dropped"] + sum(s["dropped"] for s in eval_summary["sources"].values())
     return {
@@ -140,6 +171,8 @@ def build_data_report(train_summary: dict[str, Any], eval_summary: dict[str, Any
             "train_prompts": train_summary["kept"],
             "eval_prompts": sum(s["kept"] for s in eval_summary["sources"].values()),
             "dropped_rows": dropped,
+            "unparsable_golds": train_summary.get("unparsable_golds", 0)
+            + sum(s.get("unparsable_golds", 0) for s in eval_summary["sources"].values()),
             "skipped_sources": len(eval_summary["skipped"]),
         },
         "settings": {

@@ -2,9 +2,11 @@
 
 Datasets written (conf/base/catalog_data_prep.yml; smoke runs write under ``.../smoke/``):
 
-* ``train_prompts``: list of prompt records (versioned JSON), the training set.
+* ``train_prompts``: list of prompt records (versioned JSON), the training set
+  (``data.train_source``; ``file``: the user's ``data.train_file``).
 * ``eval_prompts``: ``{source_name: [prompt records]}`` (versioned JSON), one entry per
-  available ``data.eval_sources`` (e.g. generator, gsm8k, math500, aime24, amc23).
+  available ``data.eval_sources`` (e.g. generator, gsm8k, math500, aime24, amc23), then one
+  per set of the user's (``data.eval_files``).
 * ``data_prep_report``: counts, dropped rows, skipped sources, settings (versioned JSON).
 * ``data_prep_metrics``: the counts as metrics of the run's MLflow run (kedro-mlflow).
 * ``train_data_summary`` / ``eval_data_summary``: each set's counts and dropped rows, joined

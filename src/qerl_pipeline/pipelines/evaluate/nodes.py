@@ -27,17 +27,21 @@ metric names carry the seed.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from qerl_pipeline.adapter import adapter_meta, is_adapter
-from qerl_pipeline.config import EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig, parse
+from qerl_pipeline.config import (SKIPPED_BRANCH, DataConfig, EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig,
+                                  compare_branch, parse)
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.evaluation.evaluator import EvalResult
 from qerl_pipeline.evaluation.seeds import accuracy_rows, evaluate_adapters, result_metrics
 from qerl_pipeline.tracking import label_run, run_name
+
+log = logging.getLogger(__name__)
 
 
 def flatten_prompts(eval_prompts: dict[str, list[dict[str, Any]]] | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,15 +68,28 @@ def trained_adapter(trained_adapters: Any, method: str, seed: int | None = None)
 
 def run_evaluation(eval_prompts: dict[str, list[dict[str, Any]]], base_dir: Any, trained_adapters: Any, method: str,
                    evaluate: dict[str, Any], reward: dict[str, Any], model: dict[str, Any], rollout: dict[str, Any],
-                   compare_group: dict | None = None, seeds: list[int] | None = None) -> dict[str, Any]:
+                   data: dict[str, Any] | None = None, compare_group: dict | None = None,
+                   seeds: list[int] | str | None = None, methods: list[str] | str | None = None) -> dict[str, Any]:
     """Evaluate ``trained`` (base + the adapter of ``method``, per seed in a compare branch) and ``base``.
 
     Standalone, the active MLflow run (a separate evaluation run) is named and tagged with the
     engine's ``rollout.served_*`` tags, ``method`` and the training run it evaluates
     (``qerl.trained_run_id``); in a compare branch each seed's evaluation is logged into that
-    seed's training run (``evaluation.seeds``). Returns the ``eval_result`` dataset's data.
+    seed's training run (``evaluation.seeds``). The user's sets (``data.eval_files``) are
+    evaluated after ``evaluate.benchmarks``. Returns the ``eval_result`` dataset's data.
+    A compare branch whose method ``methods`` (``compare.methods``) leaves out evaluates
+    nothing and starts no engine: it logs why and returns an empty result marked ``skipped``
+    (``config.compare_branch``).
     """
+    if compare_group:
+        seeds, skipped = compare_branch(method, methods, seeds)
+        if skipped:
+            log.info(skipped)
+            return {**EvalResult(records=[]).as_dict(), SKIPPED_BRANCH: skipped}
     cfg: EvaluateConfig = parse(EvaluateConfig, evaluate, "evaluate")
+    user_sets = [n for n in parse(DataConfig, data, "data").eval_files if n not in cfg.benchmarks]
+    if user_sets:
+        cfg = cfg.model_copy(update={"benchmarks": [*cfg.benchmarks, *user_sets]})
     mc: ModelConfig = parse(ModelConfig, model, "model")
     branch_seeds = (seeds if seeds is not None else [0]) if compare_group else [None]
     adapters = {s: trained_adapter(trained_adapters, method, s) for s in branch_seeds}
@@ -89,7 +106,10 @@ def run_evaluation(eval_prompts: dict[str, list[dict[str, Any]]], base_dir: Any,
 
 def eval_outputs(eval_result: dict[str, Any]) -> tuple[list[dict[str, Any]], pd.DataFrame, dict[str, dict[str, float]]]:
     """Per-problem records, the accuracy table and the MLflow metrics of one evaluation
-    (compare's seeds: metric names ``seed-<k>/eval/...``, as logged into each seed's run)."""
+    (compare's seeds: metric names ``seed-<k>/eval/...``, as logged into each seed's run). A skipped
+    compare branch's result (``skipped``): no records, a table of one ``skipped`` cell saying why, no metrics."""
+    if eval_result.get(SKIPPED_BRANCH):
+        return [], pd.DataFrame({SKIPPED_BRANCH: [eval_result[SKIPPED_BRANCH]]}), {}
     result = EvalResult.from_dict(eval_result)
     rows = accuracy_rows(result.records)
     table = pd.DataFrame(rows).drop(columns=["source"])

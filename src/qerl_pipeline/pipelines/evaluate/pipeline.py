@@ -14,12 +14,13 @@ logged to the run's MLflow run (named ``evaluate <method> · <model> · seed <n>
 
 ``evaluation_nodes(in_compare=...)`` is the template compare instantiates per method
 (namespace ``compare.<method>``); there it evaluates every seed of ``params:compare.seeds``,
-each logged into its own training run.
+each logged into its own training run, or nothing when ``params:compare.methods`` leaves its method out.
 """
 
 from kedro.pipeline import Node, Pipeline
 
 from qerl_pipeline.pipelines.evaluate.nodes import eval_outputs, run_evaluation
+from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SEEDS_PARAM
 
 PROMPTS_DATASET = "eval_prompts"
 #: The quantize pipeline's dataset holding the base folder of ``params:method``.
@@ -38,10 +39,11 @@ def evaluation_nodes(in_compare: bool = False) -> Pipeline:
     """Engine + scoring -> ``eval_result`` -> ``eval_records``, ``eval_accuracy``, ``eval_metrics``."""
     inputs = {"eval_prompts": PROMPTS_DATASET, "base_dir": BASE_DATASET, "trained_adapters": ADAPTERS_DATASET,
               "method": "params:method", "evaluate": "params:evaluate", "reward": "params:reward",
-              "model": "params:model", "rollout": "params:rollout"}
-    if in_compare:  # every seed of compare.seeds, each logged into its training run (evaluation/seeds.py)
+              "model": "params:model", "rollout": "params:rollout", "data": "params:data"}
+    if in_compare:  # every seed of compare.seeds, each logged into its training run, if compare.methods has it
         inputs["compare_group"] = "compare_group"
-        inputs["seeds"] = "params:compare.seeds"
+        inputs["seeds"] = SEEDS_PARAM
+        inputs["methods"] = METHODS_PARAM
     return Pipeline(
         [
             Node(run_evaluation, inputs, "eval_result", name="evaluate_policies"),

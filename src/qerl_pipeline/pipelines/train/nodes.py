@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from qerl_pipeline.config import QerlConfig, flatten, validate
+from qerl_pipeline.config import SKIPPED_BRANCH, QerlConfig, compare_branch, flatten, validate
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.rl.distributed import launch
 from qerl_pipeline.rl.trainer import TrainResult, run_dir_for, train as run_training
@@ -56,9 +56,14 @@ def train_policy(
     data: dict,
     data_report: dict | None = None,
     compare_group: dict | None = None,
-    seeds: list[int] | None = None,
+    seeds: list[int] | str | None = None,
+    methods: list[str] | str | None = None,
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Train ``method`` on ``train_prompts`` over the base folder, once per seed (module docstring).
+
+    A compare branch whose method ``methods`` (``compare.methods``) leaves out trains nothing:
+    it logs why and returns no adapter and the summary ``{"method", "skipped", "seeds": [], "runs": []}``
+    (``config.compare_branch``).
 
     ``data_report`` (data_prep's) and the base's quantize report (stored with the base) are
     logged into each training run (``data/report.json``, ``quantize/report.json`` and
@@ -70,12 +75,22 @@ def train_policy(
     if not compare_group:
         adapter, summary = _train_seed(train_config(method, sections), train_prompts, base_model, data_report)
         return {method: adapter}, summary
+    seeds, skipped = compare_branch(method, methods, seeds)
+    if skipped:
+        log.info(skipped)
+        return {}, {"method": method, SKIPPED_BRANCH: skipped, "seeds": [], "runs": []}
     adapters, runs = {}, []
     for seed in seeds if seeds is not None else [int((train or {}).get("seed", 0))]:
         cfg = train_config(method, seeded_sections(sections, seed))
         adapters[f"seed-{seed}"], summary = _train_seed(cfg, train_prompts, base_model, data_report, compare_group, seed)
         runs.append(summary)
     return adapters, {"method": method, "seeds": [r["seed"] for r in runs], "runs": runs}
+
+
+def dataset_name(cfg: QerlConfig) -> str:
+    """What the training set is called in MLflow and the summary: ``data.train_source``, for ``file`` the path or Hub id."""
+    user = cfg.data.train_file
+    return (user.path or user.hub_id) if cfg.data.train_source == "file" and user else cfg.data.train_source
 
 
 def seeded_sections(sections: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -104,8 +119,8 @@ def _train_seed(cfg: QerlConfig, train_prompts: list[dict], base_model: Any, dat
         if parent:
             raise ValueError("train.nproc > 1 is not supported in compare branches (their engines are shared within one "
                              "process, rollout/pool.py): run compare with train.nproc=1, or train each method alone")
-        result = launch(cfg, base_dir, list(train_prompts), tracking=run.launch_spec(), dataset_name=cfg.data.train_source,
-                        data_report=data_report, reward_fn=cfg.train.reward_fn)
+        result = launch(cfg, base_dir, list(train_prompts), tracking=run.launch_spec(), dataset_name=dataset_name(cfg),
+                        data_report=data_report)  # the ranks read train.reward_fn from cfg
         run.adopt(result.run_id)
     else:
         output_dir = engine_factory = None
@@ -113,8 +128,13 @@ def _train_seed(cfg: QerlConfig, train_prompts: list[dict], base_model: Any, dat
             output_dir = str(Path(cfg.train.output_dir) / "compare" / f"seed-{seed}")
             log.info("compare branch %s seed %d: run folder %s", cfg.method, seed, run_dir_for(cfg, output_dir))
             engine_factory = partial(shared_engine, model_cfg=cfg.model, rollout=cfg.rollout, lora_rank=cfg.lora.rank)
-        result = run_training(cfg, base_dir, list(train_prompts), make_logger=run.logger, dataset_name=cfg.data.train_source,
-                              output_dir=output_dir, engine_factory=engine_factory, data_report=data_report)
+        try:
+            result = run_training(cfg, base_dir, list(train_prompts), make_logger=run.logger,
+                                  dataset_name=dataset_name(cfg), output_dir=output_dir,
+                                  engine_factory=engine_factory, data_report=data_report)
+        except BaseException as exc:  # a branch's or a resumed run the training opened never stays RUNNING
+            run.fail(exc)
+            raise
     run.finish(result.run_id, resumed=bool(result.resumed_from))
     summary = train_summary(cfg, base_dir, result)
     if parent:
@@ -129,7 +149,7 @@ def train_summary(cfg: QerlConfig, base_dir: Path, result: TrainResult) -> dict[
     return {
         "method": cfg.method,
         "model": cfg.model.name,
-        "dataset": cfg.data.train_source,
+        "dataset": dataset_name(cfg),
         "base_dir": str(base_dir),
         "adapter_dir": str(result.adapter_dir),
         "run_dir": str(result.run_dir),

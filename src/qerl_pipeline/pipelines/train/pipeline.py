@@ -14,7 +14,8 @@ Datasets (conf/base/catalog_train.yml):
 
 ``training_nodes(in_compare=...)`` is the template compare instantiates once per method
 (Kedro namespace ``compare.<method>``); there the node also takes ``compare_group`` (the
-compare run) and ``params:compare.seeds``, and trains once per seed, each in a child MLflow run.
+compare run), ``params:compare.seeds`` and ``params:compare.methods``, and trains once per seed, each in a child
+MLflow run, or nothing when ``compare.methods`` leaves its method out.
 """
 
 from kedro.pipeline import Node, Pipeline
@@ -30,6 +31,8 @@ DATA_REPORT = "data_prep_report"
 SECTIONS = ("model", "lora", "rollout", "grpo", "aqn", "optim", "train", "reward", "data")
 #: compare's seeds (``compare.seeds``): the compare templates train and evaluate each of them.
 SEEDS_PARAM = "params:compare.seeds"
+#: compare's methods (``compare.methods``): a compare template whose method it leaves out trains and evaluates nothing.
+METHODS_PARAM = "params:compare.methods"
 
 
 def _upstream() -> Pipeline:
@@ -43,9 +46,10 @@ def training_nodes(in_compare: bool = False) -> Pipeline:
     """The training node: prompts + base + parameters -> ``trained_adapters``, ``train_summary``."""
     inputs = {"train_prompts": PROMPTS_DATASET, "base_model": BASE_DATASET, "data_report": DATA_REPORT, "method": "params:method",
               **{s: f"params:{s}" for s in SECTIONS}}
-    if in_compare:  # one training per seed of compare.seeds, in the compare run (train/nodes.py)
+    if in_compare:  # one training per seed of compare.seeds, in the compare run, if compare.methods has it (train/nodes.py)
         inputs["compare_group"] = "compare_group"
         inputs["seeds"] = SEEDS_PARAM
+        inputs["methods"] = METHODS_PARAM
     return Pipeline(
         [Node(train_policy, inputs, ["trained_adapters", "train_summary"], name="train_policy")],
         tags="train",

@@ -15,7 +15,6 @@ from qerl_pipeline.quantization.policy import (
     load_adapter_weights,
     measure_training_memory,
     parameter_bytes,
-    serving_dir,
     trainable_state_dict,
 )
 
@@ -57,7 +56,7 @@ def test_logits_equal_the_decoded_dense_model(bases, fmt):
 
     root, _ = bases
     policy = build_policy(root / fmt, fmt, _lora(), dtype=torch.float32).eval()
-    dense = AutoModelForCausalLM.from_pretrained(serving_dir(root / fmt), dtype=torch.float32).eval()
+    dense = AutoModelForCausalLM.from_pretrained(checkpoint.serving_dir(root / fmt), dtype=torch.float32).eval()
     ids = _ids()
     with torch.no_grad():
         got, want = policy(input_ids=ids).logits, dense(input_ids=ids).logits
@@ -142,7 +141,7 @@ def test_dense_state_dict_matches_serving_copy(bases, fmt):
     root, _ = bases
     policy = build_policy(root / fmt, fmt, _lora(), dtype=torch.float32)
     ours = dense_state_dict(policy)
-    served = checkpoint.read_tensors(serving_dir(root / fmt))
+    served = checkpoint.read_tensors(checkpoint.serving_dir(root / fmt))
     assert ours.keys() == served.keys()
     for key, tensor in served.items():
         assert torch.equal(ours[key], tensor), key

@@ -26,6 +26,7 @@ import inspect
 import os
 import re
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -41,6 +42,14 @@ pytest_plugins = ["pytester"]  # tests/test_project.py runs a pytest of its own 
 
 os.environ.setdefault("KEDRO_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hub is unreachable here: fail fast, not after DNS timeouts
+
+# A background job of a non-interactive shell (`.ci/run` starts each tier with `&`) inherits SIGINT
+# ignored, and an ignored signal stays ignored across exec: every `kedro run` the tests start would
+# then shrug off the Ctrl-C they send it (hooks.RunStatusHook keeps an ignored SIGINT ignored, as a
+# background job expects). A handler, unlike SIG_IGN, is reset to the default by exec, so the
+# children start with SIGINT as a terminal user's process has it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ----------------------------------------------------------------------------- paths and models

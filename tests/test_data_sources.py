@@ -17,7 +17,7 @@ from qerl_pipeline.config import DataConfig, SourceConfig
 from qerl_pipeline.data import sources
 from qerl_pipeline.data.prompts import PAPER_SYSTEM_PROMPT, bad_rows_error, split_valid
 from qerl_pipeline.data.sources import SourceUnavailable, load_source, number_text, read_raw
-from qerl_pipeline.pipelines.data_prep.nodes import prepare_eval_prompts, prepare_train_prompts
+from qerl_pipeline.pipelines.data_prep.nodes import DataError, prepare_eval_prompts, prepare_train_prompts
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -167,12 +167,13 @@ def test_missing_eval_source_skipped_or_fails(tmp_path, local, caplog):
     assert list(evals) == ["amc23"] and "aime25" in summary["skipped"]
     assert "no local folder" in summary["skipped"]["aime25"]
     assert any("aime25" in r.message and "no local folder" in r.message for r in caplog.records)
-    with pytest.raises(RuntimeError, match="aime25"):
+    with pytest.raises(DataError, match="aime25"):
         prepare_eval_prompts(data.model_copy(update={"on_missing_source": "fail"}).model_dump())
     # the training source always fails, whatever on_missing_source says
     train = DataConfig(train_source="gsm8k", sources={"gsm8k": SourceConfig(local_path=str(tmp_path / "nowhere"))})
-    with pytest.raises(RuntimeError, match="training source unavailable"):
+    with pytest.raises(RuntimeError, match="training source unavailable") as err:
         prepare_train_prompts(train.model_dump())
+    assert isinstance(err.value, DataError)  # kedro run prints it as one "Error:" line, no traceback
 
 
 def test_hub_unreachable_is_unavailable(monkeypatch, tmp_path):

@@ -308,6 +308,17 @@ def test_compare_with_several_ranks_is_refused_before_data_prep():
     assert cross_field_errors(validate(params), {"train_policy"}) == []  # a standalone training may use ranks
 
 
+def test_a_compare_branch_called_outside_kedro_refuses_several_ranks_with_the_same_sentence(tmp_path):
+    from qerl_pipeline.pipelines.train.nodes import _train_seed
+
+    params = _params()
+    params["train"] = {**params["train"], "nproc": 2}
+    cfg = validate(params)
+    with pytest.raises(ValueError) as err:  # before any run, launch or engine: the base folder is never read
+        _train_seed(cfg, [], str(tmp_path / "no-base"), None, compare_group={"run_id": "parent"}, seed=0)
+    assert str(err.value) == cfg.train.compare_ranks_error() != ""
+
+
 @pytest.mark.parametrize("env", sorted(p.name for p in (PROJECT / "conf").iterdir() if p.is_dir() and p.name != "local"))
 def test_every_shipped_env_fits_together(env):
     assert cross_field_errors(validate(_params(env))) == []

@@ -156,6 +156,25 @@ def test_bad_rows_named_by_file_and_line(tmp_path):
     assert {b["where"] for b in summary["bad_rows"]} == {f"{path} line {n}" for n in (3, 4, 5, 6)}
 
 
+def test_a_training_file_with_no_usable_row_is_the_users_error_not_a_traceback(tmp_path):
+    """Every row dropped (``on_bad_row: drop``): a ``NoUsableRows``, which ``kedro run``'s CLI prints as one
+    ``Error:`` line (a click error, as the malformed rows' error is: tests/test_data_prep_pipeline.py runs that
+    through ``kedro run``), still a ValueError for callers outside Kedro."""
+    import click
+
+    from qerl_pipeline.pipelines.data_prep.nodes import DataError, NoUsableRows
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"problem": "No answer", "solution": None}) + "\n" + "{not json\n")
+    data = DataConfig(train_source="file", train_file=UserSetConfig(path=str(path), question="problem", answer="solution"),
+                      on_bad_row="drop")
+    with pytest.raises(NoUsableRows) as err:
+        prepare_train_prompts(data.model_dump())
+    assert isinstance(err.value, ValueError) and isinstance(err.value, DataError)
+    assert isinstance(err.value, click.ClickException)
+    assert err.value.format_message() == f"training source 'file' (file:{path}) gave no usable rows", err.value.format_message()
+
+
 def test_csv_rows_named_by_their_line_and_not_utf8(tmp_path):
     path = tmp_path / "my.csv"
     path.write_bytes(b'problem,solution\n"What is 1+1?",2\n"A question\non two lines",3\n"Bad \xff byte",4\n"x",5,extra\n')

@@ -856,6 +856,14 @@ class TrainConfig(Section):
         weights = self.reward_weights or [1.0] * len(paths)
         return [(reward_name(p), p, float(w)) for p, w in zip(paths, weights, strict=True)]
 
+    def compare_ranks_error(self) -> str:
+        """Why these settings cannot train a compare branch ("" when they can): a branch trains in the Kedro
+        process and shares its rollout engines with the other branches (rollout/pool.py), so it has one rank."""
+        if self.nproc * self.nnodes == 1:
+            return ""
+        return (f"train.nproc: {self.nproc} (x train.nnodes {self.nnodes}) ranks are not supported in compare branches "
+                f"(their engines are shared within one process): use 1, or train each method alone")
+
 
 # ----------------------------------------------------------------- evaluate/compare
 class EvaluateConfig(Section):

@@ -7,7 +7,8 @@ file and line), in the error or in the log and the report. The user's sets
 (``data.train_source: file`` with ``data.train_file``, and ``data.eval_files``) are read by
 ``data.user_sets``; each eval file is prepared after ``data.eval_sources`` under its name. An eval source that cannot be had is skipped with a warning (and
 listed under ``skipped`` in the report) or fails the run, per ``data.on_missing_source``;
-the training source always fails.
+the training source always fails. Every such failure is a ``DataError``: the user's to fix, so
+``kedro run`` ends with one ``Error:`` message instead of a traceback.
 """
 
 from __future__ import annotations
@@ -63,13 +64,25 @@ def _records(
     return records, bad, summary
 
 
-class MalformedRows(ValueError, click.ClickException):
-    """Malformed rows with ``data.on_bad_row: fail``: a ValueError for callers, and for ``kedro run`` a
-    click error, which its CLI prints as ``Error:`` and the rows (exit code 1) without a traceback:
-    the rows are the user's to fix, not a bug in the code."""
+class DataError(click.ClickException):
+    """A fault in the user's data or sources, theirs to fix and not a bug in the code: for ``kedro run`` a click
+    error, which its CLI prints as ``Error: <message>`` (exit code 1) without a traceback. Each subclass is also
+    the builtin error its callers outside Kedro expect."""
+
+
+class MalformedRows(DataError, ValueError):
+    """Malformed rows with ``data.on_bad_row: fail``; the message lists each row."""
 
     def __init__(self, bad: list[BadRow]) -> None:
-        click.ClickException.__init__(self, bad_rows_error(bad))
+        super().__init__(bad_rows_error(bad))
+
+
+class SourceMissing(DataError, RuntimeError):
+    """The training source, or an eval source with ``data.on_missing_source: fail``, cannot be read."""
+
+
+class NoUsableRows(DataError, ValueError):
+    """The training source read, but every row was malformed (and dropped) or it was empty."""
 
 
 def _report_bad(bad: list[BadRow], cfg: DataConfig) -> None:
@@ -100,7 +113,7 @@ def prepare_train_prompts(data: dict[str, Any]) -> tuple[list[dict[str, Any]], d
         try:
             rows, origin = load_user_set(name, "data.train_file", cfg.train_file, cfg.seed)
         except SourceUnavailable as err:
-            raise RuntimeError(f"training source unavailable: data.train_file: {err}") from err
+            raise SourceMissing(f"training source unavailable: data.train_file: {err}") from err
         split, limit = cfg.train_file.split, cfg.train_file.limit
     else:
         key = f"{name}_train" if f"{name}_train" in cfg.sources else name
@@ -108,12 +121,12 @@ def prepare_train_prompts(data: dict[str, Any]) -> tuple[list[dict[str, Any]], d
         try:
             rows, origin = load_source(name, src, cfg.seed)
         except SourceUnavailable as err:
-            raise RuntimeError(f"training source unavailable: {err}") from err
+            raise SourceMissing(f"training source unavailable: {err}") from err
         split, limit = src.split, src.limit
     records, bad, summary = _records(cfg, name, split, rows, limit)
     _report_bad(bad, cfg)
     if not records:
-        raise ValueError(f"training source {name!r} ({origin}) gave no usable rows")
+        raise NoUsableRows(f"training source {name!r} ({origin}) gave no usable rows")
     summary.update(source=name, origin=origin, split=split, bad_rows=[b.as_dict() for b in bad])
     log.info("train prompts: %d from %s (%d dropped)", len(records), origin, len(bad))
     return records, summary
@@ -143,7 +156,7 @@ def prepare_eval_prompts(data: dict[str, Any]) -> tuple[dict[str, list[dict[str,
                     rows, origin = load_source(name, src, cfg.seed)
             except SourceUnavailable as err:
                 if cfg.on_missing_source == "fail":
-                    raise RuntimeError(f"eval source unavailable (data.on_missing_source: fail): {err}") from err
+                    raise SourceMissing(f"eval source unavailable (data.on_missing_source: fail): {err}") from err
                 log.warning("skipping eval source %r: %s", name, err)
                 summary["skipped"][name] = str(err)
                 continue

@@ -116,9 +116,8 @@ def _train_seed(cfg: QerlConfig, train_prompts: list[dict], base_model: Any, dat
                       flatten(cfg.model_dump(mode="json")), parent, tags={"seed": str(seed)} if parent else None)
     base_dir = folder_of(base_model)
     if cfg.train.nproc * cfg.train.nnodes > 1:
-        if parent:
-            raise ValueError("train.nproc > 1 is not supported in compare branches (their engines are shared within one "
-                             "process, rollout/pool.py): run compare with train.nproc=1, or train each method alone")
+        if parent:  # hooks.cross_field_errors refuses it before any node; this for callers outside Kedro
+            raise ValueError(cfg.train.compare_ranks_error())
         result = launch(cfg, base_dir, list(train_prompts), tracking=run.launch_spec(), dataset_name=dataset_name(cfg),
                         data_report=data_report)  # the ranks read train.reward_fn from cfg
         run.adopt(result.run_id)

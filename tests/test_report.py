@@ -179,6 +179,14 @@ def test_claims_by_hand(store):
     # a method not run: the claim says which
     no_aqn = {c.id: c for c in C.claims([r for r in runs if r.method != "lora_aqn"])}
     assert no_aqn["c_lora_aqn_ge_lora"].text == "cannot tell: no data for lora_aqn"
+    # compare.methods without qlora and lora_aqn: their claims are not stated at all (nothing was meant to run),
+    # the others' are the same; a chosen method without runs still reads "no data"
+    chosen = {c.id: c for c in C.claims(runs, ["qerl", "qerl_noaqn", "lora"])}
+    assert set(chosen) == {"a_qerl_entropy_gt_lora", "a_qerl_noaqn_entropy_gt_lora", "b_qerl_ge_qerl_noaqn",
+                           "b_qerl_noaqn_ge_lora"}
+    assert all(chosen[k].text == found[k].text for k in chosen)
+    assert C.claims([r for r in runs if r.method != "lora_aqn"], ["lora", "lora_aqn"])[0].text == (
+        "cannot tell: no data for lora_aqn")
     # seeds that would tell a "cannot tell" difference from 0 at its measured spread (stats.seeds_needed):
     # differences 0, 0.01 and 0, 0.02 both have s_d / |d| = sqrt(2): t(n-1)/sqrt(n) < 0.70711 first at n = 11
     # (t(9)/sqrt(10) = 0.71535, t(10)/sqrt(11) = 0.67181); differences 0, 0 have no difference to tell

@@ -68,14 +68,23 @@ def _per_seed(runs: Sequence[RunData], fn) -> dict[int, float]:
     return {(r.seed if r.seed is not None else 0): fn(r) for r in runs}
 
 
-def claims(runs: Sequence[RunData]) -> list[S.Claim]:
-    """The paper's claims (a), (b), (c) measured on ``runs`` (see the module docstring); every claim is
-    returned, one whose methods are missing reads "cannot tell: no data for ..."."""
+def claims(runs: Sequence[RunData], methods: Sequence[str] | None = None) -> list[S.Claim]:
+    """The paper's claims (a), (b), (c) measured on ``runs`` (see the module docstring).
+
+    ``methods``: the methods the comparison chose (``compare.methods``); a claim about a method outside it is
+    left out, as that method was never meant to run. None: every claim. A claim kept whose methods have no
+    runs (a chosen method that did not finish) reads "cannot tell: no data for ...".
+    """
+    def chosen(*names: str) -> bool:
+        return methods is None or all(n in methods for n in names)
+
     groups = by_method(runs)
     window = first_aqn_stage_steps(runs)
     out = []
     lora = groups.get("lora", [])
     for m in QUANTIZED:
+        if not chosen(m, "lora"):
+            continue
         stat = (f"mean policy entropy over steps {window[0]}-{window[-1]} (first AQN stage)" if window
                 else "mean policy entropy in the first AQN stage (no step found)")
         out.append(S.claim(
@@ -84,6 +93,8 @@ def claims(runs: Sequence[RunData]) -> list[S.Claim]:
             _per_seed(lora, lambda r: S.window_mean(r.curve("entropy"), window)),
         ))
     for cid, hi, lo in REWARD_ORDER:
+        if not chosen(hi, lo):
+            continue
         a_runs = {(r.seed if r.seed is not None else 0): r for r in groups.get(hi, [])}
         b_runs = {(r.seed if r.seed is not None else 0): r for r in groups.get(lo, [])}
         a_auc, b_auc = {}, {}

@@ -58,7 +58,7 @@ def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branc
                              f"with {method} in compare.methods first")
         runs = summary.get("runs", [summary])  # one entry per seed (train/nodes.py)
         selection[method] = [{"run_id": r["mlflow_run_id"], "eval_run_id": None, "seed": r.get("seed")} for r in runs]
-    return report_outputs(report_runs.load_selected(selection, client=MlflowClient()), compare_group["run_id"])
+    return report_outputs(report_runs.load_selected(selection, client=MlflowClient()), compare_group["run_id"], cc.methods)
 
 
 def report_from_mlflow(report_run: dict[str, str], compare: dict[str, Any]) -> dict[str, Any]:
@@ -73,24 +73,24 @@ def report_from_mlflow(report_run: dict[str, str], compare: dict[str, Any]) -> d
     runs = report_runs.load_runs(exp.name, cc.methods, client=client, group=cc.reuse_group, require_eval=True,
                                  finished_only=True)
     log.info("compare report from MLflow runs %s", report_runs.selection(runs))
-    return report_outputs(runs, report_run["run_id"])
+    return report_outputs(runs, report_run["run_id"], cc.methods)
 
 
-def report_outputs(runs: list[report_runs.RunData], compare_run_id: str) -> dict[str, Any]:
-    """The report of ``runs`` as the report nodes' outputs; the claims go to the compare run as metrics
-    ``claims/<id>/...`` and tags ``claims.<id>``.
+def report_outputs(runs: list[report_runs.RunData], compare_run_id: str, methods: list[str]) -> dict[str, Any]:
+    """The report of ``runs`` as the report nodes' outputs; the claims about ``methods`` (``compare.methods``)
+    go to the compare run as metrics ``claims/<id>/...`` and tags ``claims.<id>``.
 
     Keys: ``runs`` (``{method: [{"run_id", "eval_run_id", "seed"}, ...]}``), ``accuracy_table`` (the
     long accuracy table, a ``seed`` column), ``summary`` (run ids, the report's files, the system
     numbers per method, the claims' sentences) and every file of ``report_artifacts`` by name.
     """
-    found = claims(runs)
+    found = claims(runs, methods)
     metrics, tags = claim_metrics(found)
     logger = MlflowLogger(run_id=compare_run_id)
     logger.log_metrics(metrics, step=0)
     logger.set_tags(tags)
     selection = report_runs.selection(runs)
-    files = report_artifacts(runs, title=f"QeRL comparison: {', '.join(report_runs.by_method(runs))}")
+    files = report_artifacts(runs, title=f"QeRL comparison: {', '.join(report_runs.by_method(runs))}", methods=methods)
     summary = {"compare_run_id": compare_run_id, "runs": selection, "files": list(files),
                "system": system_table(runs).reset_index().to_dict(orient="records"),
                "claims": {c.id: c.text for c in found}}

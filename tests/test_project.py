@@ -149,6 +149,52 @@ def test_readme_is_the_newcomers_page():
     assert "bash install.sh" in first_screen and ".venv/bin/python -m pytest" in first_screen
 
 
+def _readme_section(heading: str) -> str:
+    text = (PROJECT / "README.md").read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def test_readme_comparison_tables_are_the_committed_reports():
+    """README "The first comparison": each claim of docs/results/cpu_compare/claims.csv (the report of that run)
+    is a row with its difference, interval, verdict and, for "cannot tell", its seed estimate; each method of
+    accuracy_summary.csv and system.csv a row with its pass@1 (base, trained), interval and step time; those
+    methods are conf/cpu_compare's compare.methods, and the command named is that environment's."""
+    import csv
+
+    import yaml
+
+    section = _readme_section("The first comparison")
+    results = PROJECT / "docs/results/cpu_compare"
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in section.splitlines() if line.startswith("| ")}
+    claims = list(csv.DictReader((results / "claims.csv").open()))
+    assert claims
+    for c in claims:
+        (key,) = [k for k in rows if k.startswith(f"`{c['claim']}`")]
+        cells = rows[key]
+        assert cells[0] == f"{float(c['difference']):.3f}", (key, cells)
+        assert cells[1] == f"[{float(c['ci_low']):.3f}, {float(c['ci_high']):.3f}]", (key, cells)
+        assert cells[2] == c["verdict"], (key, cells)
+        assert cells[3] == c["seeds_needed_note"], (key, cells)
+        assert (c["verdict"] == "cannot tell") == bool(c["seeds_needed"]), c  # every "cannot tell" has its estimate
+    acc = list(csv.DictReader((results / "accuracy_summary.csv").open()))
+    step = {r["method"]: float(r["Step time (s)"]) for r in csv.DictReader((results / "system.csv").open())}
+    params = yaml.safe_load((PROJECT / "conf/cpu_compare/parameters.yml").read_text())
+    methods = params["compare"]["methods"]
+    assert [r["method"] for r in acc if r["policy"] == "trained"] == methods == list(step)
+    for m in methods:
+        base, = [r for r in acc if r["method"] == m and r["policy"] == "base"]
+        trained, = [r for r in acc if r["method"] == m and r["policy"] == "trained"]
+        assert int(trained["n_seeds"]) == len(params["compare"]["seeds"])
+        assert rows[m] == [f"{float(base['pass1']):.3f}", f"{float(trained['pass1']):.3f}",
+                           f"[{float(trained['pass1_ci_low']):.3f}, {float(trained['pass1_ci_high']):.3f}]",
+                           f"{step[m]:.1f}"], (m, rows[m])
+    assert "`kedro run --pipelines=compare --env cpu_compare`" in section
+    assert f"{params['train']['steps']} steps x {params['train']['prompts_per_step']} prompts" in section
+
+
 def test_every_relative_link_in_readme_and_docs_resolves():
     """Each relative link in README.md and docs/*.md names an existing file, and its #anchor a heading there."""
     pages = [PROJECT / "README.md", *sorted((PROJECT / "docs").glob("*.md"))]

@@ -145,8 +145,8 @@ def cross_field_errors(cfg: QerlConfig, nodes: set[str] | None = None) -> list[s
         if budget <= 0:
             errors.append(f"  evaluate.max_new_tokens: {cfg.evaluate.max_new_tokens} must be below model.max_seq_len "
                           f"({cfg.model.max_seq_len}): the prompt budget, max_seq_len - max_new_tokens, is {budget} tokens")
-    if runs("compare:train_policy") and cfg.train.compare_ranks_error():
-        errors.append(f"  {cfg.train.compare_ranks_error()}")
+    if runs("compare:train_policy") and (ranks := cfg.train.compare_ranks_error()):
+        errors.append(f"  {ranks}")
     if runs("train_policy") or runs("compare:train_policy"):
         if cfg.lora.rank > VLLM_LORA_RANKS[-1]:
             errors.append(f"  lora.rank: {cfg.lora.rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")

@@ -104,14 +104,14 @@ def render_html(runs: Sequence[RunData], pngs: dict[str, bytes], title: str = "Q
 
 
 def report_artifacts(runs: Sequence[RunData], title: str = "QeRL comparison",
-                     methods: Sequence[str] | None = None) -> dict[str, Any]:
+                     found: Sequence[S.Claim] | None = None) -> dict[str, Any]:
     """Every file of the report by name (``REPORT_FILES``): the figures as matplotlib ``Figure``s, the
     accuracy (per run and over seeds), curve-band, system and claims tables as ``DataFrame``s, the
-    claims as a JSON-able list (NaN as null) and ``report.html`` as text. ``methods``: the compared methods
-    (``compare.methods``), whose claims alone are stated (``report_claims.claims``)."""
+    claims as a JSON-able list (NaN as null) and ``report.html`` as text. ``found``: the claims to state
+    (None: every claim, ``claims(runs)``)."""
     if not runs:
         raise ValueError("no runs to report on")
-    found = claims(runs, methods)
+    found = claims(runs) if found is None else found
     figs = figures(runs)
     page = render_html(runs, {stem: figure_png(fig) for stem, fig in figs.items()}, title, found)
     out = {f"{stem}.png": fig for stem, fig in figs.items()}

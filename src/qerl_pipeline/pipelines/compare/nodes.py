@@ -90,7 +90,7 @@ def report_outputs(runs: list[report_runs.RunData], compare_run_id: str, methods
     logger.log_metrics(metrics, step=0)
     logger.set_tags(tags)
     selection = report_runs.selection(runs)
-    files = report_artifacts(runs, title=f"QeRL comparison: {', '.join(report_runs.by_method(runs))}", methods=methods)
+    files = report_artifacts(runs, title=f"QeRL comparison: {', '.join(report_runs.by_method(runs))}", found=found)
     summary = {"compare_run_id": compare_run_id, "runs": selection, "files": list(files),
                "system": system_table(runs).reset_index().to_dict(orient="records"),
                "claims": {c.id: c.text for c in found}}

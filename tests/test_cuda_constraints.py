@@ -316,3 +316,89 @@ def test_tensor_parallel_engines_take_the_lora_as_an_adapter_and_refuse_merges()
         resolve_adapter_mode("merged", bf16, 2)
     trainer = (SRC / "qerl_pipeline" / "rl" / "trainer.py").read_text()
     assert "use tensor parallelism for evaluate" not in trainer
+
+
+# ------------------------------------------------------------------ NVFP4 kernels past int32 offsets
+# Triton passes a Python int below 2^31 as int32, so `row * stride` inside a kernel is int32 unless
+# the kernel widens it; at Qwen2.5-7B's MLP width (18,944) that overflows past ~113k tokens, where
+# CUDA reads or writes out of bounds (an illegal address) or the one-time check silently falls back.
+# The launchers run on `device="meta"` tensors (no memory) with recording kernels, and the recorded
+# launches are lowered to Triton IR on this CPU (tests/helpers/triton_ir.py).
+TOKENS_7B, HIDDEN_7B, MLP_7B = 70_000, 3_584, 18_944
+
+
+def _meta_weight(out_f: int, in_f: int):
+    from qerl_pipeline.quantization import nvfp4
+
+    return nvfp4.NVFP4Weight(torch.empty(out_f, in_f // 2, dtype=torch.uint8, device="meta"),
+                             torch.empty(out_f, in_f // 16, dtype=torch.float8_e4m3fn, device="meta"),
+                             torch.empty(1, dtype=torch.float32, device="meta"))
+
+
+def test_nvfp4_kernels_compute_every_offset_in_64_bits_at_7b_shapes(monkeypatch):
+    pytest.importorskip("triton")
+    from qerl_pipeline.quantization import triton_nvfp4 as tn
+    from tests.helpers.triton_ir import record_launches, stride_uses, ttir
+
+    seen = record_launches(monkeypatch, tn)
+    kernels = tn.NVFP4Kernels(tune=False)
+    down, gate = _meta_weight(HIDDEN_7B, MLP_7B), _meta_weight(MLP_7B, HIDDEN_7B)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    kernels.fwd(torch.empty(TOKENS_7B, MLP_7B, **meta), down)  # x [70k, 18944]: 1.3e9 elements
+    kernels.dx(torch.empty(TOKENS_7B, HIDDEN_7B, **meta), down)  # dx [70k, 18944]
+    kernels.fwd(torch.empty(2 * TOKENS_7B, HIDDEN_7B, **meta), gate)  # y [140k, 18944]: 2.65e9 > 2^31
+    kernels.dequant(gate, torch.bfloat16)
+    assert [s.name for s in seen] == ["_fused_fwd_kernel", "_fused_dx_kernel", "_fused_fwd_kernel", "_dequant_kernel"]
+    for launch in seen:
+        uses = stride_uses(ttir(launch))  # the strides arrive as int32 (values below 2^31) ...
+        assert len(uses) >= 2 and {t for _, t in uses} == {"i64"}, (launch.name, uses)  # ... and are widened
+
+
+def test_the_kernel_check_runs_the_token_count_that_runs(monkeypatch):
+    """`auto`'s one-time check multiplies a probe of the rows about to run, not of the bucket's largest
+    (a 65,537-token product was checked at 131,072 rows: twice its memory, past int32 offsets)."""
+    from qerl_pipeline.quantization import nvfp4
+    from qerl_pipeline.quantization import triton_nvfp4 as tn
+
+    w = nvfp4.encode(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.02)
+    rows = []
+
+    def fused(op, a, w):
+        rows.append(a.shape[0])
+        return tn.torch_matmul(op, a, w)
+
+    kernels = tn.NVFP4Kernels()
+    monkeypatch.setattr(kernels, "matmul", fused)
+    disp = tn.Dispatcher(kernels, timer=lambda fn, device: (fn(), 1.0)[1])
+    assert tn.token_bucket(17) == 32
+    disp.choose("fwd", torch.randn(17, 128).bfloat16(), w, platform="cuda")
+    assert rows and set(rows) == {17}
+
+
+def test_the_planner_counts_the_kernel_check_at_the_micro_batch(monkeypatch):
+    """At paper_gsm8k_7b (qerl, bf16 on CUDA) the check of the 18,944-wide MLP at the micro-batch's tokens
+    outweighs the torch decode of one linear; the planner counts it, and its largest micro-batch shrinks."""
+    from qerl_pipeline.planner import sizing
+    from qerl_pipeline.planner.inputs import load_config
+    from qerl_pipeline.quantization import triton_nvfp4 as tn
+    from qerl_pipeline.quantization.nvfp4 import DECODE_BYTES_PER_WEIGHT
+
+    conf = ROOT / "conf"
+    cfg = load_config(env="paper_gsm8k_7b", params="method=qerl", conf_dir=conf)
+    shape = sizing.ModelShape(name="qwen2.5-7b", hidden_size=HIDDEN_7B, num_hidden_layers=28, num_attention_heads=28,
+                              num_key_value_heads=4, intermediate_size=MLP_7B, vocab_size=152064)
+    b = 8
+    tokens = b * cfg.model.max_seq_len
+    check = tn.check_bytes("fwd", tokens, MLP_7B, HIDDEN_7B, 2)  # gate/up: probe [N, h] + 2 outputs [N, I]
+    assert sizing.kernel_check_bytes(cfg, shape, tokens) == check
+    with_check = sizing.activation_bytes(cfg, shape, b)
+    fits_with = sizing.plan(cfg, shape, 80).max_micro_batch
+    monkeypatch.setattr(sizing, "kernel_check_bytes", lambda *a: 0)
+    without = sizing.activation_bytes(cfg, shape, b)
+    assert with_check["transient"] - without["transient"] == check - DECODE_BYTES_PER_WEIGHT * HIDDEN_7B * MLP_7B > 0
+    assert 0 < fits_with < sizing.plan(cfg, shape, 80).max_micro_batch
+    monkeypatch.undo()
+    lora = load_config(env="paper_gsm8k_7b", params="method=lora", conf_dir=conf)
+    assert sizing.kernel_check_bytes(lora, shape, tokens) == 0  # bf16 base: no NVFP4 kernel
+    fp32 = load_config(env="paper_gsm8k_7b", params="method=qerl,model.dtype=float32", conf_dir=conf)
+    assert sizing.kernel_check_bytes(fp32, shape, tokens) == 0  # float32 stays on torch's cuBLAS

@@ -81,7 +81,11 @@ saved tensors (taken as one layer's saved set again); the head's chunk buffers,
 ``chunk (2f + c) V`` with ``chunk = min(512, P)`` rows, plus the gradient of the hidden states ``c N h``
 (head and layers do not overlap: the larger counts); the decoded dense weight of the largest
 quantized linear on the torch decode path, ``13 out*in`` (uint8 codes, int64 indices, fp32
-values; zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen), plus the whole
+values; zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen), or, where larger,
+the fused kernel's one-time ``auto`` check (NVFP4 with 16-bit compute: a random probe of the
+micro-batch's ``N`` tokens, the kernel's and the torch path's outputs and the torch decode,
+``triton_nvfp4.check_bytes``, the largest linear and product; it runs inside the first step's
+forward and backward), plus the whole
 dense base ``c * sum(out*in)`` with ``train.keep_decoded_weights: true`` (``auto`` is off on
 CUDA); the head's softmax chunks kept for backward, whole chunks up to 256 MiB
 (``kept_softmax``; with V = 152k not even one 512-row chunk fits). Peak =
@@ -133,7 +137,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
+from qerl_pipeline.quantization import triton_nvfp4
 from qerl_pipeline.quantization.checkpoint import is_ignored
+from qerl_pipeline.quantization.nvfp4 import DECODE_BYTES_PER_WEIGHT
 from qerl_pipeline.rollout.kv import dtype_bytes, kv_bytes_per_token
 from qerl_pipeline.rollout.serving import vllm_lora_rank
 
@@ -143,8 +149,6 @@ F32 = 4
 HEAD_CHUNK = 512
 #: Softmax bytes ``rl/logprobs.py`` keeps for backward instead of recomputing (its ``DEFAULT_KEEP_BYTES``).
 KEEP_SOFTMAX_BYTES = 256 * 2**20
-#: Bytes per weight alive at once while the torch codec decodes one linear (codes, int64 indices, fp32 values).
-DECODE_BYTES_PER_WEIGHT = 13
 #: bitsandbytes AdamW8bit: tensors below this many elements keep fp32 moments; absmax block; map entries.
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
@@ -344,6 +348,7 @@ def activation_bytes(cfg: QerlConfig, shape: ModelShape, b: int, seq_len: int | 
     fmt = METHOD_FORMAT[cfg.method]
     biggest = max(n_in * n_out for n_in, n_out, _b in shape.linears().values())
     decode = DECODE_BYTES_PER_WEIGHT * biggest if fmt != "bf16" else 0
+    decode = max(decode, kernel_check_bytes(cfg, shape, N))
     if fmt != "bf16" and cfg.train.keep_decoded_weights is True:  # the dense base alive through the update
         decode += c * shape.num_hidden_layers * sum(n_in * n_out for name, (n_in, n_out, _b) in shape.linears().items()
                                                     if _quantized(fmt, name, n_in, cfg.quantize.ignore))
@@ -351,6 +356,20 @@ def activation_bytes(cfg: QerlConfig, shape: ModelShape, b: int, seq_len: int | 
     return {"saved": saved, "recompute": recompute, "transient": transient + kept,
             "peak": saved + recompute + transient + kept, "per_layer": layer, "layer0": layer0, "head": head,
             "rotary": rotary, "kept_softmax": kept}
+
+
+def kernel_check_bytes(cfg: QerlConfig, shape: ModelShape, tokens: int) -> int:
+    """The fused NVFP4 kernel's one-time ``auto`` check at ``tokens`` rows: the largest over the
+    quantized linears and both products (``triton_nvfp4.check_bytes``); 0 where ``auto`` never
+    considers the kernel (other formats, float32 compute)."""
+    if METHOD_FORMAT[cfg.method] != "nvfp4" or _dtype_bytes(cfg) == F32:
+        return 0
+    c = _dtype_bytes(cfg)
+    return max((triton_nvfp4.check_bytes(op, tokens, n_out, n_in, c)
+                for name, (n_in, n_out, _b) in shape.linears().items()
+                if _quantized("nvfp4", f"model.layers.0.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}", n_in,
+                              list(cfg.quantize.ignore))
+                for op in triton_nvfp4.OPS), default=0)
 
 
 def _ceil_block(n: int) -> int:

@@ -215,6 +215,12 @@ def byte_table(device: torch.device | str = "cpu") -> torch.Tensor:
     return table
 
 
+#: Bytes per weight alive at once while :func:`decode` runs (the planner's estimate): the codes
+#: widened to int64 indices (4 a weight), the looked-up float32 pairs (4), the scaled float32
+#: values (4), plus about one for the cast result's share while the float32 copy is freed.
+DECODE_BYTES_PER_WEIGHT = 13
+
+
 def decode(
     packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:

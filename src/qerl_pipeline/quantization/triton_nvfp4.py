@@ -27,11 +27,14 @@ forward (``op="fwd"``) and backward (``op="dx"``). The mode comes from the layer
 * ``"auto"``: :data:`DISPATCHER` decides once per (op, token bucket, out, in, dtype,
   device) with :func:`decide`. Off CUDA, without Triton, or for a dtype other than
   bfloat16/float16 (``AUTO_DTYPES``; float32 stays on torch's IEEE cuBLAS) the answer is
-  torch, at no cost. On CUDA it first runs the fused kernel on random operands (the
-  bucket's largest token count) and compares it with the torch path (decode, then
-  matmul); a compile error or a relative error above ``TOLERANCE[dtype]`` means torch,
-  with one warning per process (later fallbacks are logged). Then it times both (median
-  of CUDA-event timings) and picks the faster. The decision is cached;
+  torch, at no cost. On CUDA it first runs the fused kernel on random operands of the
+  token count that is about to run (not the bucket's largest: a check twice the size of
+  the real product could run out of memory, or past int32 offsets, where the product
+  itself does not) and compares it with the torch path (decode, then matmul); a compile
+  error or a relative error above ``TOLERANCE[dtype]`` means torch, with one warning per
+  process (later fallbacks are logged). Then it times both (median of CUDA-event
+  timings) and picks the faster. Its memory, :func:`check_bytes`, is what the planner
+  counts for it (``planner/sizing.py``). The decision is cached;
   ``DISPATCHER.decisions`` lists them with their timings and errors. The first step of
   a run pays for it: Triton compiles the candidate configurations (cached on disk by
   Triton afterwards) and times them.
@@ -99,10 +102,33 @@ def bench_ms(fn: Callable[[], Any], device: torch.device | str, warmup: int = 3,
     return statistics.median(times)
 
 
+#: Float32 bytes ``rel_err`` works in at once (rows at a time), so that checking a large product
+#: costs no float32 copies of its outputs.
+REL_ERR_CHUNK_BYTES = 64 * 2**20
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` in float32 (0 when both are zero)."""
-    a, b = a.float(), b.float()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+    """``||a - b|| / ||b||`` in float32 (0 when both are zero), a few rows at a time."""
+    a, b = a.reshape(-1, a.shape[-1] if a.ndim else 1), b.reshape(-1, b.shape[-1] if b.ndim else 1)
+    rows = max(1, REL_ERR_CHUNK_BYTES // (3 * 4 * max(1, a.shape[1])))  # a, b and a - b in float32
+    diff = ref = 0.0
+    for start in range(0, a.shape[0], rows):
+        ca, cb = a[start:start + rows].float(), b[start:start + rows].float()
+        diff += float(torch.linalg.vector_norm(ca - cb)) ** 2
+        ref += float(torch.linalg.vector_norm(cb)) ** 2
+    return math.sqrt(diff) / max(math.sqrt(ref), 1e-30)
+
+
+def check_bytes(op: str, m: int, n: int, k: int, elem: int) -> int:
+    """Device bytes the ``auto`` check of one ``[n, k]`` weight and ``m`` tokens holds at its peak.
+
+    The random probe (``m`` x the input width), the kernel's output and the torch path's
+    output (``m`` x the output width, ``elem`` bytes each), and the torch path's decode
+    (``nvfp4.DECODE_BYTES_PER_WEIGHT`` a weight: codes, indices, float32 values, the result);
+    ``rel_err``'s float32 rows are bounded by ``REL_ERR_CHUNK_BYTES``.
+    """
+    width_in, width_out = (k, n) if op == "fwd" else (n, k)
+    return elem * m * (width_in + 2 * width_out) + nvfp4.DECODE_BYTES_PER_WEIGHT * n * k + REL_ERR_CHUNK_BYTES
 
 
 
@@ -376,13 +402,14 @@ class Dispatcher:
         if key in self.decisions:
             return self.decisions[key]
         with torch.no_grad():
-            # random operands of the bucket's largest token count: the decision is the same whichever
-            # token count of the bucket came first (and an empty or all-zero input cannot fool the check)
+            # random operands of the token count about to run (an empty or all-zero input cannot fool
+            # the check); the later token counts of the bucket reuse the decision
             gen = torch.Generator(device=a.device).manual_seed(0)
-            probe = torch.randn(key[1], a.shape[1], generator=gen, device=a.device, dtype=a.dtype)
+            probe = torch.randn(max(1, a.shape[0]), a.shape[1], generator=gen, device=a.device, dtype=a.dtype)
 
             def check() -> float:
-                return rel_err(self.kernels.matmul(op, probe, w), torch_matmul(op, probe, w))
+                fused = self.kernels.matmul(op, probe, w)
+                return rel_err(fused, torch_matmul(op, probe, w))
 
             decision = decide(platform, available=True, check=check,
                               time_triton=lambda: self.timer(lambda: self.kernels.matmul(op, probe, w), a.device),

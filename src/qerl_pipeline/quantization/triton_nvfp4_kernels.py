@@ -14,7 +14,9 @@ from memory, exactly as ``nvfp4.NVFP4Weight`` holds them:
 The fused kernels decode one ``[BN, BK]`` tile of W in registers, cast it to the
 activation dtype (the same value ``decode(W, dtype)`` gives) and feed it to ``tl.dot`` with
 a float32 accumulator. The global scale is read from its device tensor: no host
-synchronisation. ``in_features`` must be a multiple of 16 (NVFP4 requires it anyway); the
+synchronisation. Every address offset is computed in 64-bit integers: Triton passes Python ints
+below 2^31 as int32, and a row index times a row stride overflows int32 once a tensor has
+more than 2^31 elements (at 7B's 18,944-wide MLP, about 113k tokens). ``in_features`` must be a multiple of 16 (NVFP4 requires it anyway); the
 launcher picks a K block that divides it, so no K masking is needed. Rows (tokens,
 outputs) are masked, so any token count and any ``out_features`` work.
 
@@ -79,11 +81,12 @@ def _round_like(v, dtype: tl.constexpr):
 def _dequant_tile(p_ptr, s_ptr, gs, rows, k0, n_rows, stride_p, stride_s, BR: tl.constexpr, BK: tl.constexpr):
     """Float32 tile ``W[rows, k0:k0+BK]`` (BK % 16 == 0); rows >= n_rows read as 0."""
     row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
     pk = k0 // 2 + tl.arange(0, BK // 2)
-    p = tl.load(p_ptr + rows[:, None] * stride_p + pk[None, :], mask=row_ok[:, None], other=0)
+    p = tl.load(p_ptr + rows64[:, None] * stride_p + pk[None, :], mask=row_ok[:, None], other=0)
     w = tl.reshape(tl.join(_e2m1(p & 15), _e2m1(p >> 4)), (BR, BK))
     sk = k0 // 16 + tl.arange(0, BK // 16)
-    s = tl.load(s_ptr + rows[:, None] * stride_s + sk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + rows64[:, None] * stride_s + sk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     eff = tl.math.div_rn(s, tl.full((BR, BK // 16), 0.0, tl.float32) + gs)  # scale / gs, rounded like torch's
     eff = tl.reshape(tl.broadcast_to(eff[:, :, None], (BR, BK // 16, 16)), (BR, BK))
     return w * eff
@@ -98,7 +101,7 @@ def _dequant_kernel(p_ptr, s_ptr, gs_ptr, out_ptr, N, stride_p, stride_s, stride
     if EMULATE:
         w = _round_like(w, out_ptr.dtype.element_ty)
     cols = k0 + tl.arange(0, BK)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], w.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], w.to(out_ptr.dtype.element_ty),
              mask=(rows < N)[:, None])
 
 
@@ -116,11 +119,12 @@ def _fused_fwd_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, st
     pid_n = (pid % per_group) // size_m
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
+    rm64 = rm.to(tl.int64)
     gs = tl.load(gs_ptr)
     acc = tl.full((BM, BN), 0.0, tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None], other=0.0)
+        x = tl.load(x_ptr + rm64[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None], other=0.0)
         w = _dequant_tile(p_ptr, s_ptr, gs, rn, k0, N, stride_p, stride_s, BN, BK)
         if EMULATE:
             acc = tl.dot(x.to(tl.float32), tl.trans(_round_like(w, x.dtype)), acc, input_precision="ieee")
@@ -128,7 +132,7 @@ def _fused_fwd_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, st
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
     if EMULATE:
         acc = _round_like(acc, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + rm64[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
@@ -137,12 +141,13 @@ def _fused_dx_kernel(g_ptr, p_ptr, s_ptr, gs_ptr, dx_ptr, M, N, K, stride_gm, st
                      EMULATE: tl.constexpr):
     """``dx[M, K] = g[M, N] @ dequant(W)[N, K]``; K % BK == 0."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rm64 = rm.to(tl.int64)
     k0 = tl.program_id(1) * BK
     gs = tl.load(gs_ptr)
     acc = tl.full((BM, BK), 0.0, tl.float32)
     for n0 in range(0, N, BN):
         rn = n0 + tl.arange(0, BN)
-        g = tl.load(g_ptr + rm[:, None] * stride_gm + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :],
+        g = tl.load(g_ptr + rm64[:, None] * stride_gm + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :],
                     other=0.0)
         w = _dequant_tile(p_ptr, s_ptr, gs, rn, k0, N, stride_p, stride_s, BN, BK)
         if EMULATE:
@@ -152,7 +157,7 @@ def _fused_dx_kernel(g_ptr, p_ptr, s_ptr, gs_ptr, dx_ptr, M, N, K, stride_gm, st
     if EMULATE:
         acc = _round_like(acc, dx_ptr.dtype.element_ty)
     rk = k0 + tl.arange(0, BK)
-    tl.store(dx_ptr + rm[:, None] * stride_dm + rk[None, :], acc.to(dx_ptr.dtype.element_ty),
+    tl.store(dx_ptr + rm64[:, None] * stride_dm + rk[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=(rm < M)[:, None])
 
 

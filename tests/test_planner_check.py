@@ -5,14 +5,14 @@ the project's registered pipelines and the parameters Kedro's loader gives ``ked
 --params ...`` (``planner/inputs.py``); the platform is mocked as ``cuda`` and the GPU's size is a
 fake NVML answer, since this machine has neither. The NVML reading itself runs against a stand-in
 ``pynvml`` module that answers as the driver does (v2 memory info: installed total and the
-driver's reservation; on an H200 the difference was CUDA's total to the byte, 150109880320).
+driver's reservation; on an H200 the difference was CUDA's total to the byte, 150109880320, and
+``platform.gpu_memory_bytes`` read it so there: docs/gpu.md, "What has run on a GPU").
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import click
@@ -21,10 +21,10 @@ import pytest
 from qerl_pipeline import hooks, platform
 from qerl_pipeline.config import ConfigError
 from qerl_pipeline.planner import guard, inputs
+from tests.helpers.envs import CONF
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 GIB = 2**30
-H100 = 79.1  # GiB: CUDA's total on an 80 GB H100
+H100 = 79.1  # GiB: about CUDA's total on an 80 GB H100 (NVML's 79.6 less the driver's reservation)
 
 
 @pytest.fixture(scope="module")

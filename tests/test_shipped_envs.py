@@ -4,9 +4,11 @@ Each folder of ``conf/`` but ``local`` (``base``: conf/base alone) is read as ``
 reads it (``planner/inputs.py``) and planned (``planner/sizing.py``) at its own settings for
 ``method`` and every method of ``compare.methods`` (a compare trains each of them on the same
 GPU, at the same ``rollout.gpu_memory_utilization``). The GPU is the one the env's
-``parameters.yml`` header names in a line ``# GPU: planned at <N> GiB ...``: an "80 GB" H100
-reports 79.6 GiB, and validation on CUDA plans the GPU it finds (hooks.py), so the paper envs
-are planned at that size, not at 80.
+``parameters.yml`` header names in a line ``# GPU: planned at <N> GiB ...``
+(``tests/helpers/envs.py``), in GiB as CUDA counts it: validation on CUDA plans the GPU it finds
+(hooks.py), and CUDA counts a GPU's installed memory less what the driver reserves (on an H200
+139.8 of NVML's 140.4 GiB), so the paper envs, for an "80 GB" GPU (79.6 GiB installed), are
+planned at 79, not 80.
 
 The CPU environments (base, smoke, cpu_compare) are made for CPU, but they run on CUDA too
 (install.sh runs the base's training wherever it is installed), so they are planned like the
@@ -17,29 +19,10 @@ trainer + engine stay within the GPU, with activations counted for rows padded t
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 
 from qerl_pipeline.planner import guard, inputs
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
-ENVS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "local")
-GPU_LINE = re.compile(r"^# GPU: planned at ([0-9]+(?:\.[0-9]+)?) GiB", re.M)
-#: The GPU of an env whose header names none.
-DEFAULT_GPU_GIB = 80.0
-
-
-def header(env: str) -> str:
-    """The comment lines that open ``conf/<env>/parameters.yml``."""
-    lines = (CONF / env / "parameters.yml").read_text().splitlines()
-    return "\n".join(line for line in lines[:next((i for i, s in enumerate(lines) if not s.startswith("#")), len(lines))])
-
-
-def declared_gpu_gib(env: str) -> float:
-    m = GPU_LINE.search(header(env))
-    return float(m.group(1)) if m else DEFAULT_GPU_GIB
+from tests.helpers.envs import CONF, ENVS, GPU_LINE, declared_gpu_gib, header
 
 
 def trained_methods(cfg) -> list[str]:

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env", default=None, help="Kedro environment(s) overlaid on conf/base, comma-separated "
                     "(e.g. paper_bigmath_32b); one plan per env and method")
     ap.add_argument("--params", default=None, help="Kedro-style overrides: key=value,key2=value2")
-    ap.add_argument("--gpu-gb", type=float, required=True, help="GPU memory in GiB (an '80 GB' H100 reports 79.6)")
+    ap.add_argument("--gpu-gb", type=float, required=True, help="GPU memory in GiB as CUDA counts it: NVML's "
+                    "installed total less what the driver reserves (an '80 GB' GPU: about 79)")
     ap.add_argument("--model-preset", default=None, choices=sorted(PRESETS), help="built-in model shape")
     ap.add_argument("--model-config", default=None, help="a config.json (or its folder) giving the model shape")
     ap.add_argument("--methods", default=None, help="comma-separated methods to plan side by side (default: the config's)")
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([{**p.to_dict(), "picked_gpu_memory_utilization": u}
                           for _t, plans, picks, _a in groups for p, u in zip(plans, picks, strict=True)], indent=2))
     elif args.format == "markdown":
-        print(markdown([p for _t, plans, _u, _a in groups for p in plans], [u for _t, _p, picks, _a in groups for u in picks]))
+        print(markdown([p for _t, plans, _u, _a in groups for p in plans],
+                       [u for _t, _p, picks, _a in groups for u in picks]))
     else:
         for title, plans, picks, together in groups:
             render(plans, picks, title, together)

@@ -108,8 +108,8 @@ def refusal(cfg: QerlConfig, methods: list[str], shape: ModelShape, gpu_gib: flo
                 f"{lo:.2f} or more starts it ({SEE})")
     if lo <= hi:
         pick = pick_utilization(cfg, methods, shape, gpu_gib)
-        return (f"rollout.gpu_memory_utilization: {util:g} does not fit {gpu} ({_why(planned, bad)}); {lo:.2f}-{hi:.2f} "
-                f"fits {', '.join(planned)}, the planner picks {pick:.2f} ({SEE})")
+        return (f"rollout.gpu_memory_utilization: {util:g} does not fit {gpu} ({_why(planned, bad)}); "
+                f"{lo:.2f}-{hi:.2f} fits {', '.join(planned)}, the planner picks {pick:.2f} ({SEE})")
     smaller = min(planned[m].max_micro_batch for m in bad)
     if all(planned[m].engine_starts for m in bad) and smaller >= 1 and all(
             plan(method_config(cfg, m, micro_batch=smaller), shape, gpu_gib).fits for m in planned):

@@ -11,6 +11,7 @@ driver's reservation; on an H200 the difference was CUDA's total to the byte, 15
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from types import SimpleNamespace
@@ -148,6 +149,36 @@ def test_the_shipped_envs_pass_their_own_gpu_check(pipelines, monkeypatch):
         _validate(pipelines["compare"], env, monkeypatch=monkeypatch)
     assert guard.pick_utilization(inputs.load_config("paper_bigmath_14b", conf_dir=CONF),
                                   ["qerl", "lora"], inputs.PRESETS["qwen2.5-14b"], H100) == 0.55
+
+
+@pytest.mark.parametrize("env, methods, gpu", [
+    ("paper_bigmath_32b", ["qerl", "qlora"], H100),
+    ("paper_bigmath_14b", ["qerl", "qerl_noaqn", "qlora", "lora", "lora_aqn"], H100),
+    ("paper_bigmath_7b", ["qerl"], H100),
+    ("paper_bigmath_32b", ["qerl", "lora"], 139.8),  # a range narrower than the headroom: its middle
+])
+def test_the_pick_is_the_largest_step_that_leaves_the_headroom_and_fits(env, methods, gpu):
+    cfg = inputs.load_config(env, conf_dir=CONF)
+    shape = inputs.resolve_shape(cfg)
+    lo, hi = guard.utilization_range(guard.plans(cfg, methods, shape, gpu))
+    pick = guard.pick_utilization(cfg, methods, shape, gpu)
+    assert lo <= pick <= hi and all(p.fits for p in guard.plans(cfg, methods, shape, gpu, pick).values())
+    if hi - lo >= guard.HEADROOM + guard.STEP:
+        assert round(pick / guard.STEP, 6).is_integer(), pick
+        assert pick <= hi - guard.HEADROOM < pick + guard.STEP
+    else:
+        assert pick == pytest.approx((lo + hi) / 2, abs=0.01)
+
+
+def test_the_cli_prints_the_pick(capsys):
+    from qerl_pipeline.planner import cli
+
+    assert cli.main(["--conf-dir", str(CONF), "--env", "paper_bigmath_32b", "--gpu-gb", "79", "--methods", "qerl,lora",
+                     "--format", "json"]) == 0
+    assert [p["picked_gpu_memory_utilization"] for p in json.loads(capsys.readouterr().out)] == [0.65, None]
+    assert cli.main(["--conf-dir", str(CONF), "--env", "paper_bigmath_14b", "--gpu-gb", "79", "--methods", "qerl,lora"]) == 0
+    out = capsys.readouterr().out
+    assert "qerl, lora together: rollout.gpu_memory_utilization 0.40-0.63 fits them all, the planner picks 0.55" in out
 
 
 # ----------------------------------------------------------------------------- the GPU's size through NVML

@@ -16,10 +16,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from qerl_pipeline.config import validate
+from qerl_pipeline.planner import guard
 from qerl_pipeline.planner.guard import pick_utilization, utilization_range
 from qerl_pipeline.planner.inputs import PRESETS, load_config, resolve_shape
-from qerl_pipeline.planner.sizing import GIB, Plan, plan
+from qerl_pipeline.planner.sizing import GIB, Plan
 
 
 def _util(u: float | None) -> str:
@@ -121,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         for env in envs:
             cfg = load_config(env, args.params, args.conf_dir)
             shape = resolve_shape(cfg, args.model_preset, args.model_config)
-            methods = [m.strip() for m in args.methods.split(",")] if args.methods else [cfg.method]
-            plans = [plan(validate({**cfg.model_dump(), "method": m}), shape, args.gpu_gb, empty_cache=args.empty_cache)
-                     for m in methods]
+            methods = list(dict.fromkeys(m.strip() for m in args.methods.split(","))) if args.methods else [cfg.method]
+            planned = guard.plans(cfg, methods, shape, args.gpu_gb, empty_cache=args.empty_cache)
+            plans = list(planned.values())
             picks = [pick_utilization(cfg, [m], shape, args.gpu_gb, args.empty_cache) for m in methods]
             together = ""
-            if len(set(methods)) > 1:
-                lo, hi = utilization_range(dict(zip(methods, plans, strict=True)))
+            if len(methods) > 1:
+                lo, hi = utilization_range(planned)
                 both = pick_utilization(cfg, methods, shape, args.gpu_gb, args.empty_cache)
                 together = (f"{', '.join(methods)} together: rollout.gpu_memory_utilization "
                             + (f"{lo:.2f}-{hi:.2f} fits them all, the planner picks {_util(both)}" if lo <= hi

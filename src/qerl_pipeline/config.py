@@ -999,6 +999,22 @@ class BenchmarkConfig(Section):
     report_dir: str = Field("data/08_reporting/benchmark", description="Where the table (CSV, markdown, HTML) is written, atomically.")
 
 
+class PlannerConfig(Section):
+    """planner: the memory planner's check when a run starts on a CUDA machine (hooks.py, planner/guard.py)."""
+
+    check: bool = Field(
+        True,
+        description="On a CUDA machine, refuse before any node runs the settings the memory planner (docs/planner.md) "
+        "says cannot run on this GPU: a rollout.gpu_memory_utilization below what the engine needs to start (its "
+        "weights, workspace and one model.max_seq_len sequence), or trainer and engine together above the GPU, for the "
+        "methods the run trains (`method`, or a compare's `compare.methods`; evaluation alone: the engine's start). One "
+        "`Error:` line names the field, the GPU's size (CUDA's total, read through NVML before any CUDA context exists) "
+        "and the value that fits (the utilization the planner picks). false: run anyway (the engine-side terms are "
+        "estimates). Never on CPU; skipped, with a log line, where NVML cannot tell the GPU's size, with "
+        "rollout.tensor_parallel_size > 1 (the planner plans one GPU) or for a model whose shape is not known offline.",
+    )
+
+
 class QerlConfig(Section):
     """Every parameter of the project; mirrors conf/base/parameters.yml."""
 
@@ -1019,6 +1035,7 @@ class QerlConfig(Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     compare: CompareConfig = Field(default_factory=CompareConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
 
     @model_validator(mode="after")
     def _format_matches_prompt(self) -> QerlConfig:

@@ -18,6 +18,13 @@ here, on the whole tree, and only for the nodes the run has: a node validates ju
 sections (their defaults would stand in for the rest), so these checks cannot live in
 ``QerlConfig``.
 
+On a CUDA machine the memory planner is asked last (``planner_refusal``; ``planner.check``
+turns it off): for the methods whose engines the run starts (its training, a compare's
+branches, or evaluation alone), on the GPU's size as CUDA counts it (``platform.gpu_memory_bytes``,
+through NVML: no CUDA context exists before vLLM forks its engine), settings that cannot start
+or do not fit end the run as one ``Error:`` line (``PlannerRefusal``) naming the field, the
+GPU's size and the value that fits (``planner/guard.py``).
+
 The tracking store is tried in ``after_context_created``, ``tryfirst`` so before kedro-mlflow's
 (which connects to the store there, and retries an unreachable server for minutes):
 ``tracking.check_store`` gives a one-line ``TrackingStoreUnusable`` within seconds.
@@ -46,7 +53,7 @@ from pydantic import BaseModel
 from qerl_pipeline import tracking
 from qerl_pipeline.config import ConfigError, QerlConfig, validate
 from qerl_pipeline.data.user_sets import column_problems
-from qerl_pipeline.platform import current_platform
+from qerl_pipeline.platform import current_platform, gpu_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +100,13 @@ class ParameterError(ConfigError, click.ClickException):
 
     def __init__(self, err: ConfigError) -> None:
         click.ClickException.__init__(self, config_error_message(err))
+
+
+class PlannerRefusal(ConfigError, click.ClickException):
+    """Settings the memory planner says cannot run on this GPU: one ``Error:`` line from the Kedro CLI, exit code 1."""
+
+    def __init__(self, line: str) -> None:
+        click.ClickException.__init__(self, f"{line}; nothing ran")
 
 
 class TrackingStoreUnusable(click.ClickException):
@@ -156,6 +170,59 @@ def cross_field_errors(cfg: QerlConfig, nodes: set[str] | None = None) -> list[s
     return errors
 
 
+def engine_runs(cfg: QerlConfig, pipeline) -> list[tuple[list[str], str, bool]]:
+    """The engines ``pipeline`` starts, as ``(methods, the field naming them, evaluation only)``: its training
+    (``method``), a compare's training branches (those of ``compare.methods`` in the run), and evaluation in runs
+    that do not train the same methods."""
+    train = evaluate = False
+    branches: dict[str, set[str]] = {"train_policy": set(), "evaluate_policies": set()}
+    for node in pipeline.nodes:
+        short = node.name.rsplit(".", 1)[-1]
+        space = (node.namespace or "").split(".")
+        if space[0] == "compare" and len(space) > 1 and short in branches:
+            branches[short].add(space[1])
+        train |= short == "train_policy" and space[0] != "compare"
+        evaluate |= short == "evaluate_policies" and space[0] != "compare"
+    runs = []
+    if train or evaluate:
+        runs.append(([cfg.method], "method", not train))
+    for short, engine_only in (("train_policy", False), ("evaluate_policies", True)):
+        listed = [m for m in cfg.compare.methods if m in branches[short]]
+        if engine_only:
+            listed = [m for m in listed if m not in branches["train_policy"]]
+        if listed:
+            runs.append((listed, "compare.methods", engine_only))
+    return runs
+
+
+def planner_refusal(cfg: QerlConfig, pipeline, gpu_gib: float) -> str:
+    """The memory planner's one line against this run's settings on a GPU of ``gpu_gib`` GiB ("" when its engines
+    start and fit, or the planner cannot plan them: tensor parallelism, a model shape not known offline)."""
+    runs = engine_runs(cfg, pipeline)
+    if not runs:
+        return ""
+    if cfg.rollout.tensor_parallel_size > 1:
+        log.info("memory planner: not asked (rollout.tensor_parallel_size %d: it plans one GPU)",
+                 cfg.rollout.tensor_parallel_size)
+        return ""
+    from qerl_pipeline.planner.guard import refusal  # the planner imports the model's pieces: only when a run starts
+    from qerl_pipeline.planner.inputs import resolve_shape
+
+    try:
+        shape = resolve_shape(cfg)
+    except ValueError as err:
+        log.warning("memory planner: not asked (%s)", err)
+        return ""
+    for methods, field, engine_only in runs:
+        line = refusal(cfg, methods, shape, gpu_gib, methods_field=field, engine_only=engine_only)
+        if line:
+            return line
+    log.info("memory planner: %s fit this %.1f GiB GPU at rollout.gpu_memory_utilization %g",
+             ", ".join(dict.fromkeys(m for methods, _f, _e in runs for m in methods)), gpu_gib,
+             cfg.rollout.gpu_memory_utilization)
+    return ""
+
+
 def node_roles(pipeline) -> set[str]:
     """The short names of ``pipeline``'s nodes; a compare branch's also as ``compare:<name>``."""
     out = set()
@@ -201,12 +268,19 @@ class ValidateConfigHook:
             from qerl_pipeline.models import resolve_dtype  # torch and transformers: only when a run starts
             from qerl_pipeline.quantization.norms import check_noise_precision
 
-            check_noise_precision(cfg, resolve_dtype(cfg.model, current_platform()))
+            platform = current_platform()
+            check_noise_precision(cfg, resolve_dtype(cfg.model, platform))
             problems = column_problems(cfg.data)  # the user's data sets name columns they have
             if problems:
                 raise ConfigError("invalid parameters:\n" + "\n".join(f"  {p}" for p in problems))
         except ConfigError as err:
             raise ParameterError(err) from None
+        if platform == "cuda" and cfg.planner.check:
+            total = gpu_memory_bytes()
+            if total is None:
+                log.warning("memory planner: not asked (NVML cannot tell this GPU's memory)")
+            elif line := planner_refusal(cfg, pipeline, total / 2**30):
+                raise PlannerRefusal(line)
         log.info("parameters valid: method=%s model=%s", cfg.method, cfg.model.name)
 
 

@@ -2,7 +2,9 @@
 
 ``current_platform()`` is ``"cuda"`` when a CUDA GPU is visible, else ``"cpu"``; the trainer,
 the engines, evaluation and the benchmark all take that answer (the installed vLLM build
-follows the same rule: ``install.sh``).
+follows the same rule: ``install.sh``). ``gpu_memory_bytes()`` is the memory of the smallest
+GPU the process may use, as CUDA counts it, read through NVML, which creates no CUDA context:
+validation plans the run on it before any engine forks (hooks.py).
 
 The question is asked without initialising the CUDA driver (``cuda_present``):
 ``torch.cuda.is_available()`` calls ``cudaGetDeviceCount`` (which runs ``cuInit``) unless
@@ -20,6 +22,7 @@ vLLM's spawn rule still sees an uninitialised torch then.
 from __future__ import annotations
 
 import os
+import re
 
 #: The platforms the project runs on.
 PLATFORMS = ("cuda", "cpu")
@@ -45,3 +48,56 @@ def cuda_present(environ=os.environ) -> bool:
 def current_platform() -> str:
     """``cuda`` when this process sees a CUDA GPU, else ``cpu``."""
     return "cuda" if cuda_present() else "cpu"
+
+
+def gpu_memory_bytes(environ=os.environ) -> int | None:
+    """Total memory of the smallest GPU this process may use, in bytes as CUDA reports it; None when NVML cannot say.
+
+    The GPUs are those of ``CUDA_VISIBLE_DEVICES`` (indices, ``GPU-``/``MIG-`` UUIDs, read up to the
+    first entry CUDA would not take), or every GPU when it is unset. NVML's memory info (v2)
+    gives the installed total and what the driver reserves; CUDA's total (``cudaMemGetInfo``,
+    which vLLM multiplies by ``gpu_memory_utilization``) is the difference. A GPU in MIG mode
+    named by index is not resolved (CUDA would enumerate its instances): None.
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no nvidia-ml-py, no driver library, no GPU: NVML cannot say
+        return None
+    try:
+        totals = [_cuda_total(pynvml, h) for h in _visible_handles(pynvml, environ.get("CUDA_VISIBLE_DEVICES"))]
+        return min(totals) if totals and None not in totals else None
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _visible_handles(pynvml, spec: str | None) -> list:
+    count = pynvml.nvmlDeviceGetCount()
+    if spec is None:
+        return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    handles = []
+    for item in (s.strip() for s in spec.split(",")):
+        if item.startswith(("GPU-", "MIG-")):
+            handles.append(pynvml.nvmlDeviceGetHandleByUUID(item))
+        elif re.fullmatch(r"\d+", item) and int(item) < count:
+            handles.append(pynvml.nvmlDeviceGetHandleByIndex(int(item)))
+        else:  # CUDA ignores this entry and every one after it
+            break
+    return handles
+
+
+def _cuda_total(pynvml, handle) -> int | None:
+    """CUDA's total of one NVML device: installed memory less the driver's reservation (None: a MIG-mode parent)."""
+    try:
+        if pynvml.nvmlDeviceGetMigMode(handle)[0]:
+            return None
+    except pynvml.NVMLError:  # not MIG-capable, or a MIG instance itself
+        pass
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        return int(info.total - info.reserved)
+    except pynvml.NVMLError:  # a driver without the v2 call: the installed total, a little above CUDA's
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)

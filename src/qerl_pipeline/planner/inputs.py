@@ -1,8 +1,8 @@
 """What a plan is computed from: the validated config of a ``kedro run`` and the model's shape.
 
-``load_config`` asks Kedro's own ``OmegaConfigLoader`` for the parameters, built with the
-arguments ``settings.py`` gives it for ``kedro run`` (``config.CONFIG_LOADER_ARGS``), and reads ``--params``
-as ``kedro run`` does. The shape comes from a local ``config.json`` (``model.name`` a folder,
+``load_config`` asks Kedro's own ``OmegaConfigLoader`` for the parameters (``load_parameters``: the
+tree itself), built with the arguments ``settings.py`` gives it for ``kedro run``
+(``config.CONFIG_LOADER_ARGS``), and reads ``--params`` as ``kedro run`` does. The shape comes from a local ``config.json`` (``model.name`` a folder,
 or ``--model-config``), the random smoke model's ``model.random_init``, or a built-in preset of
 the published configs (``--model-preset``, or the preset whose Hub id is ``model.name``); the
 Hugging Face Hub is never asked.
@@ -40,6 +40,13 @@ def parse_params(text: str | None) -> dict[str, Any]:
 def load_config(env: str | None = None, params: str | None = None, conf_dir: str | Path = "conf") -> QerlConfig:
     """The validated config of ``kedro run --env ENV --params PARAMS``: ``conf/base``, then the
     env overlay (``local`` when no env is given), then the ``--params`` values."""
+    return validate(load_parameters(env, parse_params(params), conf_dir))
+
+
+def load_parameters(env: str | None = None, runtime_params: dict[str, Any] | None = None,
+                    conf_dir: str | Path = "conf") -> dict[str, Any]:
+    """The parameter tree ``kedro run`` hands its hooks and nodes for ``--env ENV`` and the ``--params``
+    values already parsed (``runtime_params``), unvalidated."""
     conf = Path(conf_dir)
     base = conf / "base"
     if not base.is_dir():
@@ -51,9 +58,9 @@ def load_config(env: str | None = None, params: str | None = None, conf_dir: str
         # drops the same warning for kedro run.
         warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated", category=UserWarning,
                                 module=r"kedro\.")
-        loader = OmegaConfigLoader(conf_source=str(conf), env=env, runtime_params=parse_params(params), **CONFIG_LOADER_ARGS)
-        parameters = loader["parameters"]
-    return validate(parameters)
+        loader = OmegaConfigLoader(conf_source=str(conf), env=env, runtime_params=runtime_params or {},
+                                   **CONFIG_LOADER_ARGS)
+        return dict(loader["parameters"])
 
 
 def _qwen2(name: str, h: int, n_l: int, n_h: int, n_kv: int, i: int) -> ModelShape:

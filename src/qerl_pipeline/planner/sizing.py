@@ -116,7 +116,9 @@ Engine (vLLM, ``rollout/serving.py``: what CUDA serves):
 
 Deviations and assumptions, in one place:
 
-* ``gpu_gib`` is GiB (2^30 bytes); an "80 GB" H100 reports 81559 MiB = 79.6 GiB.
+* ``gpu_gib`` is GiB (2^30 bytes) as CUDA counts the GPU (what vLLM multiplies by
+  ``gpu_memory_utilization``): NVML's installed total (an "80 GB" H100's 81559 MiB = 79.6 GiB)
+  less what the driver reserves (``platform.gpu_memory_bytes``).
 * the Llama/Qwen2 layer layout above (no q/k norms, no MoE); ``source: random`` models are
   Llama with tied embeddings over the SmolLM2 tokenizer (V = 49152).
 * NF4 double quantization is refused by the project (``quantization/store.py``); the planner

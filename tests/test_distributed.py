@@ -214,14 +214,9 @@ def _rank_dapo(rank: int, world: int, port: int, base: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def dapo_base(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny random Llama (SmolLM2 tokenizer) as an NVFP4 base."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tests.helpers.models import tokenized_base
 
-    from qerl_pipeline.quantization import checkpoint
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
-    out = tmp_path_factory.mktemp("dapo_base") / "nvfp4"
-    checkpoint.write_base(model, AutoTokenizer.from_pretrained(tiny_model_dir), "nvfp4", out)
-    return out
+    return tokenized_base(tiny_model_dir, "nvfp4", tmp_path_factory.mktemp("dapo_base") / "nvfp4")
 
 
 def test_dynamic_sampling_on_two_ranks_keeps_trains_and_logs_what_one_process_does(dapo_base, tmp_path):

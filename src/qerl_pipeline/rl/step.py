@@ -191,38 +191,30 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
             dist=None):
     """Rollout + rewards for one step, with DAPO dynamic sampling when enabled.
 
-    Returns this rank's rows of the batch the update trains on (groups of samples, their
-    reward rows, ``info["idx"]`` the prompt of each group); ``info["sampled"]`` holds the
-    rewards of every group this rank sampled in every round, before the filter, so DAPO's
-    reward curves can be drawn over the same population as GRPO's (the kept groups exclude
-    the all-right and all-wrong ones, which biases their mean towards 0.5).
+    Returns this rank's rows of the batch the update trains on (groups of samples, their reward
+    rows, ``info["idx"]`` each group's prompt); ``info["sampled"]`` holds the rewards of every
+    group this rank sampled in every round, before the filter, so DAPO's reward curves can be
+    drawn over the same population as GRPO's (the kept groups exclude the all-right and
+    all-wrong ones, which biases their mean towards 0.5).
 
-    ``dist`` (``rl/dist.py``'s ``Dist``; None = one process): every rank draws the same global
-    prompts each round (same sampler state) and rolls out its contiguous share
-    (``dist.shard_bounds``), every prompt with the sampling seed of its global position in
-    the round. Dynamic sampling decides globally: each round the ranks gather every group's
-    rewards and all take the decision one process would take over the whole round (which
-    groups are kept, how many prompts the next round draws, whether it stops); the kept
-    groups, in one process's order, are then split over the ranks in contiguous, balanced
-    shares of rows (a group may straddle two ranks; a rank may get none when the kept rows
-    are fewer than the ranks), the samples sent from the rank that rolled them out. Without
-    dynamic sampling each rank trains on the share it rolled out. Either way N ranks train
-    the batch one process does.
+    ``dist`` (``rl/dist.py``'s ``Dist``; None = one process): every rank draws the same prompts
+    each round and rolls out its contiguous share (``dist.shard_bounds``), each prompt with the
+    seed of its global position. Dynamic sampling gathers every group's rewards each round, so
+    all ranks take the decision one process would, then split the kept groups in balanced
+    contiguous shares of rows (``_rows_of_rank``; design: ``rl/distributed.py``); without it a
+    rank trains on its own share.
 
-    ``info``'s counts are this rank's share (the trainer sums them): ``sampled_groups`` the
-    groups it rolled out, ``kept_groups`` those of the kept ones it rolled out;
-    ``zero_std_fraction`` is over the first round's groups this rank saw (all of them with
-    dynamic sampling), ``rounds`` the step's rollout rounds (the same on every rank).
+    ``info``'s counts are this rank's share (the trainer sums them): ``sampled_groups`` the groups
+    it rolled out, ``kept_groups`` the kept ones among them; ``zero_std_fraction`` is over the
+    first round's groups it saw (all with dynamic sampling); ``rounds`` is the same on every rank.
     """
     d = dist or SINGLE
     gc, rc, tc = cfg.grpo, cfg.rollout, cfg.train
     g, want = gc.num_generations, tc.prompts_per_step
     global_view = gc.dynamic_sampling and d.active  # every rank sees every group's rewards
-    mine: dict[tuple[int, int], list] = {}  # (round, position in the round) -> a group this rank rolled out
-    owner: dict[tuple[int, int], int] = {}  # -> the rank that rolled it out
-    seen: list[tuple[tuple[int, int], int, list[dict]]] = []  # (key, prompt, reward rows) of every group in view
-    kept: list[tuple[tuple[int, int], int, list[dict]]] = []
-    sampled: list[dict] = []
+    mine: dict[tuple, list] = {}  # key (round, position in the round) -> a group of samples this rank rolled out
+    owner: dict[tuple, int] = {}  # key -> the rank that rolled it out
+    seen, kept, sampled = [], [], []  # (key, prompt, reward rows) of the groups in view, of the kept ones; my reward rows
     seconds = tokens = reward_s = 0.0
     rounds, zero_std, need, first = 0, None, want, 0
     while True:
@@ -252,10 +244,8 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
             break
     chosen = (kept or seen[:first])[:want]  # nothing informative: the first round (zero advantages, zero loss)
     share = _rows_of_rank(chosen, mine, owner, g, d) if global_view else [(k, p, mine[k], grp) for k, p, grp in chosen]
-    info = {
-        "rounds": rounds, "zero_std_fraction": zero_std, "reward_s": reward_s, "idx": [p for _, p, _, _ in share],
-        "sampled": sampled, "sampled_groups": len(mine), "kept_groups": sum(owner[k] == d.rank for k, _, _ in chosen),
-    }
+    info = {"rounds": rounds, "zero_std_fraction": zero_std, "reward_s": reward_s, "idx": [p for _, p, _, _ in share],
+            "sampled": sampled, "sampled_groups": len(mine), "kept_groups": sum(owner[k] == d.rank for k, _, _ in chosen)}
     return ([grp for _, _, grp, _ in share], [x for *_, grp in share for x in grp], info,
             {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0})
 
@@ -288,8 +278,7 @@ def _rows_of_rank(chosen: list, mine: dict, owner: dict, g: int, d) -> list[tupl
     """This rank's contiguous share of the rows of the ``chosen`` groups (global order), as
     ``(key, prompt, samples, reward rows)`` per whole or partial group: the groups another rank
     rolled out arrive from it (every rank sends those of its groups that reach past its own rows)."""
-    bounds = [shard_bounds(len(chosen) * g, r, d.world_size, balanced=True) for r in range(d.world_size)]
-    lo, hi = bounds[d.rank]
+    lo, hi = shard_bounds(len(chosen) * g, d.rank, d.world_size, balanced=True)
     outgoing = {key: mine[key] for q, (key, _, _) in enumerate(chosen)
                 if owner[key] == d.rank and not lo <= q * g < (q + 1) * g <= hi}
     arrived = {key: grp for part in d.all_gather_object(outgoing) for key, grp in part.items()}

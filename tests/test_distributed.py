@@ -1,10 +1,13 @@
-"""Data-parallel training (rl/distributed.py): the decisions, the collectives on two gloo ranks, and
-the update of 2 ranks x half a batch against 1 process x the whole batch.
+"""Data-parallel training (rl/distributed.py): the decisions, the collectives on two gloo ranks, the
+update of 2 ranks x half a batch (or all of it and none) against 1 process x the whole batch, and
+DAPO's dynamic sampling trained on 2 ranks against 1 process.
 
 Fast tier: the ranks are ``torch.multiprocessing`` processes joined by gloo over a local
 rendezvous (what torchrun sets up, without the launcher), running the real
-``step.policy_update`` on a tiny packed policy. The launched form (``kedro run ... --params
-train.nproc=2`` with real engines) is in ``test_trainer.py`` (integration).
+``step.policy_update`` on a tiny packed policy, or the real ``trainer.train`` on the fake engine
+of ``tests/helpers/engines.py`` (seeded per request, as vLLM). The launched form (``kedro run ...
+--params train.nproc=2`` with real engines, also with dynamic sampling) is in ``test_trainer.py``
+(integration).
 """
 
 from __future__ import annotations

@@ -176,14 +176,9 @@ def test_a_checkpoint_file_torch_cannot_read_is_named(tmp_path):
 # ----------------------------------------------------------------------------- a real resume
 @pytest.fixture(scope="module")
 def bf16_base(tiny_model_dir, tmp_path_factory) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tests.helpers.models import tokenized_base
 
-    from qerl_pipeline.quantization import checkpoint
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
-    out = tmp_path_factory.mktemp("verify_base") / "bf16"
-    checkpoint.write_base(model, AutoTokenizer.from_pretrained(tiny_model_dir), "bf16", out)
-    return out
+    return tokenized_base(tiny_model_dir, "bf16", tmp_path_factory.mktemp("verify_base") / "bf16")
 
 
 def test_training_resumes_over_a_garbled_adapter_from_the_previous_checkpoint(bf16_base, tmp_path, caplog):

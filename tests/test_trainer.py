@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -461,3 +462,45 @@ def test_a_checkpoint_of_two_ranks_is_not_resumed_by_one(project, two_ranks):
         node[leaf] = value
     with pytest.raises(ValueError, match=r"2 rank\(s\); this run has 1 "):
         trainer.train(QerlConfig.model_validate(nested), project / "data/06_models/smoke/base_nvfp4", [], progress=False)
+
+
+# ------------------------------------- DAPO's dynamic sampling on 2 ranks (the paper's recipe, scaled out)
+DAPO_PARAMS = ("train.nproc=2,grpo.dynamic_sampling=true,train.steps={steps},train.output_dir={out},optim.lr.qerl=1e-3,"
+               "train.reward_fn=tests.helpers.rewards:odd_first_token")
+
+
+@pytest.fixture(scope="module")
+def two_ranks_dapo(project, tmp_path_factory) -> tuple[Path, str]:
+    """``kedro run --pipelines=train --env smoke --params train.nproc=2,grpo.dynamic_sampling=true`` with a coin-flip
+    reward (the random model's math reward is 0 everywhere: every group would be dropped), so groups are kept,
+    dropped and refilled over two gloo ranks with real engines."""
+    out = tmp_path_factory.mktemp("two_ranks_dapo") / "out"
+    proc = start_kedro(project, "run", "--pipelines=train", "--env", "smoke", "--params",
+                       DAPO_PARAMS.format(steps=STEPS, out=out), log=_log(out))
+    return out, wait_kedro(proc, _log(out), timeout=600).stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.kedro_run
+def test_dynamic_sampling_on_two_ranks_refills_and_decides_once_for_both(two_ranks_dapo, tracking):
+    """The run finishes; its refill rounds, kept and sampled groups are the global ones (both ranks log the same
+    step lines: one decision per round for both); some step drops a group and refills; the adapter trains."""
+    from mlflow.tracking import MlflowClient
+
+    out, log = two_ranks_dapo
+    client = MlflowClient(tracking)
+    run = _run_for(client, out)
+    assert run.info.status == "FINISHED" and run.data.metrics["dist/world_size"] == 2
+
+    def series(name: str) -> list[float]:
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.step)]
+
+    sampled, kept, refills = series("groups/sampled"), series("groups/kept"), series("groups/refill_rounds")
+    assert len(kept) == STEPS and all(1 <= k <= 2 for k in kept)  # smoke: 2 prompts per step, a group of 2 samples each
+    assert any(r > 0 for r in refills) and any(s > k for s, k in zip(sampled, kept)), (sampled, kept, refills)
+    assert all(s >= 2 + r for s, r in zip(sampled, refills))  # each refill round draws at least one prompt
+    # each rank logs its step line; the reward, accuracy and entropy in it are the global ones, equal on both ranks
+    lines = {r: re.findall(rf"rank {r}: INFO .*?step (\d+)/{STEPS} reward (\S+) acc (\S+) entropy (\S+)", log) for r in (0, 1)}
+    assert len(lines[0]) == STEPS and lines[0] == lines[1], lines
+    adapter = _adapter(out / "qerl" / "final_adapter")
+    assert max(float(t.abs().max()) for n, t in adapter.items() if "lora_B" in n) > 0, "the adapter did not train"

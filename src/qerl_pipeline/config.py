@@ -607,7 +607,13 @@ class GRPOConfig(Section):
         "rule; TRL takes the quantile per device micro-batch, ours over the whole rollout batch: one extra no-grad "
         "forward per step when q < 1). 1.0 = every token.",
     )
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and refill.")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop groups whose rewards are all equal and refill with new prompts until prompts_per_step "
+        "groups are kept (or max_refill_rounds run out: then the kept ones, or the first round's when none is). With "
+        "train.nproc > 1 every round's decision is global: the ranks gather the round's rewards, keep and draw what one "
+        "process would, and split the kept groups' rows evenly, so N ranks train the batch one process does.",
+    )
     max_refill_rounds: int = Field(3, ge=0, description="Extra rollout rounds dynamic sampling may spend per step.")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
 
@@ -785,7 +791,8 @@ class TrainConfig(Section):
         description="Data-parallel ranks (per node): > 1 launches torchrun (torch.distributed.run) from the train node "
         "and follows it; gloo on CPU, NCCL on CUDA (one GPU per rank); each rank holds the base and the LoRA, owns a "
         "rollout engine and rolls out its share of the step's prompts_per_step prompt groups (which must split "
-        "evenly); gradients are summed over the ranks; rank 0 writes MLflow, checkpoints and adapters "
+        "evenly; with grpo.dynamic_sampling also of each refill round's, decided for all ranks at once); gradients "
+        "are summed over the ranks; rank 0 writes MLflow, checkpoints and adapters "
         "(rl/distributed.py). The result does not depend on nproc (up to float summation order).",
     )
     nnodes: int = Field(1, ge=1, description="Nodes of a multi-node run (the same kedro run on each, with its node_rank).")
@@ -1057,9 +1064,6 @@ class QerlConfig(Section):
             if self.rollout.engines == "shared":
                 raise ValueError("rollout.engines: 'shared' (one engine serving every rank) is not built yet for more than "
                                  "one rank; use per_rank (each rank its own engine)")
-            if self.grpo.dynamic_sampling:
-                raise ValueError("grpo.dynamic_sampling is not supported with train.nproc > 1 (its refill rounds need a "
-                                 "global decision per round); use one rank or turn it off")
         if tc.node_rank >= tc.nnodes:
             raise ValueError(f"train.node_rank ({tc.node_rank}) must be below train.nnodes ({tc.nnodes})")
         return self

@@ -1,8 +1,9 @@
 """A fake rollout engine for tests that drive the trainer or the engine sleeper without vLLM.
 
 It records its calls and answers what ``rl/trainer.py`` and ``rollout/sleep.py`` ask of a
-``RolloutEngine``: deterministic completions (a hash of the prompt, the adapter's bytes and
-its state), norm weights to update and read back, adapters to register, sleep and wake (with
+``RolloutEngine``: deterministic completions (a hash of the prompt, its request's seed, the
+adapter's bytes and its state: a prompt's samples do not depend on the other prompts of the
+call, as vLLM's seeded requests), norm weights to update and read back, adapters to register, sleep and wake (with
 optional faults on wake).
 """
 
@@ -17,7 +18,7 @@ from qerl_pipeline.rollout.engine import GenerateResult, Sample, adapter_version
 
 
 class FakeEngine:
-    """Records every call in ``calls``. Outputs are a hash of (prompt, adapter files, state).
+    """Records every call in ``calls``. Outputs are a hash of (prompt, seed, adapter files, state).
 
     ``fault``: what a wake does: None (nothing), "drop" (vLLM forgets its adapters: none listed
     until re-registered after a reset), "drop_forever" (never lists one again), "corrupt"
@@ -68,7 +69,8 @@ class FakeEngine:
         for p_i, prompt in enumerate(prompts):
             group = []
             for i in range(n):
-                key = repr((list(prompt), i if temperature > 0 else 0, seed, self.salt, self.stale)).encode() + content
+                own = seed[p_i] if isinstance(seed, (list, tuple)) else seed  # vLLM seeds each request on its own
+                key = repr((list(prompt), i if temperature > 0 else 0, own, self.salt, self.stale)).encode() + content
                 digest = hashlib.sha256(key).digest()
                 ids = [1 + b % 200 for b in digest[:max_new_tokens]]
                 group.append(Sample(list(prompt), ids, "ab" * (1 + digest[0] % 4) + "1", [-1.0] * len(ids), "length"))

@@ -1,4 +1,5 @@
-"""Model folders for tests: a tiny packed NVFP4 base to train, and a fake base to size."""
+"""Model folders for tests: a tiny packed NVFP4 base to train, a tiny model as a base with its tokenizer,
+and a fake base to size."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def packed_tiny_base(folder: Path) -> Path:
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     checkpoint.write_base(model, None, "nvfp4", folder)
+    return folder
+
+
+def tokenized_base(model_dir: Path, fmt: str, folder: Path) -> Path:
+    """The model folder ``model_dir`` (``tiny_model_dir``: a random tiny Llama with the SmolLM2 tokenizer)
+    written as a ``fmt`` base at ``folder``, its tokenizer with it (the trainer reads it from the base)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    checkpoint.write_base(model, AutoTokenizer.from_pretrained(model_dir), fmt, folder)
     return folder
 
 

@@ -66,18 +66,30 @@ class Dist:
         return t
 
     def all_reduce_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Sum the gradients of ``params`` over the ranks, in one flat buffer (one collective)."""
-        if not self.active:
+        """Sum the gradients of ``params`` over the ranks, in one flat buffer (one collective).
+
+        Every rank joins, also one whose share of the batch was empty (no gradients): a missing
+        gradient counts as zeros, and a flag per parameter travels in the same buffer, so a
+        parameter gets the sum where any rank has a gradient for it and keeps ``None`` where none
+        has (as in one process: the optimiser skips it).
+        """
+        if not self.active or not params:
             return
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        device = params[0].device
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, torch.float32)
+                 for p in params]
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
+        flat = torch.cat([*parts, flags])
         torch.distributed.all_reduce(flat)
+        anyone = (flat[-len(params):] > 0).tolist()
         offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g).to(g.dtype))
+        for p, part, has in zip(params, parts, anyone):
+            n = part.numel()
+            summed = flat[offset:offset + n].view_as(p)
+            if p.grad is not None:
+                p.grad.copy_(summed.to(p.grad.dtype))
+            elif has:
+                p.grad = summed.to(p.device, p.dtype).clone()
             offset += n
 
 
@@ -113,9 +125,12 @@ def init(platform: str) -> Dist:
     return d
 
 
-def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[lo, hi)`` of the ``n`` items rank ``rank`` takes: contiguous, equal shares (``n % world_size == 0``)."""
-    if n % world_size:
+def shard_bounds(n: int, rank: int, world_size: int, *, balanced: bool = False) -> tuple[int, int]:
+    """``[lo, hi)`` of the ``n`` items rank ``rank`` takes: contiguous shares in rank order, equal
+    (``n % world_size == 0``, else ``ValueError``), or with ``balanced`` any ``n``: the first
+    ``n % world_size`` ranks take one more (a share may be empty)."""
+    if n % world_size and not balanced:
         raise ValueError(f"{n} prompt groups do not split evenly over {world_size} ranks")
-    share = n // world_size
-    return rank * share, (rank + 1) * share
+    share, extra = divmod(n, world_size)
+    lo = rank * share + min(rank, extra)
+    return lo, lo + share + (rank < extra)

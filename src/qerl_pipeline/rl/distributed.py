@@ -26,6 +26,13 @@ collectives are ``rl/dist.py``; this module starts torchrun from the node and ru
   (``step.sampling_seeds``). So ``nproc`` changes where the work runs, never what is
   computed: N ranks with P prompts per step train what 1 rank with P prompts does, up to
   floating-point summation order (``tests/test_distributed.py`` compares the adapters).
+* DAPO's dynamic sampling (``grpo.dynamic_sampling``) decides each refill round for all ranks
+  at once: the round's prompts are drawn on every rank and rolled out in shares as above, every
+  group's rewards are gathered, and each rank takes the decision one process would take over
+  the whole round (the groups kept, the prompts the next round draws, when to stop). The kept
+  groups, in one process's order, are then split over the ranks in balanced contiguous shares
+  of rows, each group's samples sent by the rank that rolled it out (``step.collect``). A rank
+  whose share is empty (fewer kept rows than ranks) still joins every collective of the update.
 * Rewards are gathered (``all_gather_object``) so advantages, reward metrics and the
   batch-level normalisers (``advantage_scale: batch``, token counts of the ``token``
   aggregation, the number of sequences) are the global batch's; each rank's loss is its
@@ -39,9 +46,8 @@ collectives are ``rl/dist.py``; this module starts torchrun from the node and ru
 * Resume at the same world size continues; a checkpoint written at another world size is
   refused with a message naming both (per-rank random streams, e.g. dropout, would differ).
 
-Not supported with ``nproc > 1`` (refused at config validation): DAPO dynamic sampling (its
-refill rounds would need a global decision each round) and compare branches (their engines
-are shared across nodes in one process, ``rollout/pool.py``).
+Not supported with ``nproc > 1`` (refused at config validation): compare branches (their
+engines are shared across nodes in one process, ``rollout/pool.py``).
 
 Multi-node: the same ``kedro run`` on every node with ``train.nnodes``, ``train.node_rank``,
 ``train.master_addr``/``master_port``; only node 0's rank 0 writes MLflow and files (a shared

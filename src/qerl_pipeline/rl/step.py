@@ -111,11 +111,12 @@ def _mean(values) -> float:
 
 # --------------------------------------------------------------- log-probs
 def collate(samples: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids ``[n, L]``, prompt and completion lengths, rollout log-probs ``[n, T]``."""
-    p_lens = torch.tensor([len(s.prompt_ids) for s in samples])
-    c_lens = torch.tensor([len(s.completion_ids) for s in samples])
-    length = int((p_lens + c_lens).max())
-    t_max = max(1, int(c_lens.max()))
+    """Right-padded ids ``[n, L]``, prompt and completion lengths, rollout log-probs ``[n, T]`` (``n`` may be 0:
+    a data-parallel rank whose share of the batch is empty)."""
+    p_lens = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+    c_lens = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long)
+    length = int((p_lens + c_lens).max()) if samples else 1
+    t_max = max(1, int(c_lens.max()) if samples else 1)
     ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
     roll = torch.zeros(len(samples), t_max)
     for i, s in enumerate(samples):
@@ -187,82 +188,108 @@ def sampling_seeds(seed: int, step: int, round_: int, prompts: list[int]) -> lis
 
 
 def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg: QerlConfig, step: int, adapter_dir: Path | None,
-            shard: tuple[int, int] = (0, 1)):
+            dist=None):
     """Rollout + rewards for one step, with DAPO dynamic sampling when enabled.
 
-    Returns the kept groups (what the update trains on) and their rewards; ``info["sampled"]``
-    holds the rewards of every sampled group of every round, before the filter, so DAPO's
-    reward curves can be drawn over the same population as GRPO's (the kept groups exclude
-    the all-right and all-wrong ones, which biases their mean towards 0.5).
+    Returns this rank's rows of the batch the update trains on (groups of samples, their reward
+    rows, ``info["idx"]`` each group's prompt); ``info["sampled"]`` holds the rewards of every
+    group this rank sampled in every round, before the filter, so DAPO's reward curves can be
+    drawn over the same population as GRPO's (the kept groups exclude the all-right and
+    all-wrong ones, which biases their mean towards 0.5).
 
-    ``shard = (rank, world_size)``: data-parallel ranks draw the same global prompts (same
-    sampler state) and each rolls out its contiguous share (``dist.shard_bounds``),
-    every prompt with the sampling seed of its global position. One round only (dynamic
-    sampling is refused with more than one rank).
+    ``dist`` (``rl/dist.py``'s ``Dist``; None = one process): every rank draws the same prompts
+    each round and rolls out its contiguous share (``dist.shard_bounds``), each prompt with the
+    seed of its global position. Dynamic sampling gathers every group's rewards each round, so
+    all ranks take the decision one process would, then split the kept groups in balanced
+    contiguous shares of rows (``_rows_of_rank``; design: ``rl/distributed.py``); without it a
+    rank trains on its own share.
+
+    ``info``'s counts are this rank's share (the trainer sums them): ``sampled_groups`` the groups
+    it rolled out, ``kept_groups`` the kept ones among them; ``zero_std_fraction`` is over the
+    first round's groups it saw (all with dynamic sampling); ``rounds`` is the same on every rank.
     """
+    d = dist or SINGLE
     gc, rc, tc = cfg.grpo, cfg.rollout, cfg.train
-    g = gc.num_generations
-    kept_groups, kept_rewards, kept_idx = [], [], []
-    all_groups, all_rewards, all_idx = [], [], []
+    g, want = gc.num_generations, tc.prompts_per_step
+    global_view = gc.dynamic_sampling and d.active  # every rank sees every group's rewards
+    mine: dict[tuple, list] = {}  # key (round, position in the round) -> a group of samples this rank rolled out
+    owner: dict[tuple, int] = {}  # key -> the rank that rolled it out
+    seen, kept, sampled = [], [], []  # (key, prompt, reward rows) of the groups in view, of the kept ones; my reward rows
     seconds = tokens = reward_s = 0.0
-    rounds, zero_std = 0, None
-    need = tc.prompts_per_step
+    rounds, zero_std, need, first = 0, None, want, 0
     while True:
         idx = sampler.take(need)
         seeds = sampling_seeds(rc.seed, step, rounds, idx)
-        if shard[1] > 1:
-
-            lo, hi = shard_bounds(len(idx), *shard)
-            idx, seeds = idx[lo:hi], seeds[lo:hi]
-        res = engine.generate(
-            [items[i].ids for i in idx], n=g, temperature=rc.temperature, top_p=rc.top_p,
-            max_new_tokens=rc.max_new_tokens, seed=seeds, lora_path=adapter_dir,
-        )
-        seconds += res.seconds
-        tokens += res.output_tokens
-        t0 = time.perf_counter()
-        texts = [s.text for grp in res.samples for s in grp]
-        golds = [items[i].gold for i in idx for _ in range(g)]
-        scored = _score(scorer, texts, golds, [s for grp in res.samples for s in grp])
-        if gc.overlong.enabled:
-            lengths = torch.tensor([len(s.completion_ids) for grp in res.samples for s in grp])
-            pen = grpo.overlong_penalty(lengths, rc.max_new_tokens, gc.overlong.buffer_tokens, gc.overlong.penalty)
-            for x, p in zip(scored, pen.tolist()):
-                x["overlong"] = p
-                x["reward"] = x["reward"] + p
-        reward_s += time.perf_counter() - t0
-        r = torch.tensor([x["reward"] for x in scored])
+        bounds = [shard_bounds(len(idx), r, d.world_size, balanced=True) for r in range(d.world_size)]
+        lo, hi = bounds[d.rank]
+        groups, rows, timing = _roll_out(engine, scorer, [items[i] for i in idx[lo:hi]], seeds[lo:hi], cfg, adapter_dir)
+        seconds, tokens, reward_s = seconds + timing[0], tokens + timing[1], reward_s + timing[2]
+        sampled += [x for grp in rows for x in grp]
+        mine.update({(rounds, lo + j): grp for j, grp in enumerate(groups)})
+        if global_view:
+            rows, lo = [grp for part in d.all_gather_object(rows) for grp in part], 0
+        view = [((rounds, lo + j), idx[lo + j], grp) for j, grp in enumerate(rows)]
+        owner.update({key: next(r for r, (a, b) in enumerate(bounds) if a <= key[1] < b) for key, _, _ in view})
+        r = torch.tensor([x["reward"] for _, _, grp in view for x in grp])
         if zero_std is None:
-            zero_std = grpo.zero_std_fraction(r, g)
+            zero_std, first = grpo.zero_std_fraction(r, g), len(view)
         rounds += 1
-        per_group = [scored[j * g : (j + 1) * g] for j in range(len(idx))]
-        all_groups += res.samples
-        all_rewards += per_group
-        all_idx += idx
+        seen += view
         if not gc.dynamic_sampling:
-            kept_groups, kept_rewards, kept_idx = all_groups, all_rewards, all_idx
+            kept = view
             break
-        keep = grpo.dynamic_sampling_keep(r, g).tolist()
-        for j, k in enumerate(keep):
-            if k:
-                kept_groups.append(res.samples[j])
-                kept_rewards.append(per_group[j])
-                kept_idx.append(idx[j])
-        need = tc.prompts_per_step - len(kept_groups)
+        kept += [v for v, k in zip(view, grpo.dynamic_sampling_keep(r, g).tolist()) if k]
+        need = want - len(kept)
         if need <= 0 or rounds > gc.max_refill_rounds:
             break
-    if not kept_groups:  # nothing informative: train on the first round (zero advantages, zero loss)
-        kept_groups, kept_rewards, kept_idx = all_groups[: tc.prompts_per_step], all_rewards[: tc.prompts_per_step], all_idx[: tc.prompts_per_step]
-    kept_groups = kept_groups[: tc.prompts_per_step]
-    kept_rewards = kept_rewards[: tc.prompts_per_step]
-    rewards = [x for grp in kept_rewards for x in grp]
-    sampled = [x for grp in all_rewards for x in grp]
-    info = {
-        "rounds": rounds, "zero_std_fraction": zero_std, "reward_s": reward_s, "idx": kept_idx[: tc.prompts_per_step],
-        "overlong": _mean(x.get("overlong", 0.0) for x in rewards),
-        "sampled": sampled, "sampled_groups": len(all_rewards), "kept_groups": len(kept_rewards),
-    }
-    return kept_groups, rewards, info, {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
+    chosen = (kept or seen[:first])[:want]  # nothing informative: the first round (zero advantages, zero loss)
+    share = _rows_of_rank(chosen, mine, owner, g, d) if global_view else [(k, p, mine[k], grp) for k, p, grp in chosen]
+    info = {"rounds": rounds, "zero_std_fraction": zero_std, "reward_s": reward_s, "idx": [p for _, p, _, _ in share],
+            "sampled": sampled, "sampled_groups": len(mine), "kept_groups": sum(owner[k] == d.rank for k, _, _ in chosen)}
+    return ([grp for _, _, grp, _ in share], [x for *_, grp in share for x in grp], info,
+            {"seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0})
+
+
+def _roll_out(engine, scorer, prompts: list[PromptItem], seeds: list[int], cfg: QerlConfig, adapter_dir: Path | None):
+    """``prompts``' groups of samples, each group's reward rows (with DAPO's overlong shaping when on) and
+    ``(rollout seconds, output tokens, reward seconds)``; nothing to do for an empty share."""
+    gc, rc = cfg.grpo, cfg.rollout
+    g = gc.num_generations
+    if not prompts:
+        return [], [], (0.0, 0, 0.0)
+    res = engine.generate(
+        [p.ids for p in prompts], n=g, temperature=rc.temperature, top_p=rc.top_p,
+        max_new_tokens=rc.max_new_tokens, seed=seeds, lora_path=adapter_dir,
+    )
+    t0 = time.perf_counter()
+    flat = [s for grp in res.samples for s in grp]
+    scored = _score(scorer, [s.text for s in flat], [p.gold for p in prompts for _ in range(g)], flat)
+    if gc.overlong.enabled:
+        lengths = torch.tensor([len(s.completion_ids) for s in flat])
+        pen = grpo.overlong_penalty(lengths, rc.max_new_tokens, gc.overlong.buffer_tokens, gc.overlong.penalty)
+        for x, p in zip(scored, pen.tolist()):
+            x["overlong"] = p
+            x["reward"] = x["reward"] + p
+    rows = [scored[j * g : (j + 1) * g] for j in range(len(prompts))]
+    return res.samples, rows, (res.seconds, res.output_tokens, time.perf_counter() - t0)
+
+
+def _rows_of_rank(chosen: list, mine: dict, owner: dict, g: int, d) -> list[tuple]:
+    """This rank's contiguous share of the rows of the ``chosen`` groups (global order), as
+    ``(key, prompt, samples, reward rows)`` per whole or partial group: the groups another rank
+    rolled out arrive from it (every rank sends those of its groups that reach past its own rows)."""
+    lo, hi = shard_bounds(len(chosen) * g, d.rank, d.world_size, balanced=True)
+    outgoing = {key: mine[key] for q, (key, _, _) in enumerate(chosen)
+                if owner[key] == d.rank and not lo <= q * g < (q + 1) * g <= hi}
+    arrived = {key: grp for part in d.all_gather_object(outgoing) for key, grp in part.items()}
+    share = []
+    for q, (key, prompt, rows) in enumerate(chosen):
+        a, b = max(lo, q * g) - q * g, min(hi, (q + 1) * g) - q * g
+        if a < b:
+            samples = mine[key] if owner[key] == d.rank else arrived[key]
+            share.append((key, prompt, samples[a:b], rows[a:b]))
+    return share
+
 
 def reference_every(cfg: QerlConfig) -> int:
     """Steps between the KL reference's forwards (0: never): 1 with ``kl_beta > 0`` (the loss needs it),
@@ -378,7 +405,7 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
                 logp0, ent0 = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share)
                 old_logp[k] = logp0.detach().cpu()
                 ents.append(ent0.detach().cpu())
-        ent_all = torch.cat(ents)
+        ent_all = torch.cat(ents) if ents else torch.zeros(0, t_max)  # no rows: a rank's empty share
         real_ent = ent_all[mask > 0]
         threshold = grpo.entropy_threshold(torch.cat(d.all_gather_object(real_ent)) if d.active else real_ent,
                                            gc.top_entropy_quantile)

@@ -11,7 +11,8 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
 2. Rollout: ``prompts_per_step`` prompts (a seeded permutation per epoch; the cursor is
    checkpointed), ``num_generations`` samples each, with the current adapter folder.
    Dynamic sampling (DAPO) drops groups with equal rewards and refills for up to
-   ``max_refill_rounds`` extra rounds (same noise, new sampling seed). Honest curves:
+   ``max_refill_rounds`` extra rounds (same noise, new sampling seed); over data-parallel ranks
+   each round is decided once for all of them (``step.collect``). Honest curves:
    ``reward/mean``, ``reward/accuracy``, ``reward/format`` (and ``accuracy``) are over every
    sampled group, before the filter, so a DAPO run's curve compares with a GRPO run's;
    ``reward/kept_mean``/``kept_accuracy``/``kept_format`` are over the groups trained on
@@ -369,8 +370,7 @@ def train(
                 sync_s += engine.merge_adapter(adapter_dir)
             lora = adapter_dir if sync == "adapter" else None
 
-            groups, rewards, info, roll = collect(engine, scorer, sampler, items, cfg, step, lora,
-                                                  shard=(d.rank, d.world_size))
+            groups, rewards, info, roll = collect(engine, scorer, sampler, items, cfg, step, lora, dist=d)
             sleeper.before_update(lora, groups[0][0].prompt_ids if groups else None)  # CUDA + colocated: the update gets the memory
             t_roll = time.perf_counter()
             samples = [s for g in groups for s in g]
@@ -487,18 +487,19 @@ def _gather_step(d, rewards: list[dict], info: dict, roll: dict, lengths: torch.
     sampled group, completion lengths and truncation, and the rollout's time (the slowest rank's) and throughput."""
     mine = {"rewards": rewards, "sampled": info["sampled"], "lengths": lengths.tolist(), "truncated": truncated.tolist(),
             "seconds": roll["seconds"], "tokens": roll["tokens_per_s"] * roll["seconds"], "reward_s": info["reward_s"],
-            "zero_std": info["zero_std_fraction"], "overlong": info["overlong"], "sampled_groups": info["sampled_groups"],
+            "zero_std": info["zero_std_fraction"], "sampled_groups": info["sampled_groups"],
             "kept_groups": info["kept_groups"]}
     parts = d.all_gather_object(mine)
     seconds = max(p["seconds"] for p in parts)
+    kept = [x for p in parts for x in p["rewards"]]
     return {
-        "rewards": [x for p in parts for x in p["rewards"]], "sampled": [x for p in parts for x in p["sampled"]],
+        "rewards": kept, "sampled": [x for p in parts for x in p["sampled"]],
         "counts": [len(p["rewards"]) for p in parts],
         "lengths": torch.tensor([x for p in parts for x in p["lengths"]]),
         "truncated": torch.tensor([x for p in parts for x in p["truncated"]], dtype=torch.bool),
         "rollout_s": seconds, "tokens_per_s": sum(p["tokens"] for p in parts) / seconds if seconds else 0.0,
         "reward_s": max(p["reward_s"] for p in parts), "zero_std_fraction": _mean(p["zero_std"] for p in parts),
-        "overlong": _mean(p["overlong"] for p in parts), "sampled_groups": sum(p["sampled_groups"] for p in parts),
+        "overlong": _mean(x.get("overlong", 0.0) for x in kept), "sampled_groups": sum(p["sampled_groups"] for p in parts),
         "kept_groups": sum(p["kept_groups"] for p in parts),
     }
 

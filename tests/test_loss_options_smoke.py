@@ -98,7 +98,7 @@ def test_each_is_mode_finishes_and_logs_its_fraction(setup, mode):
 
 
 def test_gspo_runs_and_its_ratios_move(setup):
-    history, _ = _train(setup, "gspo", grpo={"importance_sampling_level": "sequence", "loss_aggregation": "sequence",
+    history, _ = _train(setup, "gspo", grpo={"importance_sampling_level": "sequence", "loss_type": "grpo",
                                              "updates_per_rollout": 2})
     assert all(0.0 <= row["policy/clip_fraction"] <= 1.0 for row in history)
     assert any(row["optim/grad_norm"] > 0 for row in history)

@@ -861,10 +861,6 @@ class _CompareSettings(Section):
         "(pipelines/compare/pipeline.py). On the command line: `--params compare.methods=[lora]`, or several as one "
         "space-separated string, `--params \"compare.methods=qerl lora\"` (`kedro run --params` splits on commas).",
     )
-    reuse_group: str | None = Field(
-        None, description="compare_report pipeline only: the compare run id whose branch runs to report; None = the "
-        "newest finished run of each method that has evaluation metrics."
-    )
     report_dir: str = Field("data/08_reporting/compare", description="Folder of the report (PNGs, CSVs, report.html).")
     seeds: list[int] = Field(
         default_factory=lambda: [0], min_length=1,

@@ -225,6 +225,7 @@ def count_kernels(counts: dict):
 
 def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtype: torch.dtype, b: dict) -> dict:
     """Build the policy of ``base_dir`` and run two real ``policy_update`` calls; the figures of the second."""
+    from qerl_pipeline import tracking
     from qerl_pipeline.memory import peak_memory_bytes
     from qerl_pipeline.quantization import triton_nvfp4
     from qerl_pipeline.quantization.policy import build_policy
@@ -266,7 +267,7 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
         sync(device)
         seconds = time.perf_counter() - t0
         peak = peak_memory_bytes()  # CUDA's max allocated since the reset above, else the process VmHWM
-        runs.append({"seconds": seconds, "loss": float(out["loss"]), "peak": peak, "resident": resident, "counts": counts})
+        runs.append({"seconds": seconds, "loss": float(out[tracking.LOSS]), "peak": peak, "resident": resident, "counts": counts})
     moved_a = max((float((lora[n].detach() - start[n]).abs().max()) for n in lora if "lora_A" in n), default=0.0)
     moved_b = max((float((lora[n].detach() - start[n]).abs().max()) for n in lora if "lora_B" in n), default=0.0)
     counts = runs[1]["counts"]
@@ -280,7 +281,7 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
         "triton_used": any(k.endswith("_triton") and v for k, v in counts.items()),
         "kernel_mode": triton_nvfp4.kernel_mode(),
         "auto_decisions": triton_nvfp4.DISPATCHER.summary(),
-        "grad_norm": float(out.get("optim/grad_norm", float("nan"))),
+        "grad_norm": float(out.get(tracking.GRAD_NORM, float("nan"))),
     }
     del policy, opt, sched, params, lora, start, norm_params
     if device.type == "cuda":

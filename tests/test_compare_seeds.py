@@ -93,3 +93,19 @@ def test_a_branch_left_out_of_methods_trains_and_evaluates_nothing(tmp_path, cap
     assert records == [] and metrics == {} and table.to_dict(orient="list") == {"skipped": [why]}
     with pytest.raises(ValueError, match="compare.methods lists 'qlora', but its branch's train_summary says"):
         build_report(group, {"methods": ["qlora"]}, qlora_summary=summary, qlora_accuracy=table)
+
+
+def test_the_report_is_built_one_way():
+    """The compare pipeline's report node is the one report path (no second pipeline builds it from MLflow runs);
+    an older config's compare.reuse_group, that path's option, gets the unknown-key error."""
+    from kedro.framework.project import configure_project
+
+    configure_project("qerl_pipeline")
+    from qerl_pipeline.pipeline_registry import register_pipelines
+
+    registered = register_pipelines()
+    assert "compare_report" not in registered
+    builders = {n.name for p in registered.values() for n in p.nodes if "compare_report_report_html" in n.outputs}
+    assert builders == {"build_comparison_report"}
+    with pytest.raises(ConfigError, match=r"compare\.reuse_group: Extra inputs are not permitted"):
+        validate({"compare": {"reuse_group": "0123"}}, QerlConfig)

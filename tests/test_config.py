@@ -52,7 +52,7 @@ def _base() -> dict:
         (lambda p: p.update(method="qat"), "method", "'qerl', 'qerl_noaqn', 'qlora', 'lora' or 'lora_aqn'"),
         (lambda p: p["train"].update(steps="many"), "train.steps", "valid integer"),
         (lambda p: p["rollout"].update(temprature=0.7), "rollout.temprature", "Extra inputs are not permitted"),
-        (lambda p: p["grpo"].update(loss_aggregation="mean"), "grpo.loss_aggregation", "'sequence', 'token' or 'dr_grpo'"),
+        (lambda p: p["grpo"].update(loss_type="mean"), "grpo.loss_type", "registered: grpo, bnpo, dr_grpo, dapo, cispo"),
         (lambda p: p.update(unknown_section={}), "unknown_section", "Extra inputs"),
         (lambda p: p["reward"].update(format_style="tags"), "reward.format_style", "'think_answer' or 'answer_line'"),
         (lambda p: p["data"].update(system_prompt=None), "<root>", "reward.format_style: 'answer_line'"),

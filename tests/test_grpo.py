@@ -5,7 +5,19 @@ import math
 import pytest
 import torch
 
-from qerl_pipeline.rl import grpo
+from qerl_pipeline.rl import grpo, losses
+
+#: the clip range of the hand computations
+CLIP = {"clip_eps_low": 0.2, "clip_eps_high": 0.28}
+CLIP_02 = {"clip_eps_low": 0.2, "clip_eps_high": 0.2}
+#: every built-in loss type's options: the clip range and TRL 1.16's defaults of the others
+OPTIONS = {**CLIP, "cispo_clip_max": 5.0, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0,
+           "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+
+
+def _p(loss_type: str = "dapo", options: dict | None = None, **scalars) -> grpo.LossParams:
+    """``grpo.LossParams`` of ``loss_type`` with the clip range ``CLIP`` (or ``options``)."""
+    return grpo.LossParams(loss_type, CLIP if options is None else options, **scalars)
 
 
 def test_group_advantages_group_scale_hand_computed():
@@ -46,7 +58,7 @@ def test_policy_loss_clipping_and_aggregations():
     tok = (-1.28 - 1.0 + 2 + 1.6 + 2) / 5
     dr = (-1.28 - 1.0 + 2 + 1.6 + 2) / (2 * 8)
     for how, want in (("grpo", seq), ("dapo", tok), ("dr_grpo", dr)):
-        loss, stats = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=how, max_len=8)
+        loss, stats = grpo.policy_loss(logp, old, adv, mask, _p(how, max_len=8))
         assert float(loss) == pytest.approx(want, rel=1e-6), how
     assert float(grpo.aggregate(per_tok, mask, "token")) == pytest.approx(tok)
     # clipped tokens: row0 token0 (high, A>0) and row1 token1 (low, A<0): 2 of 5
@@ -59,11 +71,11 @@ def test_new_loss_types_hand_computed():
     """cispo, sapo, luspo, vespo and bnpo on the toy batch (ratios row0 [2, 1], row1 [1, 0.5, 1]; A = [1, -2])."""
     logp, old, adv, mask = _toy()
     lp0 = logp.tolist()
-    prm = grpo.LossParams(cispo_clip_max=1.5)
+    prm = {**OPTIONS, "cispo_clip_max": 1.5}
 
     def run(loss_type, **kw):
         lp = logp.clone().requires_grad_(True)
-        loss, st = grpo.policy_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=loss_type, params=prm, **kw)
+        loss, st = grpo.policy_loss(lp, old, adv, mask, _p(loss_type, prm), **kw)
         loss.backward()
         return float(loss.detach()), lp.grad, st
 
@@ -97,8 +109,8 @@ def test_new_loss_types_hand_computed():
     assert val == pytest.approx((-math.exp(3 - 3) * (lp0[0][0] + lp0[0][1]) + 2 * phi1 * sum(lp0[1])) / 5, rel=1e-6)
     # bnpo: each micro-batch's token mean over the micro-batches; one micro-batch: dapo
     per_mb = [(-1.28 - 1.0) / 2, (2.0 + 1.6 + 2.0) / 3]
-    parts = sum(float(grpo.policy_loss(logp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1], eps_low=0.2, eps_high=0.28,
-                                       loss_type="bnpo", num_micro_batches=2)[0]) for i in (0, 1))
+    parts = sum(float(grpo.policy_loss(logp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1],
+                                       _p("bnpo", num_micro_batches=2))[0]) for i in (0, 1))
     assert parts == pytest.approx(sum(per_mb) / 2, rel=1e-6)
     assert run("bnpo")[0] == pytest.approx(run("dapo")[0], rel=1e-7)
     with pytest.raises(ValueError, match="grpo.loss_type"):
@@ -109,11 +121,10 @@ def test_entropy_bonus_is_minus_coef_times_the_selected_mean():
     logp, old, adv, mask = _toy()
     ent = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.5, 0.5]], requires_grad=True)
     sel = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
-    for loss_type in grpo.LOSS_TYPES:
-        base, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=loss_type, token_select=sel,
-                                   num_micro_batches=2)
-        with_bonus, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=loss_type,
-                                         token_select=sel, entropy=ent, entropy_coef=0.1, num_micro_batches=2)
+    for loss_type in losses.loss_names():
+        base, _ = grpo.policy_loss(logp, old, adv, mask, _p(loss_type, OPTIONS, num_micro_batches=2), token_select=sel)
+        bonus = _p(loss_type, OPTIONS, num_micro_batches=2, entropy_coef=0.1)
+        with_bonus, _ = grpo.policy_loss(logp, old, adv, mask, bonus, token_select=sel, entropy=ent)
         # selected real tokens: row0 token0, row1 all three: mean (1 + 3 + 0.5 + 0.5) / 4, halved for 2 micro-batches
         assert float(with_bonus - base) == pytest.approx(-0.1 * 5.0 / 4 / 2, rel=1e-6), loss_type
     ent.grad = None
@@ -124,7 +135,7 @@ def test_entropy_bonus_is_minus_coef_times_the_selected_mean():
 def test_clipped_tokens_get_no_gradient():
     logp, old, adv, mask = _toy()
     logp = logp.clone().requires_grad_(True)
-    loss, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type="dapo")
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, _p("dapo"))
     loss.backward()
     g = logp.grad
     assert g[0, 0] == 0 and g[1, 1] == 0  # clip active
@@ -140,11 +151,11 @@ def test_microbatches_sum_to_full_batch():
     adv = torch.randn(6)
     mask = grpo.completion_mask(torch.tensor([5, 3, 1, 4, 2, 5]), 5)
     for how in ("grpo", "dapo", "dr_grpo"):
-        full, _ = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=how)
+        full, _ = grpo.policy_loss(logp, old, adv, mask, _p(how))
         parts = sum(
             grpo.policy_loss(
-                logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], eps_low=0.2, eps_high=0.28,
-                loss_type=how, num_sequences=6, num_tokens=float(mask.sum()), max_len=5,
+                logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2],
+                _p(how, num_sequences=6, num_tokens=float(mask.sum()), max_len=5),
             )[0]
             for i in (0, 2, 4)
         )
@@ -212,11 +223,11 @@ def test_mismatch_kl_and_weights_multiply_the_surrogate():
     want = sum(math.exp(x) - x - 1 for x in d) / 3
     assert grpo.mismatch_kl(roll, old, mask) == pytest.approx(want, rel=1e-6)
     adv = torch.tensor([1.0])
-    lw, _ = grpo.policy_loss(old, old, adv, mask, eps_low=0.2, eps_high=0.28, is_weights=w, loss_type="dapo")
+    lw, _ = grpo.policy_loss(old, old, adv, mask, _p("dapo"), is_weights=w)
     assert float(lw) == pytest.approx(-(1.5 + 1.0 + 0.25) / 3)
     # not the KL term (as TRL): with A = 0 only the KL is left, unweighted
     ref = old - math.log(2)
-    lk, _ = grpo.policy_loss(old, old, torch.zeros(1), mask, eps_low=0.2, eps_high=0.28, is_weights=w, ref_logp=ref, kl_beta=1.0)
+    lk, _ = grpo.policy_loss(old, old, torch.zeros(1), mask, _p(kl_beta=1.0), is_weights=w, ref_logp=ref)
     assert float(lk) == pytest.approx(0.5 - math.log(0.5) - 1)
 
 
@@ -225,19 +236,20 @@ def test_gspo_sequence_ratio_hand_computed():
     # row0 token log-ratios [ln 2, 0] (third masked): s0 = exp(ln2 / 2) = sqrt(2) > 1.28 with A>0: clipped
     # row1 [0, ln .5, 0]: s1 = 0.5^(1/3) = 0.794 < 0.8 with A<0: min(-2 s1, -1.6) = -1.6, clipped
     for how, want in (("grpo", (-1.28 + 1.6) / 2), ("dapo", (2 * -1.28 + 3 * 1.6) / 5)):
-        loss, st = grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_type=how, level="sequence")
+        loss, st = grpo.policy_loss(logp, old, adv, mask, _p(how, level="sequence"))
         assert float(loss) == pytest.approx(want, rel=1e-6), how
         assert st.clip_fraction == pytest.approx(1.0) and st.clip_high_fraction == pytest.approx(2 / 5)
     # unclipped (wide range): loss = (1/2) sum_i -s_i A_i, d/dlogp[i, t] = -A_i s_i / (2 |y_i|)
     lp = logp.clone().requires_grad_(True)
-    loss, _ = grpo.policy_loss(lp, old, adv, mask, eps_low=0.9, eps_high=9.0, loss_type="grpo", level="sequence")
+    wide = {"clip_eps_low": 0.9, "clip_eps_high": 9.0}
+    loss, _ = grpo.policy_loss(lp, old, adv, mask, _p("grpo", wide, level="sequence"))
     s0, s1 = math.sqrt(2), 0.5 ** (1 / 3)
     assert float(loss) == pytest.approx((-s0 + 2 * s1) / 2, rel=1e-6)
     loss.backward()
     assert lp.grad[0].tolist() == pytest.approx([-s0 / 4, -s0 / 4, 0.0], rel=1e-6)
     assert lp.grad[1].tolist() == pytest.approx([s1 / 3] * 3, rel=1e-6)
     with pytest.raises(ValueError, match="importance_sampling_level"):
-        grpo.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, level="group")
+        grpo.policy_loss(logp, old, adv, mask, _p(level="group"))
 
 
 def test_kl_bias_correction_hand_computed():
@@ -248,8 +260,8 @@ def test_kl_bias_correction_hand_computed():
     grads = {}
     for corr in (False, True):
         lp = logp0.clone().requires_grad_(True)
-        loss, _ = grpo.policy_loss(lp, logp0, adv, mask, eps_low=0.2, eps_high=0.2, ref_logp=ref, kl_beta=0.1,
-                                   kl_bias_correction=corr)
+        loss, _ = grpo.policy_loss(lp, logp0, adv, mask, _p(options=CLIP_02, kl_beta=0.1, kl_bias_correction=corr),
+                                   ref_logp=ref)
         assert float(loss) == pytest.approx(0.1 * k3_0 / 2)  # ratio 1: same value
         loss.backward()
         grads[corr] = float(lp.grad[0, 0])
@@ -257,8 +269,8 @@ def test_kl_bias_correction_hand_computed():
     assert grads[False] == pytest.approx(0.1 * 0.5 / 2)
     assert grads[True] == pytest.approx(0.1 * (k3_0 + 0.5) / 2)
     # off-policy (pi_theta = 2 pi_old): the corrected term is the ratio times k3
-    loss, _ = grpo.policy_loss(logp0, logp0 - math.log(2), adv, mask, eps_low=0.2, eps_high=0.2, ref_logp=ref, kl_beta=0.1,
-                               kl_bias_correction=True)
+    corrected = _p(options=CLIP_02, kl_beta=0.1, kl_bias_correction=True)
+    loss, _ = grpo.policy_loss(logp0, logp0 - math.log(2), adv, mask, corrected, ref_logp=ref)
     assert float(loss) == pytest.approx(2 * 0.1 * k3_0 / 2)
 
 
@@ -274,10 +286,10 @@ def test_high_entropy_selection_hand_computed():
     # only selected tokens carry the surrogate; the normaliser still counts all 5 real tokens
     logp = torch.zeros(2, 3)
     adv = torch.tensor([1.0, -2.0])
-    loss, _ = grpo.policy_loss(logp, logp, adv, mask, eps_low=0.2, eps_high=0.28, loss_type="dapo", token_select=sel)
+    loss, _ = grpo.policy_loss(logp, logp, adv, mask, _p("dapo"), token_select=sel)
     assert float(loss) == pytest.approx((-1.0 + 2.0) / 5)
     lp = logp.clone().requires_grad_(True)
-    grpo.policy_loss(lp, logp, adv, mask, eps_low=0.2, eps_high=0.28, token_select=sel)[0].backward()
+    grpo.policy_loss(lp, logp, adv, mask, _p(), token_select=sel)[0].backward()
     assert (lp.grad != 0).tolist() == [[False, True, False], [False, True, False]]
 
 
@@ -286,11 +298,11 @@ def test_kl_to_reference_k3():
     ref = torch.log(torch.tensor([[0.25, 0.5]]))
     adv = torch.zeros(1)
     mask = torch.ones(1, 2)
-    loss, stats = grpo.policy_loss(logp, logp, adv, mask, eps_low=0.2, eps_high=0.2, ref_logp=ref, kl_beta=0.1)
+    loss, stats = grpo.policy_loss(logp, logp, adv, mask, _p(options=CLIP_02, kl_beta=0.1), ref_logp=ref)
     kl0 = 0.5 - math.log(0.5) - 1  # exp(ref-logp) - (ref-logp) - 1 with ratio 0.5
     assert stats.kl_to_ref == pytest.approx(kl0 / 2)
     assert float(loss) == pytest.approx(0.1 * kl0 / 2)
-    loss0, stats0 = grpo.policy_loss(logp, logp, adv, mask, eps_low=0.2, eps_high=0.2, ref_logp=ref, kl_beta=0.0)
+    loss0, stats0 = grpo.policy_loss(logp, logp, adv, mask, _p(options=CLIP_02, kl_beta=0.0), ref_logp=ref)
     assert float(loss0) == 0.0 and stats0.kl_to_ref == pytest.approx(kl0 / 2)
 
 

@@ -1,6 +1,7 @@
 """Smoke training runs of the loss options, on real vLLM: every ``grpo.is_mode``, GSPO, entropy
 selection, every ``grpo.loss_type`` (dapo, the default, in the is_mode runs; grpo in GSPO's; the
-other six each in a run of its own, one of them with the entropy bonus), and method ``lora_aqn``
+other six each in a run of its own, one of them with the entropy bonus; one registered by the test
+itself), and method ``lora_aqn``
 (AQN on a BF16 base).
 
 The smoke env's settings (conf/base + conf/smoke parameters, merged as Kedro's soft merge
@@ -98,7 +99,7 @@ def test_each_is_mode_finishes_and_logs_its_fraction(setup, mode):
 
 
 def test_gspo_runs_and_its_ratios_move(setup):
-    history, _ = _train(setup, "gspo", grpo={"importance_sampling_level": "sequence", "loss_aggregation": "sequence",
+    history, _ = _train(setup, "gspo", grpo={"importance_sampling_level": "sequence", "loss_type": "grpo",
                                              "updates_per_rollout": 2})
     assert all(0.0 <= row["policy/clip_fraction"] <= 1.0 for row in history)
     assert any(row["optim/grad_norm"] > 0 for row in history)
@@ -125,6 +126,25 @@ def test_each_loss_type_trains(setup, loss_type):
     assert yaml.safe_load(logger.artifacts["config/resolved_config.yaml"])["grpo"]["loss_type"] == loss_type
     assert all(torch.isfinite(torch.tensor(row["loss"])) for row in history)
     assert all(0.0 <= row["policy/clip_fraction"] <= 1.0 for row in history)
+    assert any(row["optim/grad_norm"] > 0 for row in history)
+
+
+def test_a_loss_type_registered_in_this_file_trains(setup, monkeypatch):
+    """A loss type of this file's own (REINFORCE, -A logp, token mean), registered for this test only: the trainer's
+    loop runs it end to end on the live engine under its name (rl/losses.py is the one place a loss is added)."""
+    from qerl_pipeline.rl import losses
+
+    monkeypatch.setattr(losses, "LOSSES", dict(losses.LOSSES))
+
+    @losses.register_loss("reinforce", aggregation="token")
+    def reinforce(t: losses.LossTerms, options) -> losses.TokenLoss:
+        """-A logp over the tokens."""
+        return losses.TokenLoss(-t.advantages * t.logp)
+
+    history, logger = _train(setup, "loss_reinforce", grpo={"loss_type": "reinforce"})
+    assert yaml.safe_load(logger.artifacts["config/resolved_config.yaml"])["grpo"]["loss_type"] == "reinforce"
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in history)
+    assert all(row["policy/clip_fraction"] == 0.0 for row in history)  # it declares no clip
     assert any(row["optim/grad_norm"] > 0 for row in history)
 
 

@@ -1,5 +1,6 @@
-"""grpo.loss_type (TRL 1.16's names) in the config: how it reads beside loss_aggregation, TRL's refusal
-(vespo with a sequence IS mode) and TRL's warnings, every refusal naming its fields."""
+"""grpo.loss_type (TRL 1.16's names) in the config: the registered loss types (rl/losses.py), TRL's refusal
+(vespo with a sequence IS mode) and TRL's warnings, every refusal naming its fields; the removed older keys
+(loss_aggregation, tis_cap) get the unknown-key error."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import yaml
 
 from qerl_pipeline.config import ConfigError, validate
-from qerl_pipeline.rl import grpo
+from qerl_pipeline.rl import losses
 
 from tests.helpers.project import PROJECT
 
@@ -28,40 +29,36 @@ def _refusal(**grpo_over) -> str:
 
 def test_default_run_is_dapo_the_token_mean_it_always_was():
     g = validate(_params()).grpo
-    assert (g.loss_type, g.loss_aggregation) == ("dapo", None)
-    assert grpo.LOSS_AGGREGATION[g.loss_type] == "token"
+    assert g.loss_type == "dapo"
+    assert losses.loss_spec(g.loss_type).aggregation == "token"
     assert g.entropy_coef == 0.0
 
 
-@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", losses.loss_names())
 def test_each_loss_type_validates_by_its_trl_name(loss_type):
     level = "sequence" if loss_type == "luspo" else "token"
     assert validate(_params(loss_type=loss_type, importance_sampling_level=level)).grpo.loss_type == loss_type
 
 
-def test_config_and_loss_functions_know_the_same_eight():
-    from typing import get_args
-
+def test_the_eight_are_trls_and_each_is_described():
     from qerl_pipeline.config import GRPOConfig
 
-    literal = get_args(GRPOConfig.model_fields["loss_type"].annotation)[0]
-    assert set(get_args(literal)) == set(grpo.LOSS_TYPES) == set(grpo.LOSS_AGGREGATION)
+    assert losses.loss_names() == ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+    assert all(losses.loss_spec(n).trl_name == n for n in losses.loss_names())
+    description = GRPOConfig.model_fields["loss_type"].description
+    assert all(f"{n} (reads " in description for n in losses.loss_names()), description
 
 
-@pytest.mark.parametrize("agg, loss_type", [("sequence", "grpo"), ("token", "dapo"), ("dr_grpo", "dr_grpo")])
-def test_loss_aggregation_alone_still_reads(agg, loss_type):
-    assert validate(_params(loss_aggregation=agg)).grpo.loss_type == loss_type
+@pytest.mark.parametrize("key, value", [("loss_aggregation", "token"), ("loss_aggregation", None), ("tis_cap", 3.0)])
+def test_removed_keys_get_the_unknown_key_error(key, value):
+    """An older config's loss_aggregation / tis_cap is refused as any unknown key (loss_type / is_cap name them)."""
+    assert f"  grpo.{key}: Extra inputs are not permitted" in _refusal(**{key: value})
 
 
-@pytest.mark.parametrize("loss_type, agg", [("cispo", "token"), ("vespo", "token"), ("sapo", "sequence"), ("grpo", "sequence")])
-def test_both_set_and_agreeing_validate(loss_type, agg):
-    assert validate(_params(loss_type=loss_type, loss_aggregation=agg)).grpo.loss_type == loss_type
-
-
-@pytest.mark.parametrize("loss_type, agg", [("bnpo", "token"), ("grpo", "token"), ("luspo", "sequence"), ("dapo", "dr_grpo")])
-def test_both_set_and_disagreeing_are_refused_naming_both(loss_type, agg):
-    msg = _refusal(loss_type=loss_type, loss_aggregation=agg)
-    assert "  grpo: " in msg and f"grpo.loss_type '{loss_type}'" in msg and f"grpo.loss_aggregation '{agg}'" in msg, msg
+@pytest.mark.parametrize("value", ["ppo", None, 3])
+def test_an_unregistered_loss_type_is_refused_naming_the_registered(value):
+    msg = _refusal(loss_type=value)
+    assert "  grpo.loss_type: " in msg and "registered: " + ", ".join(losses.loss_names()) in msg, msg
 
 
 @pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])

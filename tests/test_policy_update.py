@@ -10,7 +10,7 @@ import torch
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.quantization.policy import build_policy
 from qerl_pipeline.quantization import aqn
-from qerl_pipeline.rl import grpo, step
+from qerl_pipeline.rl import grpo, losses, step
 from qerl_pipeline.adapter import trained_norms
 from qerl_pipeline.rl.optim import build_optimizer, lr_factor
 
@@ -175,9 +175,7 @@ def test_each_is_mode_logs_its_ratios_and_fractions(base_dir, mode):
         assert out["mismatch/is_clipped_fraction"] > 0 and out["mismatch/is_masked_fraction"] == 0
 
 
-def test_old_tis_cap_name_still_reads():
-    assert QerlConfig.model_validate({"grpo": {"tis_cap": 3.0}}).grpo.is_cap == 3.0
-    assert QerlConfig.model_validate({"grpo": {"tis_cap": None}}).grpo.is_mode == "none"
+def test_is_bounds_are_checked():
     from qerl_pipeline.config import ConfigError, validate
 
     with pytest.raises(ConfigError, match="is_lower"):
@@ -205,28 +203,30 @@ def test_sampling_seeds_are_distinct_and_deterministic():
 
 
 def test_every_loss_type_reaches_the_loss_with_its_batch_counts(base_dir, monkeypatch):
-    """grpo.loss_type and its coefficients reach ``grpo.policy_loss`` with the batch's micro-batch count (bnpo's
-    divisor: 4 rows in micro-batches of 2); each type's update runs and moves the adapter (vespo without IS
-    weights: this batch's random rollout log-probs put its sequence weight near 0, as VESPO means them to)."""
+    """grpo.loss_type and its coefficients reach ``grpo.policy_loss`` with the batch's counts (bnpo's divisor: 4 rows
+    in micro-batches of 2); each type's update runs and moves the adapter (vespo without IS weights: this batch's
+    random rollout log-probs put its sequence weight near 0, as VESPO means them to)."""
     seen = []
     real = grpo.policy_loss
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
+    def spy(logp, old_logp, advantages, mask, params, **kwargs):
+        seen.append((params, kwargs))
+        return real(logp, old_logp, advantages, mask, params, **kwargs)
 
     monkeypatch.setattr(grpo, "policy_loss", spy)
-    for loss_type in grpo.LOSS_TYPES:
+    for loss_type in losses.loss_names():
         cfg = _cfg(grpo={"loss_type": loss_type, "kl_beta": 0.0, "log_kl_to_base": False, "sapo_temperature_neg": 1.3,
                          "is_mode": "none" if loss_type == "vespo" else "token_truncate"})
         policy, params, opt, sched, *_ = _setup(base_dir, cfg)
         before = [p.detach().clone() for p in params]
         seen.clear()
         out = step.policy_update(policy, step.Optim(opt, sched, params), step.Batch(*_batch()), cfg, 0)
-        assert [kw["loss_type"] for kw in seen] == [loss_type] * 2
-        assert all(kw["num_micro_batches"] == 2 and kw["params"] == grpo.LossParams.of(cfg.grpo) for kw in seen)
-        assert seen[0]["params"].sapo_temperature_neg == 1.3
-        assert all(kw["entropy"] is None for kw in seen)  # entropy_coef 0: no entropy gradient is formed
+        want = grpo.LossParams.of(cfg.grpo, num_sequences=4, num_tokens=24.0, max_len=6, num_micro_batches=2)
+        assert [p for p, _ in seen] == [want] * 2 and want.loss_type == loss_type
+        assert set(want.options) == set(losses.loss_spec(loss_type).fields)
+        if loss_type == "sapo":
+            assert want.options["sapo_temperature_neg"] == 1.3
+        assert all(kw["entropy"] is None for _, kw in seen)  # entropy_coef 0: no entropy gradient is formed
         assert torch.isfinite(torch.tensor(out["loss"])) and out["optim/grad_norm"] > 0, loss_type
         assert any(not torch.equal(a, p.detach()) for a, p in zip(before, params)), loss_type
 

@@ -16,7 +16,7 @@ each, the losses summed (what its backward accumulates); ours is called on the s
 with the batch's counts (``num_sequences``, ``num_tokens``, ``num_micro_batches``), as
 ``rl/step.py`` calls it.
 
-Name map: TRL ``loss_type`` = our ``grpo.loss_type`` (the same names);
+Name map: TRL ``loss_type`` = the registry's ``trl_name`` of our ``grpo.loss_type`` (``rl/losses.py``; the same names);
 ``importance_sampling_level`` the same; ``use_bias_correction_kl`` = our
 ``kl_bias_correction``; ``top_entropy_quantile`` the same (TRL takes the quantile over the
 micro-batch it is given; the tests give ours the same selection, ``rl/step.py`` takes it over
@@ -36,15 +36,17 @@ from collections import defaultdict
 import pytest
 import torch
 
-from qerl_pipeline.rl import grpo
+from qerl_pipeline.rl import grpo, losses
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL (the bench extra) is the oracle")
 
 N, T, MAX_LEN = 6, 5, 7
 #: not TRL's defaults, so that a coefficient read from the wrong field shows
-PARAMS = grpo.LossParams(cispo_clip_max=1.1, sapo_temperature_pos=0.9, sapo_temperature_neg=1.3, vespo_k_pos=1.5,
-                         vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)
+PARAMS = types.SimpleNamespace(cispo_clip_max=1.1, sapo_temperature_pos=0.9, sapo_temperature_neg=1.3, vespo_k_pos=1.5,
+                               vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)
 EPS_LOW, EPS_HIGH = 0.2, 0.28
+#: every loss type's options (``grpo.LossParams.options``): the clip range and ``PARAMS``
+OPTIONS = {"clip_eps_low": EPS_LOW, "clip_eps_high": EPS_HIGH, **vars(PARAMS)}
 
 
 class _OneProcess:
@@ -71,7 +73,7 @@ def _trl_loss(logp, entropies, inputs, *, loss_type, level, beta, bias_correctio
     p = PARAMS
     fake = types.SimpleNamespace(
         aux_loss_enabled=False, top_entropy_quantile=quantile, off_policy_mask_threshold=None,
-        importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=EPS_LOW,
+        importance_sampling_level=level, beta=beta, loss_type=losses.loss_spec(loss_type).trl_name, epsilon_low=EPS_LOW,
         epsilon_high=p.cispo_clip_max if loss_type == "cispo" else EPS_HIGH,
         use_vllm=True, vllm_importance_sampling_correction=is_on, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=ga, _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef,
@@ -123,7 +125,7 @@ def _inputs(sl, mask, adv, old, ref, weights):
 CASES = [
     (lt, level, kl, quantile, is_mode)
     for lt, level, kl, quantile in itertools.product(
-        grpo.LOSS_TYPES, ["token", "sequence"], [(0.0, False), (0.1, False), (0.1, True)], [1.0, 0.3])
+        losses.loss_names(), ["token", "sequence"], [(0.0, False), (0.1, False), (0.1, True)], [1.0, 0.3])
     for is_mode in _is_modes(lt)
 ]
 
@@ -141,9 +143,9 @@ def test_loss_and_gradient_equal_trl(loss_type, level, kl, quantile, is_mode):
     ours_lp = logp.clone().requires_grad_(True)
     select = grpo.high_entropy_mask(ent, mask, quantile)[0] if quantile < 1.0 else None
     ours, _ = grpo.policy_loss(
-        ours_lp, old, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, loss_type=loss_type, is_weights=weights,
-        ref_logp=ref if beta > 0 else None, kl_beta=beta, max_len=MAX_LEN, level=level,
-        kl_bias_correction=bias_correction, token_select=select, params=PARAMS,
+        ours_lp, old, adv, mask,
+        grpo.LossParams(loss_type, OPTIONS, level=level, kl_beta=beta, kl_bias_correction=bias_correction, max_len=MAX_LEN),
+        is_weights=weights, ref_logp=ref if beta > 0 else None, token_select=select,
     )
     ours.backward()
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-7)
@@ -151,7 +153,7 @@ def test_loss_and_gradient_equal_trl(loss_type, level, kl, quantile, is_mode):
     assert theirs_lp.grad.abs().sum() > 0  # the comparison is not of two zeros
 
 
-MB_CASES = [(lt, level, is_mode) for lt, level in itertools.product(grpo.LOSS_TYPES, ["token", "sequence"])
+MB_CASES = [(lt, level, is_mode) for lt, level in itertools.product(losses.loss_names(), ["token", "sequence"])
             for is_mode in _is_modes(lt)]
 
 
@@ -172,11 +174,12 @@ def test_micro_batched_loss_and_gradient_equal_trl(loss_type, level, is_mode):
                                     loss_type=loss_type, level=level, beta=beta, bias_correction=True, quantile=quantile,
                                     is_on=weights is not None, ga=ga, entropy_coef=coef)
         select = grpo.high_entropy_mask(ent[sl], mask[sl], quantile)[0]
+        params = grpo.LossParams(loss_type, OPTIONS, level=level, kl_beta=beta, kl_bias_correction=True,
+                                 entropy_coef=coef, num_sequences=N, num_tokens=float(mask.sum()), max_len=MAX_LEN,
+                                 num_micro_batches=ga)
         ours = ours + grpo.policy_loss(
-            ours_lp[sl], old[sl], adv[sl], mask[sl], eps_low=EPS_LOW, eps_high=EPS_HIGH, loss_type=loss_type,
-            is_weights=None if weights is None else weights[sl], ref_logp=ref[sl], kl_beta=beta, num_sequences=N,
-            num_tokens=float(mask.sum()), max_len=MAX_LEN, num_micro_batches=ga, level=level, kl_bias_correction=True,
-            token_select=select, params=PARAMS, entropy=ours_ent[sl], entropy_coef=coef,
+            ours_lp[sl], old[sl], adv[sl], mask[sl], params, is_weights=None if weights is None else weights[sl],
+            ref_logp=ref[sl], token_select=select, entropy=ours_ent[sl],
         )[0]
     theirs.backward()
     ours.backward()
@@ -189,8 +192,8 @@ def test_micro_batched_loss_and_gradient_equal_trl(loss_type, level, is_mode):
 def test_bnpo_is_not_dapo_with_micro_batches():
     """The oracle can tell the two normalisers apart: micro-batches of unequal token counts."""
     logp, old, _, _, adv, _, mask = _batch(seed=7)
-    parts = {lt: sum(float(grpo.policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], eps_low=EPS_LOW,
-                                            eps_high=EPS_HIGH, loss_type=lt, num_sequences=N, num_tokens=float(mask.sum()),
-                                            num_micro_batches=3)[0]) for i in (0, 2, 4))
+    parts = {lt: sum(float(grpo.policy_loss(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2],
+                                            grpo.LossParams(lt, OPTIONS, num_sequences=N, num_tokens=float(mask.sum()),
+                                                            num_micro_batches=3))[0]) for i in (0, 2, 4))
              for lt in ("bnpo", "dapo")}
     assert parts["bnpo"] != pytest.approx(parts["dapo"], rel=1e-3)

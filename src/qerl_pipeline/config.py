@@ -25,6 +25,8 @@ from typing import Any, Literal
 from omegaconf.resolvers import oc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from qerl_pipeline.rl import losses
+
 _log = logging.getLogger(__name__)
 
 
@@ -481,10 +483,19 @@ class OverlongConfig(Section):
     penalty: float = Field(1.0, ge=0, description="Penalty at the cap (linear ramp across the buffer).")
 
 
-#: the loss types ``loss_aggregation`` (the older field) can name, and the reduction each shares with it
-LOSS_TYPE_OF_AGGREGATION = {"sequence": "grpo", "token": "dapo", "dr_grpo": "dr_grpo"}
-AGGREGATION_OF_LOSS_TYPE = {"grpo": "sequence", "sapo": "sequence", "dapo": "token", "cispo": "token", "vespo": "token",
-                            "dr_grpo": "dr_grpo"}
+def _loss_type_description() -> str:
+    """``grpo.loss_type``'s description: each registered loss type (``rl/losses.py``) by its docstring."""
+    types = " ".join(
+        f"{spec.name} (reads {', '.join(spec.fields) or 'no grpo option'}): {spec.summary}" for spec in losses.LOSSES.values()
+    )
+    return (
+        "The policy loss, by TRL 1.16's loss_type names: a loss type registered in rl/losses.py, which also holds each "
+        "type's rules (TRL's refusals and warnings); each is checked against TRL's own _compute_loss, value and "
+        f"gradient, micro-batched (tests/test_trl_oracle.py). {types} Deviations from TRL: with a micro-batch smaller "
+        "than the others (the batch does not split evenly) grpo/sapo/luspo/dr_grpo average over the batch's sequences (TRL's micro-batches are all "
+        "equal); top_entropy_quantile's threshold is the whole batch's (TRL's: each micro-batch's); CISPO's bound is its "
+        "own field (TRL reuses epsilon_high for it)."
+    )
 
 
 class GRPOConfig(Section):
@@ -495,40 +506,7 @@ class GRPOConfig(Section):
         "group", description="Divide (r - group mean) by the group's std, the batch's std, or nothing (Dr. GRPO)."
     )
     advantage_eps: float = Field(1e-4, gt=0, description="eps in (r - mean) / (std + eps).")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] | None = Field(
-        None,
-        description="The policy loss, by TRL 1.16's loss_type names (rl/grpo.py; each checked against TRL's own "
-        "_compute_loss, value and gradient, micro-batched: tests/test_trl_oracle.py). "
-        "grpo: clipped surrogate, mean over each sequence's tokens then over sequences (DeepSeekMath, arXiv 2402.03300; "
-        "short correct / long wrong answers weigh more). "
-        "bnpo: clipped surrogate, token mean of each micro-batch (train.micro_batch_size sequences), averaged over the "
-        "micro-batches (TRL's bnpo; dapo when the batch is one micro-batch). "
-        "dr_grpo: clipped surrogate, token sum / (sequences * rollout.max_new_tokens) (Dr. GRPO, arXiv 2503.20783). "
-        "dapo: clipped surrogate, token sum / the whole batch's tokens (DAPO, arXiv 2503.14476; TRL's default). "
-        "cispo: -sg(min(ratio, cispo_clip_max)) A logp, the ratio clipped as a detached weight so clipped tokens keep "
-        "their gradient, dapo's normaliser (MiniMax-M1, arXiv 2506.13585; ScaleRL, arXiv 2510.13786). "
-        "sapo: a soft, temperature-controlled gate -(4/tau) sigmoid(tau (ratio - 1)) A instead of the clip "
-        "(sapo_temperature_pos/neg), grpo's normaliser (SAPO, arXiv 2511.20347). "
-        "luspo: GSPO with each sequence's loss scaled by its length: clipped surrogate summed over each sequence's "
-        "tokens, mean over sequences (LUSPO, arXiv 2602.05261; meant for importance_sampling_level sequence, warned "
-        "otherwise as TRL). "
-        "vespo: -sg(phi(w)) A logp with the Gamma weight phi(w) = exp(lambda) w^k exp(-lambda w) of the sequence ratio w "
-        "(times the token IS weights, which then do not multiply the loss), dapo's normaliser (VESPO, arXiv 2602.10693; "
-        "vespo_k_*/vespo_lambda_*; is_mode must be token_truncate, token_mask or none, as TRL). "
-        "clip_eps_low/high apply to grpo, bnpo, dr_grpo, dapo and luspo only. Warned as TRL: importance_sampling_level "
-        "sequence with bnpo, dr_grpo, dapo or cispo (long sequences weigh more), vespo with level sequence. "
-        "null = from loss_aggregation (token -> dapo, the default). Deviations from TRL: with a micro-batch smaller "
-        "than the others (the batch does not split evenly) grpo/sapo/luspo/dr_grpo average over the batch's sequences "
-        "(TRL's micro-batches are all equal); top_entropy_quantile's threshold is the whole batch's (TRL's: each "
-        "micro-batch's); CISPO's bound is its own field (TRL reuses epsilon_high for it).",
-    )
-    loss_aggregation: Literal["sequence", "token", "dr_grpo"] | None = Field(
-        None,
-        description="The older name of the loss's reduction, still read: sequence = loss_type grpo, token = dapo "
-        "(whole-batch token mean; not bnpo, which is per micro-batch), dr_grpo = dr_grpo. With loss_type set too, "
-        "it must name loss_type's reduction (sequence: grpo, sapo; token: dapo, cispo, vespo; dr_grpo: dr_grpo; "
-        "bnpo and luspo have none), else the config is refused. null = decided by loss_type.",
-    )
+    loss_type: str = Field("dapo", description=_loss_type_description())
     clip_eps_low: float = Field(0.2, ge=0, description="Lower clip of the ratio: 1 - eps_low.")
     clip_eps_high: float = Field(0.28, ge=0, description="Upper clip of the ratio: 1 + eps_high (DAPO clip-higher).")
     cispo_clip_max: float = Field(
@@ -617,53 +595,24 @@ class GRPOConfig(Section):
     max_refill_rounds: int = Field(3, ge=0, description="Extra rollout rounds dynamic sampling may spend per step.")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
 
-    @model_validator(mode="before")
+    @field_validator("loss_type", mode="before")
     @classmethod
-    def _tis_cap_is_is_cap(cls, data: Any) -> Any:
-        """``tis_cap`` (the name before ``is_mode``) still reads: its value is ``is_cap`` of ``token_truncate``, None = ``none``."""
-        if isinstance(data, dict) and "tis_cap" in data:
-            data = dict(data)
-            cap = data.pop("tis_cap")
-            if "is_cap" in data or "is_mode" in data:
-                raise ValueError("tis_cap is the old name of is_cap (with is_mode token_truncate): give is_mode/is_cap only")
-            data["is_mode"], data["is_cap"] = ("none", 2.0) if cap is None else ("token_truncate", cap)
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _loss_type_from_aggregation(cls, data: Any) -> Any:
-        """``loss_type`` null: the loss type ``loss_aggregation`` names (dapo when that is null too)."""
-        if isinstance(data, dict) and data.get("loss_type") is None:
-            agg = data.get("loss_aggregation")
-            data = {**data, "loss_type": LOSS_TYPE_OF_AGGREGATION.get(agg, "dapo") if isinstance(agg, str) else "dapo"}
-        return data
+    def _registered_loss_type(cls, value: Any) -> str:
+        """A loss type registered in ``rl/losses.py`` (read when the config is validated, so a registered one counts)."""
+        return losses.loss_spec(value).name
 
     @model_validator(mode="after")
     def _loss_type_rules(self) -> GRPOConfig:
-        """loss_aggregation agrees with loss_type; TRL 1.16's refusal (vespo with a sequence IS mode) and its warnings."""
-        agg = self.loss_aggregation
-        if agg is not None and AGGREGATION_OF_LOSS_TYPE.get(self.loss_type) != agg:
-            own = AGGREGATION_OF_LOSS_TYPE.get(self.loss_type)
-            raise ValueError(
-                f"grpo.loss_type {self.loss_type!r} and grpo.loss_aggregation {agg!r} disagree: {self.loss_type} reduces "
-                f"{'by ' + repr(own) if own else 'in a way loss_aggregation cannot name'}; give loss_type only "
-                f"(grpo.loss_aggregation: null; {agg!r} alone means loss_type {LOSS_TYPE_OF_AGGREGATION[agg]!r})"
-            )
-        if self.loss_type == "vespo" and self.is_mode not in ("token_truncate", "token_mask", "none"):
-            raise ValueError(
-                f"grpo.loss_type vespo folds the token importance weights into its sequence weight: grpo.is_mode must be "
-                f"token_truncate, token_mask or none, got {self.is_mode!r} (TRL 1.16 refuses the same)"
-            )
-        level = self.importance_sampling_level
-        if self.loss_type == "luspo" and level != "sequence":
-            _log.warning("grpo.loss_type luspo is meant for importance_sampling_level 'sequence' (the LUSPO paper's "
-                         "setup), got %r", level)
-        if self.loss_type == "vespo" and level != "token":
-            _log.warning("grpo.loss_type vespo computes its sequence weight itself: importance_sampling_level should be "
-                         "'token' (it only changes the KL's bias correction here), got %r", level)
-        if level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            _log.warning("grpo.importance_sampling_level 'sequence' with loss_type %r sums per-token terms, so each "
-                         "sequence weighs by its length; GSPO's own objective is loss_type 'grpo'", self.loss_type)
+        """The loss type's rules (``rl/losses.py``: TRL 1.16's refusals and warnings); the fields it reads exist."""
+        spec = losses.loss_spec(self.loss_type)
+        unknown = [f for f in spec.fields if f not in type(self).model_fields]
+        if unknown:
+            raise ValueError(f"grpo.loss_type {self.loss_type!r} reads {', '.join(unknown)}, which grpo does not have")
+        for rule in spec.rules:
+            if rule.broken(self):
+                if rule.refuse:
+                    raise ValueError(rule.message.format(g=self))
+                _log.warning("%s", rule.message.format(g=self))
         return self
 
     @model_validator(mode="after")
@@ -918,10 +867,6 @@ class _CompareSettings(Section):
         "nothing: its nodes log `compare.<method>: not in compare.methods, skipped` and write a `skipped` marker "
         "(pipelines/compare/pipeline.py). On the command line: `--params compare.methods=[lora]`, or several as one "
         "space-separated string, `--params \"compare.methods=qerl lora\"` (`kedro run --params` splits on commas).",
-    )
-    reuse_group: str | None = Field(
-        None, description="compare_report pipeline only: the compare run id whose branch runs to report; None = the "
-        "newest finished run of each method that has evaluation metrics."
     )
     report_dir: str = Field("data/08_reporting/compare", description="Folder of the report (PNGs, CSVs, report.html).")
     seeds: list[int] = Field(

@@ -517,10 +517,13 @@ class TrainingRun:
 
 
 # --------------------------------------------------------------------------- metric names
-# The training metrics that more than one part reads (the console bar, the curves the trainer
-# plots and returns, the compare report); the trainer writes them under these names.
+# The training metrics that more than one part reads (the console bar and log line, the curves the
+# trainer plots and returns, the compare report, the GPU acceptance check); the trainer writes them
+# under these names.
 REWARD_MEAN = "reward/mean"
 REWARD_ACCURACY = "reward/accuracy"
+#: the sampled completions' mean accuracy, as the console shows it (the same value as ``REWARD_ACCURACY``)
+TRAIN_ACCURACY = "accuracy"
 REWARD_FORMAT = "reward/format"
 POLICY_ENTROPY = "policy/entropy"
 COMPLETION_LENGTH = "completion/length"
@@ -528,6 +531,11 @@ AQN_SIGMA = "aqn/sigma"
 AQN_STAGE = "aqn/stage"
 ROLLOUT_TOKENS_PER_S = "rollout/tokens_per_s"
 STEP_TIME_S = "time/step_s"
+SYNC_TIME_S = "time/sync_s"
+UPDATE_TIME_S = "time/update_s"
+#: the update's loss (summed over its micro-batches, mean over its updates) and gradient norm before clipping
+LOSS = "loss"
+GRAD_NORM = "optim/grad_norm"
 PEAK_MEMORY_GB = "memory/peak_gb"
 BASE_WEIGHT_MIB = "base/weight_mib"
 LINEAR_BYTES_RATIO = "quantize/linear_bytes_ratio"

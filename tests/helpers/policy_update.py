@@ -40,7 +40,7 @@ def update_cfg() -> QerlConfig:
         # token aggregation and batch-scaled advantages need the global counts; entropy selection the global threshold;
         # two updates per rollout: the second starts from the first's (synchronised) parameters
         "grpo": {"num_generations": 2, "kl_beta": 0.05, "log_kl_to_base": True, "is_mode": "token_mask", "is_cap": 1.5,
-                 "is_lower": 0.5, "loss_aggregation": "token", "top_entropy_quantile": 0.5, "updates_per_rollout": 2},
+                 "is_lower": 0.5, "loss_type": "dapo", "top_entropy_quantile": 0.5, "updates_per_rollout": 2},
         "rollout": {"temperature": 0.7, "max_new_tokens": C_LEN},
         # micro-batches of 4 rows: the same row groups in one process and on each rank, so the forwards are bit-equal
         # and only the cross-rank sums differ (a masked ratio or an entropy at a threshold cannot flip on rounding)
@@ -61,10 +61,9 @@ def update_batch():
     return ids, p_lens, roll, mask, adv
 
 
-def update_rows(base_dir: Path, d: Dist, rows: slice) -> tuple[dict, dict]:
-    """The trained parameters after one ``policy_update`` over ``rows`` of the batch, and its
-    metrics with the parameters it started from (``"start"``)."""
-    cfg = update_cfg()
+def update_policy(base_dir: Path, cfg: QerlConfig) -> tuple[torch.nn.Module, step.Optim, dict]:
+    """The tiny packed policy with an adapter that has trained (the same in every process), its optimiser, and the
+    clean norms (the KL reference)."""
     torch.manual_seed(0)  # the same LoRA initialisation in every process
     policy = build_policy(base_dir, "nvfp4", cfg.lora, dtype=torch.float32)
     policy.train()
@@ -73,12 +72,20 @@ def update_rows(base_dir: Path, d: Dist, rows: slice) -> tuple[dict, dict]:
             if "lora_B" in name:
                 prm.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
     params = [prm for prm in policy.parameters() if prm.requires_grad]
-    start = {n: prm.detach().clone() for n, prm in policy.named_parameters() if prm.requires_grad}
     opt, _ = build_optimizer(params, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, warmup=0, total=10, schedule="constant"))
     base = trained_norms(policy)
     norm_params = aqn.norm_parameters(policy, sorted(base))
+    return policy, step.Optim(opt, sched, params, norm_params), {n: base[n].clone() for n in norm_params}
+
+
+def update_rows(base_dir: Path, d: Dist, rows: slice) -> tuple[dict, dict]:
+    """The trained parameters after one ``policy_update`` over ``rows`` of the batch, and its
+    metrics with the parameters it started from (``"start"``)."""
+    cfg = update_cfg()
+    policy, opt, ref_norms = update_policy(base_dir, cfg)
+    start = {n: prm.detach().clone() for n, prm in policy.named_parameters() if prm.requires_grad}
     ids, p_lens, roll, mask, adv = update_batch()
-    out = step.policy_update(policy, step.Optim(opt, sched, params, norm_params), step.Batch(ids[rows], p_lens[rows], roll[rows], mask[rows], adv[rows]), cfg, 0, ref_norms={n: base[n].clone() for n in norm_params}, dist=d)
+    out = step.policy_update(policy, opt, step.Batch(ids[rows], p_lens[rows], roll[rows], mask[rows], adv[rows]), cfg, 0, ref_norms=ref_norms, dist=d)
     state = {n: prm.detach().clone() for n, prm in policy.named_parameters() if prm.requires_grad}
     return state, {**out, "start": start}

@@ -12,8 +12,10 @@ Same work on both sides:
   tokenizer call TRL itself makes), ``grpo.num_generations`` completions each of exactly
   ``completion_len`` tokens (EOS suppressed: ``min_new_tokens`` for transformers
   generation, ``ignore_eos`` for vLLM), one optimizer step for the whole batch;
-* the loss settings: our clip range, KL weight, loss type (the same names; under cispo our
-  ``cispo_clip_max`` is TRL's ``epsilon_high``) and its coefficients, entropy bonus, reward scaling, updates per rollout,
+* the loss settings: our clip range, KL weight, loss type (TRL's name and the TRL arguments
+  of its coefficients as the loss registry, ``rl/losses.py``, declares them: under cispo our
+  ``cispo_clip_max`` is TRL's ``epsilon_high``; a loss type TRL does not have skips the
+  peer), entropy bonus, reward scaling, updates per rollout,
   learning rate, gradient clipping, gradient checkpointing, ratio level (GSPO), KL bias
   correction, entropy selection, and the vLLM importance correction (our ``grpo.is_mode``
   and bounds under TRL's names; it acts only where TRL generates with vLLM);
@@ -60,6 +62,7 @@ from qerl_pipeline.memory import peak_memory_bytes
 from qerl_pipeline.models import resolve_dtype
 from qerl_pipeline.platform import current_platform
 from qerl_pipeline.profile import engine_env
+from qerl_pipeline.rl.losses import loss_spec
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,17 @@ def _reward(completions, **_kwargs) -> list[float]:
     return [(zlib.crc32(str(c).encode()) % 7) / 7.0 for c in completions]
 
 
+def trl_loss_args(grpo: Any) -> dict[str, Any]:
+    """TRL ``GRPOConfig`` arguments of the loss of ``grpo`` (``config.GRPOConfig``): TRL's name of the loss type and
+    the clip range, then the loss type's own options under TRL's names (``rl/losses.py``; cispo's bound is TRL's
+    ``epsilon_high``). A ValueError when TRL has no such loss type."""
+    loss = loss_spec(grpo.loss_type)
+    if loss.trl_name is None:
+        raise ValueError(f"grpo.loss_type {loss.name!r} has no TRL counterpart")
+    return {"loss_type": loss.trl_name, "epsilon": grpo.clip_eps_low, "epsilon_high": grpo.clip_eps_high,
+            **loss.trl_options(grpo)}
+
+
 def measure_trl_step(
     model_dir: str | Path,
     cfg: QerlConfig,
@@ -151,15 +165,7 @@ def measure_trl_step(
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         beta=g.kl_beta,
-        epsilon=g.clip_eps_low,
-        epsilon_high=g.cispo_clip_max if g.loss_type == "cispo" else g.clip_eps_high,  # TRL's cispo bound
-        loss_type=g.loss_type,
-        sapo_temperature_pos=g.sapo_temperature_pos,
-        sapo_temperature_neg=g.sapo_temperature_neg,
-        vespo_k_pos=g.vespo_k_pos,
-        vespo_lambda_pos=g.vespo_lambda_pos,
-        vespo_k_neg=g.vespo_k_neg,
-        vespo_lambda_neg=g.vespo_lambda_neg,
+        **trl_loss_args(g),
         entropy_coef=g.entropy_coef,
         importance_sampling_level=g.importance_sampling_level,
         use_bias_correction_kl=g.kl_bias_correction,
@@ -290,6 +296,11 @@ def measure_peer(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkConfig) 
     if not bcfg.include_trl:
         log.info("TRL peer skipped: benchmark.include_trl is false")
         return {"skipped": True, "reason": "benchmark.include_trl is false"}
+    try:
+        trl_loss_args(cfg.grpo)
+    except ValueError as err:
+        log.info("TRL peer skipped: %s", err)
+        return {"skipped": True, "reason": str(err)}
     result = measure_trl_isolated(
         bases["bf16"], cfg, generation=bcfg.trl_generation, timeout_s=bcfg.timeout_s, num_prompts=bcfg.train_prompts,
         prompt_len=bcfg.prompt_len, completion_len=bcfg.completion_len, steps=bcfg.train_steps,

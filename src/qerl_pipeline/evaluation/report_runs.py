@@ -1,8 +1,9 @@
 """The compare report's input: the MLflow runs of the methods, one ``RunData`` per method and seed.
 
 Inputs are MLflow runs only (read with ``MlflowClient``), so the same report can be rebuilt at
-any time from the tracking store: by the compare pipeline right after it trained and evaluated
-the methods, by the ``compare_report`` pipeline, or by ``notebooks/compare_runs.ipynb``.
+any time from the tracking store: by the compare pipeline's report node (right after it trained
+and evaluated the methods, or alone with ``--nodes=build_comparison_report``), or by
+``notebooks/compare_runs.ipynb`` (``load_runs``).
 
 What a run must carry
 ---------------------
@@ -198,8 +199,6 @@ def load_runs(
     group: str | None = None,
     run_ids: Sequence[str] | None = None,
     require_all: bool = True,
-    require_eval: bool = False,
-    finished_only: bool = False,
     client: MlflowClient | None = None,
 ) -> list[RunData]:
     """One row per method from the runs of ``experiment`` (by name), in ``methods`` order.
@@ -212,9 +211,8 @@ def load_runs(
     merged in and its id kept in ``RunData.eval_run_id``.
 
     Runs tagged ``ROLE_TAG = compare`` (the compare pipeline's own run) are never method
-    rows. ``require_eval`` skips methods without evaluation metrics, ``finished_only`` runs
-    whose status is not FINISHED. With ``require_all`` a method without a run raises an
-    error naming it and what the experiment holds.
+    rows. With ``require_all`` a method without a run raises an error naming it and what the
+    experiment holds.
     """
     client = client or MlflowClient(tracking_uri=tracking_uri)
     if run_ids:
@@ -226,15 +224,13 @@ def load_runs(
         filt = f"tags.`{GROUP_TAG}` = '{group}'" if group else ""
         runs = client.search_runs([exp.experiment_id], filter_string=filt, order_by=["attributes.start_time DESC"], max_results=5000)
     runs = [r for r in runs if r.data.tags.get(ROLE_TAG) != "compare"]
-    if finished_only:
-        runs = [r for r in runs if r.info.status == "FINISHED"]
     chosen: dict[str, RunData] = {}
     if group or run_ids:
         per_seed: dict[str, dict] = {}
         for run in runs:
             method, seed = _method_of(run), _seed_of(run)
             mine = per_seed.setdefault(method, {})
-            if method in methods and seed not in mine and (_has_eval(run) or not require_eval):
+            if method in methods and seed not in mine:
                 mine[seed] = run_data(client, run)
         for method, by_seed in per_seed.items():
             if by_seed:
@@ -244,7 +240,7 @@ def load_runs(
             mine = [r for r in runs if _method_of(r) == method]
             trained = next((r for r in mine if _has_curves(r)), None)
             evaluated = next((r for r in mine if _has_eval(r)), None)
-            if (trained or evaluated) is None or (require_eval and evaluated is None):
+            if (trained or evaluated) is None:
                 continue
             data = run_data(client, trained or evaluated)
             if trained is not None and evaluated is not None and evaluated.info.run_id != trained.info.run_id:

@@ -8,8 +8,9 @@ completion tokens, with a float ``mask`` (1 = token counts in the loss).
   the divisor: the group's std (GRPO), the whole batch's std, or none (Dr. GRPO). std is the
   population std (``unbiased=False``), as in the DAPO/Dr. GRPO write-ups; TRL uses the sample
   std, which only rescales A for fixed G.
-- ``policy_loss``: the clipped surrogate ``-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)``
-  with ``rho = exp(logp - old_logp)``, optionally weighted per token by truncated importance
+- ``policy_loss``: the loss type's per-token term (the clipped surrogate
+  ``-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)`` for most) with
+  ``rho = exp(logp - old_logp)``, optionally weighted per token by truncated importance
   sampling weights, plus ``kl_beta * KL(pi || pi_ref)`` (k3 estimator
   ``exp(ref - logp) - (ref - logp) - 1``, the base model without LoRA being the reference).
 - ``aggregate``: how per-token losses become one number: ``sequence`` (mean over each
@@ -20,17 +21,11 @@ completion tokens, with a float ``mask`` (1 = token counts in the loss).
   over each sequence's tokens, mean over sequences: LUSPO). The batch's counts are passed in
   so that the micro-batches of one batch add up to the batch's loss as TRL's gradient
   accumulation does.
-- ``loss_type`` (``LOSS_TYPES``, TRL 1.16's names; ``LOSS_AGGREGATION`` maps each to its
-  reduction): ``grpo``/``bnpo``/``dr_grpo``/``dapo``/``luspo`` share the clipped surrogate
-  below and differ in the reduction; ``cispo`` (MiniMax-M1, arXiv 2506.13585; ScaleRL's
-  choice, arXiv 2510.13786) is ``-sg(min(rho, clip_max)) A logp``: the clipped ratio is a
-  detached weight on the REINFORCE term, so clipped tokens keep a gradient; ``sapo`` (SAPO,
-  arXiv 2511.20347) replaces the clip by a soft gate ``-(4/tau) sigmoid(tau (rho - 1)) A``
-  (``tau`` per sign of A); ``luspo`` (LUSPO, arXiv 2602.05261) is GSPO's objective with each
-  sequence's loss scaled by its length; ``vespo`` (VESPO, arXiv 2602.10693) is
-  ``-sg(phi(w)) A logp`` with ``phi(w) = exp(lambda) w^k exp(-lambda w)`` of the sequence
-  ratio ``w = exp(sum_t (logp - old_logp))`` times the token IS weights (``vespo_weights``),
-  which therefore do not multiply its loss. ``LossParams`` holds their coefficients.
+- ``loss_type``: each of TRL 1.16's loss types (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo,
+  vespo) is a function registered in ``rl/losses.py``, the place to add one: its per-token term,
+  its reduction, the ``grpo.*`` fields it reads, TRL's name and its rules. ``policy_loss`` takes
+  one ``LossParams`` (the loss type, its options, the KL and entropy coefficients, the batch's
+  counts) and the tensors; all but the per-token term is common to every type.
 - ``is_weights``: importance sampling for the rollout/trainer mismatch (vLLM's log-probs
   differ from the trainer's, more so on a quantized base), under TRL 1.x's names
   (``vllm_importance_sampling_mode``): the ratio ``rho = pi_old_trainer / pi_rollout`` per
@@ -44,12 +39,12 @@ completion tokens, with a float ``mask`` (1 = token counts in the loss).
   ratio, before truncation or masking (TRL logs the ratio after them).
   ``mismatch_kl``: k3 estimate of KL(pi_rollout || pi_trainer) on the sampled
   tokens (the tokens were drawn from the rollout policy).
-- ``policy_loss(..., level="sequence")``: GSPO (Zheng et al. 2025), one ratio per sequence,
+- ``LossParams.level="sequence"``: GSPO (Zheng et al. 2025), one ratio per sequence,
   ``s_i = exp(mean_t (logp - old_logp))`` (the length-normalised sequence likelihood ratio),
   broadcast to the sequence's tokens and clipped as a whole; TRL's
   ``importance_sampling_level="sequence"``. GSPO's own runs use clip ranges of 3e-4 / 4e-4
-  and the per-sequence mean (``aggregation="sequence"``, which makes the loss exactly
-  GSPO's (1/G) sum_i min(s_i A_i, clip(s_i) A_i)); with ``token``/``dr_grpo`` aggregation long
+  and the per-sequence mean (loss type ``grpo``, which makes the loss exactly GSPO's
+  (1/G) sum_i min(s_i A_i, clip(s_i) A_i)); with ``token``/``dr_grpo`` aggregation long
   sequences weigh more (TRL warns about the same combination).
 - ``kl_bias_correction``: the KL term multiplied by the (differentiable) policy ratio
   ``pi_theta / pi_old`` (token or sequence level, as the surrogate), the unbiased reverse-KL
@@ -68,19 +63,13 @@ completion tokens, with a float ``mask`` (1 = token counts in the loss).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-Aggregation = str  # "sequence" | "token" | "micro_batch" | "dr_grpo" | "sequence_sum"
-
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-#: each loss type's reduction (``aggregate``'s ``how``), as TRL 1.16's ``_compute_loss`` reduces it
-LOSS_AGGREGATION: dict[str, Aggregation] = {
-    "grpo": "sequence", "sapo": "sequence", "bnpo": "micro_batch", "dr_grpo": "dr_grpo",
-    "dapo": "token", "cispo": "token", "vespo": "token", "luspo": "sequence_sum",
-}
+from qerl_pipeline.rl import losses
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
@@ -133,7 +122,7 @@ def completion_mask(lengths: torch.Tensor, max_len: int, truncated: torch.Tensor
 def aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,
-    how: Aggregation,
+    how: str,
     *,
     num_sequences: int | None = None,
     num_tokens: float | None = None,
@@ -162,7 +151,7 @@ def aggregate(
         return masked.sum() / (n_seq * length)
     if how == "sequence_sum":
         return masked.sum() / n_seq
-    raise ValueError(f"aggregate: unknown reduction {how!r} (sequence | token | micro_batch | dr_grpo | sequence_sum)")
+    raise ValueError(f"aggregate: unknown reduction {how!r} ({' | '.join(losses.AGGREGATIONS)})")
 
 
 IS_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
@@ -274,61 +263,57 @@ def mismatch_kl(rollout_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: to
 
 @dataclass(frozen=True)
 class LossParams:
-    """The coefficients of the loss types beyond the clipped surrogate (TRL 1.16's defaults).
+    """The scalars of one policy-loss evaluation: what ``policy_loss`` takes beside the tensors.
 
-    ``cispo_clip_max``: CISPO's upper bound of the ratio weight (ScaleRL's epsilon_max; TRL reads
-    ``epsilon_high`` as this bound under cispo); ``sapo_temperature_pos``/``_neg``: SAPO's gate
-    temperatures for A > 0 / A <= 0; ``vespo_k_*``/``vespo_lambda_*``: VESPO's Gamma exponent and
-    decay for A >= 0 (``pos``) / A < 0 (``neg``).
+    ``loss_type``: a registered loss type (``rl/losses.py``); ``options``: the ``grpo.*`` fields it
+    reads, by name (more may be given); ``level``: ``token`` (PPO/GRPO ratios) or ``sequence``
+    (GSPO); ``kl_beta``/``kl_bias_correction``: the KL term's weight and its bias correction;
+    ``entropy_coef``: the entropy bonus. The batch's counts, so that the micro-batches of one
+    batch add up to its loss: ``num_sequences``/``num_tokens`` (default: each call's own),
+    ``max_len`` (``dr_grpo``'s length; default: the tensors' ``T``) and ``num_micro_batches``
+    (over every data-parallel rank). ``LossParams.of`` reads them from ``config.GRPOConfig``.
     """
 
-    cispo_clip_max: float = 5.0
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    loss_type: str = "dapo"
+    options: Mapping[str, float] = field(default_factory=dict)
+    level: str = "token"
+    kl_beta: float = 0.0
+    kl_bias_correction: bool = False
+    entropy_coef: float = 0.0
+    num_sequences: int | None = None
+    num_tokens: float | None = None
+    max_len: int | None = None
+    num_micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        try:
+            spec = losses.loss_spec(self.loss_type)
+        except ValueError as err:
+            raise ValueError(f"grpo.loss_type: {err}") from None
+        missing = [f for f in spec.fields if f not in self.options]
+        if missing:
+            raise ValueError(f"loss_type {self.loss_type!r} reads {', '.join(missing)}: "
+                             "missing from LossParams.options")
+        if self.level not in ("token", "sequence"):
+            raise ValueError(f"grpo.importance_sampling_level: unknown {self.level!r} (token | sequence)")
 
     @classmethod
-    def of(cls, section) -> LossParams:
-        """The fields of the same names from ``section`` (``config.GRPOConfig``)."""
-        return cls(**{f.name: getattr(section, f.name) for f in fields(cls)})
-
-
-#: VESPO's bounds of log-ratios: log(1e-8) below (as its reference implementation), 20 above
-VESPO_LOG_MIN, VESPO_LOG_MAX = math.log(1e-8), 20.0
-
-
-@torch.no_grad()
-def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-                  is_weights: torch.Tensor | None, params: LossParams) -> torch.Tensor:
-    """VESPO's Gamma weights ``phi(w) = exp(lambda + k log w - lambda w)`` ``[N, 1]`` (detached; phi(1) = 1).
-
-    ``log_ratio`` ``[N, T]``: ``logp - old_logp`` per token, each clamped to +-20; ``w`` is the
-    sequence ratio ``exp(sum_t log_ratio)`` times the product of the token importance weights
-    ``is_weights`` (``[N, T]``, token modes only; their logs clamped to [log 1e-8, 20]),
-    ``log w`` clamped to [log 1e-8, 20]. ``k``/``lambda`` by the sign of ``advantages``
-    (``[N, 1]``; ``>= 0`` takes ``*_pos``). Sums run over the real tokens (mask 1) only: TRL
-    adds the IS weights' logs over the padding too, where they are 1 (log 0) unless
-    ``is_lower > 1`` masks padding. Non-finite weights become 0, as TRL.
-    """
-    seq = (log_ratio.detach().clamp(-20.0, 20.0) * mask).sum(dim=1, keepdim=True)
-    if is_weights is not None:
-        seq = seq + (torch.log(is_weights.detach()).clamp(VESPO_LOG_MIN, VESPO_LOG_MAX) * mask).sum(dim=1, keepdim=True)
-    log_w = seq.clamp(VESPO_LOG_MIN, VESPO_LOG_MAX)
-    pos = advantages >= 0
-    k = torch.where(pos, params.vespo_k_pos, params.vespo_k_neg).to(log_w.dtype)
-    lam = torch.where(pos, params.vespo_lambda_pos, params.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    def of(cls, section: Any, **counts: Any) -> LossParams:
+        """The loss settings of ``section`` (``config.GRPOConfig``: ``loss_type``, the fields that type reads,
+        ``importance_sampling_level``, ``kl_beta``, ``kl_bias_correction``, ``entropy_coef``) with the batch's
+        ``counts`` (``num_sequences``, ``num_tokens``, ``max_len``, ``num_micro_batches``)."""
+        spec = losses.loss_spec(section.loss_type)
+        return cls(loss_type=spec.name, options={f: float(getattr(section, f)) for f in spec.fields},
+                   level=section.importance_sampling_level, kl_beta=section.kl_beta,
+                   kl_bias_correction=section.kl_bias_correction, entropy_coef=section.entropy_coef, **counts)
 
 
 @dataclass
 class LossStats:
     """Diagnostics of one policy-loss evaluation (token means over the mask).
 
-    Clipped tokens: those where a hard clip is active (the clipped surrogate's, or CISPO's
-    upper bound with A > 0); SAPO and VESPO have no hard clip (0)."""
+    Clipped tokens: those where a hard clip is active (``TokenLoss.low``/``high`` of the loss
+    type: the clipped surrogate's, or CISPO's upper bound with A > 0); SAPO and VESPO have none (0)."""
 
     clip_fraction: float
     clip_low_fraction: float
@@ -343,81 +328,59 @@ def policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    params: LossParams,
     *,
-    eps_low: float,
-    eps_high: float,
-    loss_type: str = "dapo",
     is_weights: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    num_sequences: int | None = None,
-    num_tokens: float | None = None,
-    max_len: int | None = None,
-    num_micro_batches: int = 1,
-    level: str = "token",
-    kl_bias_correction: bool = False,
     token_select: torch.Tensor | None = None,
-    params: LossParams | None = None,
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
-    """The policy loss of ``loss_type`` (``LOSS_TYPES``; + optional KL to the reference) and its diagnostics.
+    """The policy loss of ``params.loss_type`` (+ optional KL to the reference) and its diagnostics.
 
     ``logp``/``old_logp``/``ref_logp``/``is_weights``/``token_select``/``entropy``/``mask``:
-    ``[N, T]``; ``advantages``: ``[N]``. ``level``: ``token`` (PPO/GRPO ratios) or ``sequence``
-    (GSPO). ``is_weights`` multiply the per-token loss, except VESPO's, which folds them into its
-    weights (token weights only: ``config.GRPOConfig`` refuses sequence IS modes with vespo). A
+    ``[N, T]``; ``advantages``: ``[N]``. The loss type's registered function gives the per-token
+    term; ``is_weights`` multiply it unless the type folds them into its own weights (VESPO; token
+    weights only: ``config.GRPOConfig`` refuses sequence IS modes with it), ``token_select`` masks
+    it, ``ref_logp`` with ``params.kl_beta > 0`` adds the KL term, then the type's reduction. A
     token is "clipped" when the clip is the active branch of the min: ratio below
     ``1 - eps_low`` with A < 0, or above ``1 + eps_high`` with A > 0 (its gradient is zero).
-    ``entropy`` (differentiable) with ``entropy_coef != 0``: minus ``entropy_coef`` times the
+    ``entropy`` (differentiable) with ``params.entropy_coef != 0``: minus ``entropy_coef`` times the
     micro-batch's mean entropy over the selected real tokens, divided by ``num_micro_batches``
     (TRL's entropy bonus, the same for every loss type).
     """
-    if loss_type not in LOSS_AGGREGATION:
-        raise ValueError(f"grpo.loss_type: unknown {loss_type!r} ({' | '.join(LOSS_TYPES)})")
-    p = params or LossParams()
+    p = params
+    spec = losses.loss_spec(p.loss_type)
     adv = advantages.to(logp.dtype).unsqueeze(1)
     log_ratio = logp - old_logp.detach()
-    if level == "sequence":  # GSPO: the length-normalised sequence ratio, one per row
+    if p.level == "sequence":  # GSPO: the length-normalised sequence ratio, one per row
         seq = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
         ratio = torch.exp(seq).expand_as(logp)
-    elif level == "token":
+    else:
         ratio = torch.exp(log_ratio)
-    else:
-        raise ValueError(f"grpo.importance_sampling_level: unknown {level!r} (token | sequence)")
-    low = high = None
-    if loss_type == "cispo":
-        per_token = -ratio.clamp(max=p.cispo_clip_max).detach() * adv * logp
-        high = (ratio > p.cispo_clip_max) & (adv > 0)
-    elif loss_type == "sapo":
-        tau = torch.where(adv > 0, p.sapo_temperature_pos, p.sapo_temperature_neg).to(logp.dtype)
-        per_token = -(torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau) * adv
-    elif loss_type == "vespo":
-        per_token = -vespo_weights(log_ratio, mask, adv, is_weights, p) * adv * logp
-    else:
-        unclipped = ratio * adv
-        clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-        per_token = -torch.minimum(unclipped, clipped)
-        low, high = (ratio < 1.0 - eps_low) & (adv < 0), (ratio > 1.0 + eps_high) & (adv > 0)
+    term = spec.fn(losses.LossTerms(logp, log_ratio, ratio, adv, mask, is_weights), p.options)
+    per_token = term.per_token
+    if per_token.shape != mask.shape:
+        raise ValueError(f"loss_type {p.loss_type!r}: per-token loss of shape {tuple(per_token.shape)}, "
+                         f"expected the mask's {tuple(mask.shape)}")
     if token_select is not None:
         per_token = per_token * token_select.detach()
-    if is_weights is not None and loss_type != "vespo":
+    if is_weights is not None and not spec.folds_is_weights:
         per_token = per_token * is_weights.detach()
     kl_val = None
     if ref_logp is not None:
         kl_tok = k3(logp, ref_logp.detach())
-        if kl_beta > 0:
-            per_token = per_token + kl_beta * (kl_tok * ratio if kl_bias_correction else kl_tok)
+        if p.kl_beta > 0:
+            per_token = per_token + p.kl_beta * (kl_tok * ratio if p.kl_bias_correction else kl_tok)
         kl_val = float((kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1.0))
-    loss = aggregate(per_token, mask, LOSS_AGGREGATION[loss_type], num_sequences=num_sequences, num_tokens=num_tokens,
-                     max_len=max_len, num_micro_batches=num_micro_batches)
-    if entropy is not None and entropy_coef != 0.0:
+    loss = aggregate(per_token, mask, spec.aggregation, num_sequences=p.num_sequences, num_tokens=p.num_tokens,
+                     max_len=p.max_len, num_micro_batches=p.num_micro_batches)
+    if entropy is not None and p.entropy_coef != 0.0:
         chosen = mask if token_select is None else mask * token_select.detach()
-        loss = loss - entropy_coef * (entropy * chosen).sum() / chosen.sum().clamp(min=1.0) / num_micro_batches
+        loss = loss - p.entropy_coef * (entropy * chosen).sum() / chosen.sum().clamp(min=1.0) / p.num_micro_batches
     with torch.no_grad():
         none = torch.zeros_like(mask)
-        low = none if low is None else low.to(mask.dtype) * mask
-        high = none if high is None else high.to(mask.dtype) * mask
+        low = none if term.low is None else term.low.to(mask.dtype) * mask
+        high = none if term.high is None else term.high.to(mask.dtype) * mask
         n = mask.sum().clamp(min=1.0)
         stats = LossStats(
             clip_fraction=float((low + high).sum() / n),

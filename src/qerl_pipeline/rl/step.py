@@ -381,7 +381,8 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
     share = tc.share_prompt_forward
     chunks = [slice(i, min(n_local, i + mb)) for i in range(0, n_local, mb)]
     n_mb = int(d.sum(len(chunks)))  # micro-batches of the global batch (bnpo's and the entropy bonus's divisor)
-    loss_params = grpo.LossParams.of(gc)
+    loss_params = grpo.LossParams.of(gc, num_sequences=n, num_tokens=n_tok, max_len=rc.max_new_tokens,
+                                     num_micro_batches=n_mb)
     want_entropy_grad = gc.entropy_coef != 0.0
     old_logp: dict[int, torch.Tensor] = {}
     is_w: dict[int, torch.Tensor | None] = {}
@@ -436,14 +437,9 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
                     if st_is is not None:
                         is_parts.append(st_is)
                         stats_acc["is_weight"] += float((is_w[k] * m).sum()) / max(n_tok, 1.0)
-                loss, st = grpo.policy_loss(
-                    logp, old_logp[k], adv[sl], m, eps_low=gc.clip_eps_low, eps_high=gc.clip_eps_high,
-                    loss_type=gc.loss_type, is_weights=is_w[k], ref_logp=ref_logp.get(k), kl_beta=gc.kl_beta,
-                    num_sequences=n, num_tokens=n_tok, max_len=rc.max_new_tokens, num_micro_batches=n_mb,
-                    level=gc.importance_sampling_level, kl_bias_correction=gc.kl_bias_correction,
-                    token_select=select.get(k), params=loss_params, entropy=ent if want_entropy_grad else None,
-                    entropy_coef=gc.entropy_coef,
-                )
+                loss, st = grpo.policy_loss(logp, old_logp[k], adv[sl], m, loss_params, is_weights=is_w[k],
+                                            ref_logp=ref_logp.get(k), token_select=select.get(k),
+                                            entropy=ent if want_entropy_grad else None)
                 if not torch.isfinite(loss):
                     raise TrainingDiverged(
                         f"non-finite loss ({float(loss.detach())}) at step {step + 1} (update {u + 1}, micro-batch {k + 1}); "
@@ -472,7 +468,7 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
         stats_acc = dict(zip(stats_acc, sums[3:]))
         is_parts = [p for parts in d.all_gather_object(is_parts) for p in parts]
     out = {
-        "lr": lr, "loss": _mean(losses), "optim/grad_norm": _mean(grad_norms), T.POLICY_ENTROPY: stats_acc["entropy"],
+        "lr": lr, T.LOSS: _mean(losses), T.GRAD_NORM: _mean(grad_norms), T.POLICY_ENTROPY: stats_acc["entropy"],
         "policy/clip_fraction": clip_sum, "policy/clip_low_fraction": clip_low, "policy/clip_high_fraction": clip_high,
         "mismatch/kl": stats_acc["mismatch_kl"], **select_info,
     }

@@ -395,7 +395,7 @@ def train(
             sleep_metrics = sleeper.after_update(adapter_dir if sync == "adapter" else None)  # wake, probe, register the next adapter
 
             metrics = _step_metrics(g_all, r, info, upd, sleep_metrics, stage=stage, sigma=sigma, sigma_eff=sigma_eff,
-                                    times={"time/sync_s": sync_s, "time/update_s": t_upd - t_roll,
+                                    times={T.SYNC_TIME_S: sync_s, T.UPDATE_TIME_S: t_upd - t_roll,
                                            T.STEP_TIME_S: time.perf_counter() - t0},
                                     engine_cpu=(engine_cpu0, engine_cpu1))
             logger.log_metrics(metrics, step=step + 1)
@@ -412,8 +412,8 @@ def train(
                 bar.advance(metrics)
             log.info(
                 "step %d/%d reward %.3f acc %.3f entropy %.3f sigma %.1e | rollout %.1fs (%.0f tok/s) update %.1fs",
-                step + 1, tc.steps, metrics[T.REWARD_MEAN], metrics["accuracy"], metrics[T.POLICY_ENTROPY], sigma,
-                roll["seconds"], roll["tokens_per_s"], metrics["time/update_s"],
+                step + 1, tc.steps, metrics[T.REWARD_MEAN], metrics[T.TRAIN_ACCURACY], metrics[T.POLICY_ENTROPY], sigma,
+                roll["seconds"], roll["tokens_per_s"], metrics[T.UPDATE_TIME_S],
             )
     except BaseException as exc:  # the run says how it ended: KILLED (Ctrl-C, SIGTERM) or FAILED, after which step
         T.mark_ended(logger, exc, last_step=history[-1]["step"] if history else start_step)
@@ -446,7 +446,7 @@ def _step_metrics(g_all: dict, r: torch.Tensor, info: dict, upd: dict, sleep_met
     metrics = {
         # every sampled group (before DAPO's filter): the curves that compare across methods
         T.REWARD_MEAN: _mean(x["reward"] for x in sampled), T.REWARD_ACCURACY: _mean(x["accuracy"] for x in sampled),
-        T.REWARD_FORMAT: _mean(x["format"] for x in sampled), "accuracy": _mean(x["accuracy"] for x in sampled),
+        T.REWARD_FORMAT: _mean(x["format"] for x in sampled), T.TRAIN_ACCURACY: _mean(x["accuracy"] for x in sampled),
         # the kept groups the update trains on (equal to the above without dynamic sampling)
         "reward/kept_mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
         "reward/kept_accuracy": _mean(x["accuracy"] for x in g_all["rewards"]),
@@ -457,7 +457,7 @@ def _step_metrics(g_all: dict, r: torch.Tensor, info: dict, upd: dict, sleep_met
         "groups/zero_std_fraction": g_all["zero_std_fraction"], "groups/refill_rounds": info["rounds"] - 1,
         T.AQN_SIGMA: sigma, "aqn/sigma_effective": sigma_eff, T.AQN_STAGE: stage, "optim/lr": upd["lr"],
         T.ROLLOUT_TOKENS_PER_S: g_all["tokens_per_s"], "time/rollout_s": g_all["rollout_s"], "time/reward_s": g_all["reward_s"],
-        "time/sync_s": times["time/sync_s"], "time/update_s": times["time/update_s"], T.STEP_TIME_S: times[T.STEP_TIME_S],
+        T.SYNC_TIME_S: times[T.SYNC_TIME_S], T.UPDATE_TIME_S: times[T.UPDATE_TIME_S], T.STEP_TIME_S: times[T.STEP_TIME_S],
         T.PEAK_MEMORY_GB: _peak_memory_gb(), **{k: v for k, v in upd.items() if k != "lr"}, **sleep_metrics,
         **reward_component_metrics(sampled),  # rewards/<name>/mean|std of a train.reward_fn list
     }
@@ -562,7 +562,7 @@ class _Bar:
 
     def advance(self, m: dict) -> None:
         info = (
-            f"reward {m[T.REWARD_MEAN]:.3f} acc {m['accuracy']:.2f} ent {m[T.POLICY_ENTROPY]:.2f} "
+            f"reward {m[T.REWARD_MEAN]:.3f} acc {m[T.TRAIN_ACCURACY]:.2f} ent {m[T.POLICY_ENTROPY]:.2f} "
             f"sigma {m[T.AQN_SIGMA]:.1e} {m[T.ROLLOUT_TOKENS_PER_S]:.0f} tok/s"
         )
         self.progress.update(self.task, advance=1, info=info)

@@ -6,11 +6,12 @@ format. These nodes only open the compare's MLflow run (``compare_group``, which
 branch's run is nested under) and build the report from the branches' runs, one per method
 and seed (``evaluation/report.py`` and its ``report_*`` modules do the work). The report's
 files are returned, and the catalog writes them (``compare_report_*`` in catalog_compare.yml).
+The report is built one way: from the runs the branches' persisted ``train_summary`` name, so
+``--nodes=build_comparison_report`` after a compare builds it again without training.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from mlflow.tracking import MlflowClient
@@ -21,8 +22,6 @@ from qerl_pipeline.evaluation.report import report_artifacts
 from qerl_pipeline.evaluation.report_claims import claim_metrics, claims
 from qerl_pipeline.evaluation.report_tables import accuracy_frame, system_table
 from qerl_pipeline.tracking import MlflowLogger, name_run, run_name
-
-log = logging.getLogger(__name__)
 
 
 def open_compare(compare: dict[str, Any], model: dict[str, Any], train: dict[str, Any]) -> dict[str, str]:
@@ -59,21 +58,6 @@ def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branc
         runs = summary.get("runs", [summary])  # one entry per seed (train/nodes.py)
         selection[method] = [{"run_id": r["mlflow_run_id"], "eval_run_id": None, "seed": r.get("seed")} for r in runs]
     return report_outputs(report_runs.load_selected(selection, client=MlflowClient()), compare_group["run_id"], cc.methods)
-
-
-def report_from_mlflow(report_run: dict[str, str], compare: dict[str, Any]) -> dict[str, Any]:
-    """``compare_report`` pipeline: the report of runs already in MLflow (nothing is trained).
-
-    ``compare.reuse_group``: the runs of that compare run; None: for each of ``compare.methods``
-    its newest finished training run paired with its newest evaluation run (``report_runs.load_runs``).
-    """
-    cc: CompareConfig = parse(CompareConfig, compare, "compare")
-    client = MlflowClient()
-    exp = client.get_experiment(report_run["experiment_id"])
-    runs = report_runs.load_runs(exp.name, cc.methods, client=client, group=cc.reuse_group, require_eval=True,
-                                 finished_only=True)
-    log.info("compare report from MLflow runs %s", report_runs.selection(runs))
-    return report_outputs(runs, report_run["run_id"], cc.methods)
 
 
 def report_outputs(runs: list[report_runs.RunData], compare_run_id: str, methods: list[str]) -> dict[str, Any]:

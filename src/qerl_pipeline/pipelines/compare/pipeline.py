@@ -49,7 +49,8 @@ Each (method, seed) training resumes its own run folder: a finished one is reuse
 evaluated), the interrupted one resumes from its newest checkpoint into its own MLflow run,
 the others start. Bases are reused by fingerprint.
 
-``compare_report`` (registered separately) rebuilds the report from runs already in MLflow.
+The report again, from the runs the branches' persisted summaries name (nothing is trained):
+``kedro run --pipelines=compare --nodes=build_comparison_report``.
 """
 
 import warnings
@@ -58,7 +59,7 @@ from kedro.pipeline import Node, Pipeline, pipeline
 
 from qerl_pipeline.config import METHOD_FORMAT, METHODS
 from qerl_pipeline.evaluation.report import REPORT_FILES
-from qerl_pipeline.pipelines.compare.nodes import build_report, open_compare, report_from_mlflow
+from qerl_pipeline.pipelines.compare.nodes import build_report, open_compare
 from qerl_pipeline.pipelines.data_prep.pipeline import create_pipeline as data_prep
 from qerl_pipeline.pipelines.evaluate.pipeline import evaluation_nodes
 from qerl_pipeline.pipelines.quantize.pipeline import format_nodes
@@ -107,13 +108,3 @@ def create_pipeline(**kwargs) -> Pipeline:
         report = Pipeline([Node(build_report, report_inputs, OUTPUTS, name="build_comparison_report")], tags="compare")
     return data_prep() + _group() + bases + branches + report
 
-
-def create_report_pipeline() -> Pipeline:
-    """``compare_report``: the report of finished runs in MLflow (``compare.reuse_group`` or the newest).
-
-    Its own run (``report_run``, in memory) is opened like a compare's; ``compare_group`` (the
-    last compare's run, which a ``--namespaces`` rerun nests under) is left as it is."""
-    return Pipeline([
-        Node(open_compare, ["params:compare", "params:model", "params:train"], "report_run", name="open_report_run"),
-        Node(report_from_mlflow, ["report_run", "params:compare"], OUTPUTS, name="report_from_mlflow"),
-    ], tags="compare")

@@ -160,7 +160,7 @@ def _dapo_cfg(out: Path, nproc: int):
         "optim": {"lr": {"qerl": 1e-2}, "warmup_steps": 0},
         # one refill round at most: some steps end short of prompts_per_step, so a kept group straddles the ranks
         "grpo": {"num_generations": 2, "dynamic_sampling": True, "max_refill_rounds": 1, "advantage_scale": "batch",
-                 "loss_aggregation": "token"},
+                 "loss_type": "dapo"},
         "rollout": {"max_new_tokens": 4, "temperature": 1.0},
         # micro-batches of 4 rows: a full step's rows split 4 + 4 as one process's micro-batches do; a short step's
         # (an odd number of groups) batch other rows together on the ranks: float rounding (the tolerances below)

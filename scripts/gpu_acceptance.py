@@ -39,7 +39,7 @@ The checks (JSON names):
   JSON is written to ``$OUT/gpu_check.json`` as before. PASS: it ran and its correctness
   figures are within ``triton_nvfp4.TOLERANCE`` of the dtype (losses; x5 for LoRA gradients
   through the stack). This replaces running gpu_check.py by hand and reading its JSON.
-* ``collectives``: the trainer's real ``rl.distributed.Dist`` collectives in a process group
+* ``collectives``: the trainer's real ``rl.ranks.Dist`` collectives in a process group
   of world size 1 (``Dist(always_collect=True)`` runs them with one rank): on CUDA the group
   of ``backend_for("cuda")`` (``cpu:gloo,cuda:nccl``), ``sum``, ``sum_tensor`` (CPU float64,
   gloo), ``all_reduce_grads`` on CUDA bf16 and fp32 gradients (NCCL), ``all_gather_object``,
@@ -427,19 +427,19 @@ def rendezvous_env():
 def check_collectives(use_cuda: bool):
     import torch.distributed as tdist
 
-    from qerl_pipeline.rl import dist as D
+    from qerl_pipeline.rl.ranks import Dist, backend_for
 
     if tdist.is_initialized():
         raise RuntimeError("a process group is already initialized in this process")
     plat = "cuda" if use_cuda else "cpu"
-    backend = D.backend_for(plat)
+    backend = backend_for(plat)
     got: dict = {}
     with rendezvous_env():
         if use_cuda:
             torch.cuda.set_device(0)
         tdist.init_process_group(backend, timeout=__import__("datetime").timedelta(seconds=120))
         try:
-            d = D.Dist(rank=0, world_size=1, local_rank=0, always_collect=True)
+            d = Dist(rank=0, world_size=1, local_rank=0, always_collect=True)
             assert d.active, "Dist(always_collect=True) is not active"
             dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
             got["sum"] = d.sum(2.5)

@@ -55,7 +55,6 @@ if "--interpret" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from qerl_pipeline.quantization import nvfp4  # noqa: E402  (pure torch)
@@ -149,7 +148,7 @@ class LoraLinear(torch.nn.Module):
 
     def forward(self, x):
         if self.mode == "dense":
-            y = F.linear(x, self.weight)
+            y = torch.nn.functional.linear(x, self.weight)
         elif self.project_layer is not None:
             y = self.project_layer(x)
         else:
@@ -188,10 +187,10 @@ class Block(torch.nn.Module):
         v = p["v_proj"](h).view(b, t, s["kv_heads"], s["head_dim"]).transpose(1, 2)
         rep = s["heads"] // s["kv_heads"]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
         x = x + p["o_proj"](a)
         h = self.norm2(x)
-        return x + p["down_proj"](F.silu(p["gate_proj"](h)) * p["up_proj"](h))
+        return x + p["down_proj"](torch.nn.functional.silu(p["gate_proj"](h)) * p["up_proj"](h))
 
 
 # --------------------------------------------------------------------------------- the checks

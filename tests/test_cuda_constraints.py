@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from qerl_pipeline.rl import dist as D
+from qerl_pipeline.rl.ranks import SINGLE, init, shard_bounds
 from tests.helpers.policy_update import N_SEQ, free_port, update_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,10 +64,10 @@ def _standin_rank(rank: int, world: int, port: int, base_dir: str, out: str) -> 
     torch.set_num_threads(1)
     seen: dict = {}
     _as_on_cuda(seen)
-    d = D.init("cuda")  # the trainer's own join, as on a GPU machine
+    d = init("cuda")  # the trainer's own join, as on a GPU machine
     result: dict = {"asked": seen.get("asked")}
     try:
-        lo, hi = D.shard_bounds(N_SEQ, rank, world)
+        lo, hi = shard_bounds(N_SEQ, rank, world)
         state, metrics = update_rows(Path(base_dir), d, slice(lo, hi))
         result.update(state=state, loss=metrics["loss"], gather=d.all_gather_object(rank))
         d.barrier()
@@ -99,9 +99,9 @@ def _refusal_rank(rank: int, port: int, out: str) -> None:
 
 def test_two_ranks_update_in_a_group_whose_cuda_backend_refuses_cpu_tensors(base_dir, tmp_path):
     """Stands in for NCCL at the first update on two GPUs: the group the trainer joins on CUDA
-    (``distributed.init("cuda")``) must serve the update's CPU scalars (sequence and token counts,
+    (``ranks.init("cuda")``) must serve the update's CPU scalars (sequence and token counts,
     loss sums, statistics) and its object gathers; the stand-in refuses every CPU tensor it gets."""
-    single, _ = update_rows(base_dir, D.SINGLE, slice(0, N_SEQ))
+    single, _ = update_rows(base_dir, SINGLE, slice(0, N_SEQ))
     mp.spawn(_standin_rank, args=(2, free_port(), str(base_dir), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r, got in enumerate(ranks):

@@ -1,4 +1,4 @@
-"""Data-parallel training (rl/distributed.py): the decisions, the collectives on two gloo ranks, the
+"""Data-parallel training (rl/ranks.py, rl/launch.py): the decisions, the collectives on two gloo ranks, the
 update of 2 ranks x half a batch (or all of it and none) against 1 process x the whole batch, and
 DAPO's dynamic sampling trained on 2 ranks against 1 process.
 
@@ -20,22 +20,22 @@ import torch
 import torch.multiprocessing as mp
 
 from qerl_pipeline.config import ConfigError, validate
-from qerl_pipeline.rl import dist as D
-from qerl_pipeline.rl.distributed import launcher_command
+from qerl_pipeline.rl.launch import launcher_command
+from qerl_pipeline.rl.ranks import SINGLE, Dist, backend_for, from_env, init, rank_device, shard_bounds
 from qerl_pipeline.rollout.engine import without_launcher_env
 from tests.helpers.policy_update import N_SEQ, free_port, update_rows
 from tests.helpers.project import PROJECT
 
 
 def test_decisions_by_platform_and_environment():
-    assert D.backend_for("cpu") == "gloo" and D.backend_for("cuda") == "cpu:gloo,cuda:nccl"
-    assert D.rank_device("cuda", 3) == "cuda:3" and D.rank_device("cpu", 3) == "cpu"
-    assert D.from_env({}) is D.SINGLE and not D.SINGLE.active
-    d = D.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert backend_for("cpu") == "gloo" and backend_for("cuda") == "cpu:gloo,cuda:nccl"
+    assert rank_device("cuda", 3) == "cuda:3" and rank_device("cpu", 3) == "cpu"
+    assert from_env({}) is SINGLE and not SINGLE.active
+    d = from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
     assert (d.rank, d.world_size, d.local_rank, d.is_main, d.active) == (3, 4, 1, False, True)
-    assert [D.shard_bounds(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [shard_bounds(8, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     with pytest.raises(ValueError, match="split evenly"):
-        D.shard_bounds(6, 0, 4)
+        shard_bounds(6, 0, 4)
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin"}
     assert without_launcher_env(env) == {"PATH": "/bin"}  # a rank's engine must not take the trainer's rank
 
@@ -43,7 +43,7 @@ def test_decisions_by_platform_and_environment():
 def test_launcher_command_single_and_multi_node(tmp_path):
     one = launcher_command(2, tmp_path / "p.json")
     assert one[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node=2"] and "--standalone" in one
-    assert one[-3:] == ["-m", "qerl_pipeline.rl.distributed", str(tmp_path / "p.json")]
+    assert one[-3:] == ["-m", "qerl_pipeline.rl.launch", str(tmp_path / "p.json")]
     multi = launcher_command(8, tmp_path / "p.json", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29400)
     assert "--standalone" not in multi
     assert {"--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29400"} <= set(multi)
@@ -76,13 +76,13 @@ def test_dynamic_sampling_on_several_ranks_validates_as_kedro_loads_it(env, para
     assert cfg.grpo.dynamic_sampling and cfg.train.nproc * cfg.train.nnodes > 1
 
 
-def _join(rank: int, world: int, port: int) -> D.Dist:
+def _join(rank: int, world: int, port: int) -> Dist:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    return D.init("cpu")
+    return init("cpu")
 
 
-def _collectives(d: D.Dist) -> dict:
+def _collectives(d: Dist) -> dict:
     rank = d.rank
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
@@ -101,7 +101,7 @@ def _collectives(d: D.Dist) -> dict:
 def _rank_update(rank: int, world: int, port: int, base_dir: str, out: str) -> None:
     d = _join(rank, world, port)
     collectives = _collectives(d)
-    lo, hi = D.shard_bounds(N_SEQ, rank, world)
+    lo, hi = shard_bounds(N_SEQ, rank, world)
     state, metrics = update_rows(Path(base_dir), d, slice(lo, hi))
     # a rank whose share is empty (DAPO kept fewer rows than there are ranks): rank 0 takes every row, rank 1 none
     empty = update_rows(Path(base_dir), d, slice(0, N_SEQ) if rank == 0 else slice(N_SEQ, N_SEQ))
@@ -111,7 +111,7 @@ def _rank_update(rank: int, world: int, port: int, base_dir: str, out: str) -> N
 
 def test_two_ranks_with_half_the_batch_each_update_like_one_process_with_all(base_dir, tmp_path):
     """Also with the batch split as DAPO may split it: every row on rank 0, none on rank 1."""
-    single, metrics1 = update_rows(base_dir, D.SINGLE, slice(0, N_SEQ))
+    single, metrics1 = update_rows(base_dir, SINGLE, slice(0, N_SEQ))
     mp.spawn(_rank_update, args=(2, free_port(), str(base_dir), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for got in ranks:  # the collectives themselves: sums over ranks (dtype kept), gather in rank order, broadcast
@@ -174,7 +174,7 @@ def _dapo_records() -> list[dict]:
             for i in range(1, 9)]
 
 
-def _dapo_train(d: D.Dist, base: Path, out: Path) -> dict:
+def _dapo_train(d: Dist, base: Path, out: Path) -> dict:
     """``trainer.train`` with dynamic sampling on the fake engine (per-request seeded samples), the coin-flip
     reward; what ``collect`` handed the update each step (prompt per row, completions, rewards, rounds)."""
     from safetensors import safe_open
@@ -227,7 +227,7 @@ def test_dynamic_sampling_on_two_ranks_keeps_trains_and_logs_what_one_process_do
     rewards are dropped and refilled): 2 gloo ranks, each rolling out half of every round, hand the update the
     rows one process does (same prompts, completions and rewards, in the same order when rank 0's rows are
     followed by rank 1's), log the same global metrics and train the same adapter."""
-    one = _dapo_train(D.SINGLE, dapo_base, tmp_path / "one")
+    one = _dapo_train(SINGLE, dapo_base, tmp_path / "one")
     mp.spawn(_rank_dapo, args=(2, free_port(), str(dapo_base), str(tmp_path / "two")), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / "two" / f"dapo{r}.pt") for r in range(2)]
     # the run exercises what it claims to: refills, a short step (max_refill_rounds spent), a group over both ranks

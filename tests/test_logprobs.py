@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from qerl_pipeline.rl.logprobs import DEFAULT_KEEP_BYTES, token_logprobs
 
@@ -22,7 +21,7 @@ GRAD_REL = 1e-6
 
 def naive(hidden, weight, targets, bias=None, temperature=TEMP):
     """What ``completion_logprobs`` does today: full [..., V] logits, log_softmax, gather."""
-    logits = F.linear(hidden, weight, bias).float() / temperature
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
@@ -195,7 +194,7 @@ def test_entropy_grad_matches_naive(keep):
     hidden, weight, bias, targets = make(seed=8, bias=True)
     up, up_h = _upstream("masked", targets.shape), _upstream("random", targets.shape)
     ref = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
-    logits = F.linear(ref[0], ref[1], ref[2]).float() / TEMP
+    logits = torch.nn.functional.linear(ref[0], ref[1], ref[2]).float() / TEMP
     ls = torch.log_softmax(logits, dim=-1)
     ent_ref = -(ls.exp() * ls).sum(-1)
     (ls.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * up + ent_ref * up_h).sum().backward()

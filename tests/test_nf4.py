@@ -26,10 +26,10 @@ def _weights(shape, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape,blocksize", [((32, 128), 64), ((7, 9), 64), ((64, 64), 128), ((3, 70), 64), ((16, 48), 32)])
 def test_codes_and_decode_match_bitsandbytes(shape, blocksize, dtype):
-    import bitsandbytes.functional as F
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
     w = _weights(shape, dtype, seed=shape[0] * 31 + shape[1])
-    packed, state = F.quantize_4bit(w, blocksize=blocksize, quant_type="nf4")
+    packed, state = quantize_4bit(w, blocksize=blocksize, quant_type="nf4")
     ours = nf4.encode(w, blocksize)
     assert torch.equal(packed.reshape(-1), ours.packed)
     assert torch.equal(state.absmax, ours.absmax)
@@ -37,7 +37,7 @@ def test_codes_and_decode_match_bitsandbytes(shape, blocksize, dtype):
         # bitsandbytes' native CPU dequantizer indexes blocks within rows; where blocks span
         # rows it disagrees with its own quantizer (and with its CUDA and reference paths),
         # so the decoded values are compared only for row-aligned blocks, the usual case.
-        theirs = F.dequantize_4bit(packed, state)  # in w's dtype
+        theirs = dequantize_4bit(packed, state)  # in w's dtype
         assert torch.equal(theirs.view(torch.uint8), ours.decode(dtype).view(torch.uint8))
     flat = nf4.NF4_LEVELS[nf4.unpack(ours.packed, w.numel()).long()]
     expect = flat * ours.absmax.repeat_interleave(blocksize)[: w.numel()]
@@ -46,9 +46,9 @@ def test_codes_and_decode_match_bitsandbytes(shape, blocksize, dtype):
 
 @needs_bnb
 def test_codebook_is_bitsandbytes_nf4():
-    import bitsandbytes.functional as F
+    from bitsandbytes.functional import quantize_4bit
 
-    _, state = F.quantize_4bit(torch.randn(4, 64), blocksize=64, quant_type="nf4")
+    _, state = quantize_4bit(torch.randn(4, 64), blocksize=64, quant_type="nf4")
     assert torch.equal(state.code.float().cpu(), nf4.NF4_LEVELS)
 
 

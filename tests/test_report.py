@@ -14,12 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from qerl_pipeline.evaluation import metrics as M
-from qerl_pipeline.evaluation import plots as P
-from qerl_pipeline.evaluation import report_claims as C
-from qerl_pipeline.evaluation import report_runs as R
-from qerl_pipeline.evaluation import report_tables as T
-from qerl_pipeline.evaluation import stats as S
+from qerl_pipeline.evaluation import plots, report_claims, report_runs, report_tables, stats
+from qerl_pipeline.evaluation.metrics import aggregate, metric_dict, wilson_interval
 from qerl_pipeline.evaluation.report import REPORT_FILES, report_artifacts
 from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG
 
@@ -69,14 +65,14 @@ def _log_method_run(client, exp_id, method, i, seed=0, group="g1"):
     aqn = method in ("qerl", "lora_aqn")
     for step in STEPS:
         reward, entropy = _curves(method, seed, step)
-        client.log_metric(rid, R.CURVES["reward"][1], reward, step=step)
-        client.log_metric(rid, R.CURVES["entropy"][1], entropy, step=step)
+        client.log_metric(rid, report_runs.CURVES["reward"][1], reward, step=step)
+        client.log_metric(rid, report_runs.CURVES["entropy"][1], entropy, step=step)
         client.log_metric(rid, "aqn/stage", STAGE[step] if aqn else 0, step=step)
         client.log_metric(rid, "aqn/sigma", SIGMA[STAGE[step]] if aqn else 0.0, step=step)
-        client.log_metric(rid, R.SYSTEM["rollout_tokens_per_s"][1], 100.0 * (i + 1) + step, step=step)
-        client.log_metric(rid, R.SYSTEM["step_time_s"][1], 2.0 + i, step=step)
-        client.log_metric(rid, R.SYSTEM["peak_memory_gib"][1], 1.0 + step * 0.1, step=step)
-    client.log_metric(rid, R.SYSTEM["weight_mib"][1], [10.0, 10.0, 12.0, 40.0, 40.0][i])
+        client.log_metric(rid, report_runs.SYSTEM["rollout_tokens_per_s"][1], 100.0 * (i + 1) + step, step=step)
+        client.log_metric(rid, report_runs.SYSTEM["step_time_s"][1], 2.0 + i, step=step)
+        client.log_metric(rid, report_runs.SYSTEM["peak_memory_gib"][1], 1.0 + step * 0.1, step=step)
+    client.log_metric(rid, report_runs.SYSTEM["weight_mib"][1], [10.0, 10.0, 12.0, 40.0, 40.0][i])
     # evaluation: 4 problems on two benchmarks, method i gets i+1 of 4 right on 'gsm8k'; qerl's seed 1 one more
     records = []
     for bench in ("gsm8k", "math500"):
@@ -84,7 +80,7 @@ def _log_method_run(client, exp_id, method, i, seed=0, group="g1"):
             ok = (p <= i or (method == "qerl" and seed == 1 and p == 1)) if bench == "gsm8k" else p == 0
             records.append({"id": f"{bench}-{p}", "source": bench, "policy": "trained", "correct": [ok, ok], "greedy_correct": ok})
             records.append({"id": f"{bench}-{p}", "source": bench, "policy": "base", "correct": [False, p == 0], "greedy_correct": False})
-    for key, value in M.metric_dict(M.aggregate(records)).items():
+    for key, value in metric_dict(aggregate(records)).items():
         client.log_metric(rid, key, value)
     _log_records(client, rid, records)
     client.set_terminated(rid)
@@ -106,40 +102,40 @@ def store(tmp_path_factory):
 
 
 def test_load_runs_picks_group_and_newest(store):
-    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
+    runs = report_runs.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
     assert [(r.method, r.seed) for r in runs] == [(m, k) for m in METHODS for k in SEEDS]  # one run per method and seed
     assert [r.run_id for r in runs] == [store["ids"][m, k] for m in METHODS for k in SEEDS]
     assert runs[0].records and {"id", "source", "policy", "correct"} <= set(runs[0].records[0])
     # without group: newest per method, still never the compare parent run
-    runs = R.load_runs(EXPERIMENT, ["qerl"], client=store["client"])
+    runs = report_runs.load_runs(EXPERIMENT, ["qerl"], client=store["client"])
     assert runs[0].run_id == store["ids"]["qerl", 1]
     assert runs[0].curve("reward")[:2] == [(1, pytest.approx(0.12)), (2, pytest.approx(0.22))]
     with pytest.raises(ValueError, match="no MLflow run for method.*lora.*group 'old'"):
-        R.load_runs(EXPERIMENT, ["qerl", "lora"], client=store["client"], group="old")
-    assert [r.method for r in R.load_runs(EXPERIMENT, ["qerl", "lora"], client=store["client"], group="old", require_all=False)] == ["qerl"]
+        report_runs.load_runs(EXPERIMENT, ["qerl", "lora"], client=store["client"], group="old")
+    assert [r.method for r in report_runs.load_runs(EXPERIMENT, ["qerl", "lora"], client=store["client"], group="old", require_all=False)] == ["qerl"]
 
 
 def test_tables(store):
-    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    table = T.accuracy_table(runs)
+    runs = report_runs.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
+    table = report_tables.accuracy_table(runs)
     assert list(table.columns) == METHODS and list(table.index) == ["gsm8k", "math500"]
     # lora (i=3) gets all 4 gsm8k problems right: 1.000 with Wilson interval [z^2... , 1]
-    lo, hi = M.wilson_interval(1.0, 4)
+    lo, hi = wilson_interval(1.0, 4)
     assert table.at["gsm8k", "lora"] == f"1.000 [{lo:.3f}, {hi:.3f}]"
     assert table.at["gsm8k", "qerl"].startswith("0.375 [")  # seed 0: 1 of 4, seed 1: 2 of 4
-    base = T.accuracy_table(runs, policy="base")
+    base = report_tables.accuracy_table(runs, policy="base")
     assert base.at["math500", "qlora"].startswith("0.125 [")  # 1 of 8 samples, 1/2 on one of 4 problems
-    sys = T.system_table(runs)
+    sys = report_tables.system_table(runs)
     assert sys.loc["qlora", "Rollout tokens/s"] == pytest.approx(303.0)  # mean of 301..305, both seeds
     assert sys.loc["qerl", "Peak memory (GiB)"] == pytest.approx(1.5)  # max over steps
     assert sys.loc["lora", "Base weight size (MiB)"] == pytest.approx(40.0)
 
 
 def test_accuracy_over_seeds_and_problems(store):
-    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    summary = T.accuracy_summary(runs).set_index(["method", "policy", "benchmark"])
+    runs = report_runs.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
+    summary = report_tables.accuracy_summary(runs).set_index(["method", "policy", "benchmark"])
     row = summary.loc[("qerl", "trained", "gsm8k")]
-    expected = S.crossed_interval([[1, 0, 0, 0], [1, 1, 0, 0]])  # seeds x problems, aligned by problem id
+    expected = stats.crossed_interval([[1, 0, 0, 0], [1, 1, 0, 0]])  # seeds x problems, aligned by problem id
     assert (row["n_seeds"], row["n_problems"], row["interval_over"]) == (2, 4, "seeds+problems")
     assert (row["pass1"], row["pass1_ci_low"], row["pass1_ci_high"]) == pytest.approx((expected.mean, expected.low, expected.high))
     assert row["greedy"] == pytest.approx(0.375)
@@ -149,20 +145,20 @@ def test_accuracy_over_seeds_and_problems(store):
 
 
 def test_curve_bands_over_seeds(store):
-    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    bands = T.curve_bands(runs)
+    runs = report_runs.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
+    bands = report_tables.curve_bands(runs)
     qerl = bands[(bands["curve"] == "reward") & (bands["method"] == "qerl")].set_index("step")
     # step 1: rewards 0.10 and 0.12: mean 0.11, half t(1) * 0.01
     assert qerl.loc[1, "mean"] == pytest.approx(0.11) and qerl.loc[1, "n_seeds"] == 2
-    assert qerl.loc[1, "ci_high"] - qerl.loc[1, "mean"] == pytest.approx(S.t_quantile(1) * 0.01)
+    assert qerl.loc[1, "ci_high"] - qerl.loc[1, "mean"] == pytest.approx(stats.t_quantile(1) * 0.01)
     lora = bands[(bands["curve"] == "entropy") & (bands["method"] == "lora")]
     assert (lora["ci_low"] == lora["mean"]).all()  # seeds that agree: a zero-width band
 
 
 def test_claims_by_hand(store):
-    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    assert C.first_aqn_stage_steps(runs) == [2, 3]
-    found = {c.id: c for c in C.claims(runs)}
+    runs = report_runs.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
+    assert report_claims.first_aqn_stage_steps(runs) == [2, 3]
+    found = {c.id: c for c in report_claims.claims(runs)}
     assert set(found) == {"a_qerl_entropy_gt_lora", "a_qerl_noaqn_entropy_gt_lora", "a_qlora_entropy_gt_lora",
                           "b_qerl_ge_qerl_noaqn", "b_qerl_noaqn_ge_lora", "c_lora_aqn_ge_lora"}
     # (a) per-seed entropy differences over steps 2-3: 0.2, 0.22 / -0.3, -0.28 / 0, 0.02; half t(1) * 0.01 = 0.127
@@ -174,18 +170,18 @@ def test_claims_by_hand(store):
     assert found["b_qerl_noaqn_ge_lora"].text == "cannot tell: difference 0.005, 95% interval [-0.059, 0.069], 2 seeds"
     assert found["c_lora_aqn_ge_lora"].text == "cannot tell: difference 0.000, 95% interval [0.000, 0.000], 2 seeds"
     # one seed: every claim says the data cannot tell
-    one = {c.id: c for c in C.claims([r for r in runs if r.seed == 0])}
+    one = {c.id: c for c in report_claims.claims([r for r in runs if r.seed == 0])}
     assert all(c.verdict == "cannot tell" and "1 seed (no interval" in c.text for c in one.values())
     # a method not run: the claim says which
-    no_aqn = {c.id: c for c in C.claims([r for r in runs if r.method != "lora_aqn"])}
+    no_aqn = {c.id: c for c in report_claims.claims([r for r in runs if r.method != "lora_aqn"])}
     assert no_aqn["c_lora_aqn_ge_lora"].text == "cannot tell: no data for lora_aqn"
     # compare.methods without qlora and lora_aqn: their claims are not stated at all (nothing was meant to run),
     # the others' are the same; a chosen method without runs still reads "no data"
-    chosen = {c.id: c for c in C.claims(runs, ["qerl", "qerl_noaqn", "lora"])}
+    chosen = {c.id: c for c in report_claims.claims(runs, ["qerl", "qerl_noaqn", "lora"])}
     assert set(chosen) == {"a_qerl_entropy_gt_lora", "a_qerl_noaqn_entropy_gt_lora", "b_qerl_ge_qerl_noaqn",
                            "b_qerl_noaqn_ge_lora"}
     assert all(chosen[k].text == found[k].text for k in chosen)
-    assert C.claims([r for r in runs if r.method != "lora_aqn"], ["lora", "lora_aqn"])[0].text == (
+    assert report_claims.claims([r for r in runs if r.method != "lora_aqn"], ["lora", "lora_aqn"])[0].text == (
         "cannot tell: no data for lora_aqn")
     # seeds that would tell a "cannot tell" difference from 0 at its measured spread (stats.seeds_needed):
     # differences 0, 0.01 and 0, 0.02 both have s_d / |d| = sqrt(2): t(n-1)/sqrt(n) < 0.70711 first at n = 11
@@ -195,7 +191,7 @@ def test_claims_by_hand(store):
     assert found["c_lora_aqn_ge_lora"].seeds_note == "none: the measured difference is 0"
     assert found["b_qerl_ge_qerl_noaqn"].seeds_note == ""  # supported: nothing to estimate
     assert {c.seeds_note for c in one.values()} == {"needs ≥2 seeds to estimate"}
-    metrics, tags = C.claim_metrics(found.values())
+    metrics, tags = report_claims.claim_metrics(found.values())
     assert metrics["claims/b_qerl_ge_qerl_noaqn/difference"] == pytest.approx(0.155)
     assert metrics["claims/b_qerl_ge_qerl_noaqn/n_seeds"] == 2
     assert metrics["claims/b_qerl_noaqn_ge_lora/seeds_needed"] == 11 and "claims/b_qerl_ge_qerl_noaqn/seeds_needed" not in metrics
@@ -212,7 +208,7 @@ def test_report_files_through_the_catalog(store, tmp_path):
 
     from qerl_pipeline.pipelines.compare.pipeline import OUTPUTS
 
-    runs = R.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
+    runs = report_runs.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
     files = report_artifacts(runs)
     assert tuple(files) == REPORT_FILES
     out = tmp_path / "report"
@@ -233,7 +229,7 @@ def test_report_files_through_the_catalog(store, tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     page = paths["report.html"].read_text()
     for m in METHODS:
-        assert m in page and P.method_label(m) in page
+        assert m in page and plots.method_label(m) in page
     imgs = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert len(imgs) == 4
     assert all(base64.b64decode(i)[:4] == b"\x89PNG" for i in imgs)
@@ -254,7 +250,7 @@ def test_report_files_through_the_catalog(store, tmp_path):
     curves = paths["curves.csv"].read_text().splitlines()
     assert curves[0] == "curve,method,step,mean,ci_low,ci_high,n_seeds" and len(curves) == 1 + 2 * 5 * 5
     assert paths["accuracy_summary.csv"].read_text().startswith("method,policy,benchmark,n_seeds")
-    assert paths["system.csv"].read_text() == T.system_table(runs).to_csv()  # the method index as first column
+    assert paths["system.csv"].read_text() == report_tables.system_table(runs).to_csv()  # the method index as first column
     names = {Path(f.path).name for f in store["client"].list_artifacts(store["parent"], "report")}
     assert set(REPORT_FILES) <= names
 
@@ -290,12 +286,12 @@ def test_separate_train_and_evaluate_runs_are_paired(tmp_path):
     client.log_param(evaluate, "method", "qlora")
     client.log_metric(evaluate, "eval/trained/gsm8k/pass1", 0.25)
     client.log_metric(evaluate, "base/weight_mib", 3.0)
-    (run,) = R.load_runs("sep", ["qlora"], client=client)
+    (run,) = report_runs.load_runs("sep", ["qlora"], client=client)
     assert run.run_id == train and run.eval_run_id == evaluate
     assert run.curve("reward") == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2))]
     assert run.metrics["eval/trained/gsm8k/pass1"] == 0.25 and run.system("weight_mib") == 3.0
-    assert T.runs_table([run]).loc["qlora", "eval_run_id"] == evaluate
-    again = R.load_selected(R.selection([run]), client=client)[0]
+    assert report_tables.runs_table([run]).loc["qlora", "eval_run_id"] == evaluate
+    again = report_runs.load_selected(report_runs.selection([run]), client=client)[0]
     assert again.metrics == run.metrics and again.eval_run_id == evaluate
 
 
@@ -305,14 +301,14 @@ def test_training_figure_draws_every_curve_from_the_history():
          "completion/length": 90.0 - s, "aqn/sigma": 0.01 / s}
         for s in range(1, 6)
     ]
-    fig = P.plot_training(history, "qerl")
+    fig = plots.plot_training(history, "qerl")
     axes = fig.get_axes()
-    assert [ax.get_title() for ax in axes] == [R.CURVES[k][0] for k in ("reward", "accuracy", "format", "entropy", "length", "sigma")]
+    assert [ax.get_title() for ax in axes] == [report_runs.CURVES[k][0] for k in ("reward", "accuracy", "format", "entropy", "length", "sigma")]
     for ax in axes:
         (line,) = ax.get_lines()
         assert list(line.get_xdata()) == [1, 2, 3, 4, 5]
     assert list(axes[0].get_lines()[0].get_ydata()) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
-    assert P.figure_png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plots.figure_png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
     # a curve the history lacks says so instead of drawing nothing silently
-    empty = P.plot_training([{"step": 1, "reward/mean": 0.5}], "lora").get_axes()[1]
+    empty = plots.plot_training([{"step": 1, "reward/mean": 0.5}], "lora").get_axes()[1]
     assert not empty.get_lines() and "no runs log this metric" in empty.texts[0].get_text()

@@ -265,7 +265,7 @@ def test_bnb_folder_is_what_transformers_writes(tiny_model, bases, tmp_path):
 def test_bnb_folder_loads_in_transformers_with_our_nf4_values(bases):
     """transformers + bitsandbytes (CPU backend) load bnb/ pre-quantized; dequantized == our NF4 decode, exactly."""
     import bitsandbytes as bnb
-    import bitsandbytes.functional as F
+    from bitsandbytes.functional import dequantize_4bit
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ensure_bnb_nf4(bases["nf4"]), device_map="cpu")
@@ -276,7 +276,7 @@ def test_bnb_folder_loads_in_transformers_with_our_nf4_values(bases):
     for name, mod in linears.items():
         code = nf4.NF4Weight(base[f"{name}.weight_nf4"], base[f"{name}.weight_absmax"],
                              (mod.out_features, mod.in_features), blocksize)
-        theirs = F.dequantize_4bit(mod.weight.data, mod.weight.quant_state)
+        theirs = dequantize_4bit(mod.weight.data, mod.weight.quant_state)
         assert theirs.dtype == torch.bfloat16
         assert torch.equal(theirs.view(torch.uint16), code.decode(torch.bfloat16).view(torch.uint16)), name
     sd = model.state_dict()

@@ -406,7 +406,7 @@ def test_a_second_train_run_leaves_the_base_untouched_and_says_so(project, refer
 @pytest.fixture(scope="module")
 def two_ranks(project, reference, tmp_path_factory) -> tuple[Path, str]:
     """``kedro run --pipeline=train --env smoke`` with the reference's parameters and ``train.nproc=2``: two gloo
-    ranks under torchrun (rl/distributed.py), each with its own engine, on the base the reference quantized."""
+    ranks under torchrun (rl/launch.py), each with its own engine, on the base the reference quantized."""
     out = tmp_path_factory.mktemp("two_ranks") / "out"
     params = PARAMS.format(steps=STEPS, out=out) + ",train.nproc=2"
     proc = start_kedro(project, "run", "--pipeline=train", "--env", "smoke", "--params", params, log=_log(out))

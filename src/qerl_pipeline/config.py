@@ -742,7 +742,7 @@ class TrainConfig(Section):
         "rollout engine and rolls out its share of the step's prompts_per_step prompt groups (which must split "
         "evenly; with grpo.dynamic_sampling also of each refill round's, decided for all ranks at once); gradients "
         "are summed over the ranks; rank 0 writes MLflow, checkpoints and adapters "
-        "(rl/distributed.py). The result does not depend on nproc (up to float summation order).",
+        "(rl/launch.py). The result does not depend on nproc (up to float summation order).",
     )
     nnodes: int = Field(1, ge=1, description="Nodes of a multi-node run (the same kedro run on each, with its node_rank).")
     node_rank: int = Field(0, ge=0, description="This node's index in a multi-node run (0 writes MLflow and files).")

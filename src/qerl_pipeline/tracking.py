@@ -480,7 +480,7 @@ class TrainingRun:
         return logger
 
     def launch_spec(self) -> dict[str, Any]:
-        """What a distributed training's rank 0 needs to log as ``logger`` would here (``rl/distributed.py``)."""
+        """What a distributed training's rank 0 needs to log as ``logger`` would here (``rl/launch.py``)."""
         import mlflow
 
         self.active_run_id = MlflowLogger(self.active_run_id).run_id

@@ -17,7 +17,7 @@ from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.quantization import aqn
 from qerl_pipeline.quantization.policy import build_policy
 from qerl_pipeline.rl import grpo, step
-from qerl_pipeline.rl.dist import Dist
+from qerl_pipeline.rl.ranks import Dist
 from qerl_pipeline.adapter import trained_norms
 from qerl_pipeline.rl.optim import build_optimizer, lr_factor
 

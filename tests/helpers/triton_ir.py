@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_pipeline.quantization import triton_nvfp4_kernels as K
+from qerl_pipeline.quantization import triton_nvfp4_kernels
 
 _TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
          torch.float8_e4m3fn: "fp8e4nv"}
@@ -43,7 +43,7 @@ class _Recorder:
 def record_launches(monkeypatch, module) -> list[Launch]:
     """Make ``module`` (``triton_nvfp4``) launch recorders instead of kernels; returns the record."""
     seen: list[Launch] = []
-    fake = types.SimpleNamespace(**{n: _Recorder(n, seen) for n in K._KERNEL_NAMES})
+    fake = types.SimpleNamespace(**{n: _Recorder(n, seen) for n in triton_nvfp4_kernels._KERNEL_NAMES})
     monkeypatch.setattr(module, "jit_functions", lambda interpret: fake)
     monkeypatch.setattr(module, "interpreted", lambda t: False)
     return seen
@@ -66,7 +66,7 @@ def ttir(launch: Launch) -> str:
     from triton.compiler import ASTSource
     from triton._C.libtriton import ir
 
-    fn = getattr(K.jit_functions(False), launch.name)
+    fn = getattr(triton_nvfp4_kernels.jit_functions(False), launch.name)
     names = list(fn.arg_names)
     values = dict(zip(names, launch.args)) | {k: v for k, v in launch.kwargs.items() if k in names}
     constexpr = {n for n, p in zip(names, fn.params) if p.is_constexpr}

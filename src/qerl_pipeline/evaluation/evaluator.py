@@ -393,9 +393,9 @@ def evaluation_metrics(result: EvalResult, rows: list[dict[str, Any]]) -> dict[s
     """The MLflow metrics of one evaluation: ``eval/<policy>/<benchmark>/<name>`` (``metrics.metric_dict``),
     ``eval/<timing>``, ``base/weight_mib`` and ``eval/skipped_prompts``: the same names in a
     separate evaluation run and in a compare branch's run, so the report reads both."""
-    from qerl_pipeline.evaluation import metrics as M
+    from qerl_pipeline.evaluation.metrics import metric_dict
 
-    out = M.metric_dict(rows)
+    out = metric_dict(rows)
     for key, value in result.timings.items():
         out[key if key.startswith("base/") else f"eval/{key}"] = float(value)
     out["eval/skipped_prompts"] = float(len(result.skipped))

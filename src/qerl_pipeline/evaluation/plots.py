@@ -18,7 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from qerl_pipeline.config import METHOD_SPECS
-from qerl_pipeline.evaluation import stats as S
+from qerl_pipeline.evaluation import stats
 from qerl_pipeline.evaluation.report_runs import CURVES, SYSTEM, RunData, by_method
 from qerl_pipeline.evaluation.report_tables import accuracy_summary, system_table
 
@@ -46,7 +46,7 @@ def plot_curves(runs: Sequence[RunData], key: str, ax=None):
         ax = fig.add_subplot()
     drawn, banded = 0, False
     for i, (method, mine) in enumerate(by_method(runs).items()):
-        bands = S.step_bands({j: r.curve(key) for j, r in enumerate(mine) if r.curve(key)})
+        bands = stats.step_bands({j: r.curve(key) for j, r in enumerate(mine) if r.curve(key)})
         if bands:
             steps = [b["step"] for b in bands]
             n = max(b["n_seeds"] for b in bands)

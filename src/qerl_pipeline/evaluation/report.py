@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from qerl_pipeline.evaluation import stats as S
+from qerl_pipeline.evaluation import stats
 from qerl_pipeline.evaluation.plots import figure_png, figures, method_label
 from qerl_pipeline.evaluation.report_claims import claims, claims_frame
 from qerl_pipeline.evaluation.report_runs import RunData, by_method
@@ -40,7 +40,7 @@ th{background:#f4f4f4} td:first-child,th:first-child{text-align:left} img{max-wi
 
 
 def render_html(runs: Sequence[RunData], pngs: dict[str, bytes], title: str = "QeRL comparison",
-                found: Sequence[S.Claim] | None = None) -> str:
+                found: Sequence[stats.Claim] | None = None) -> str:
     """One self-contained page: provenance, the claims, accuracy tables, system table, inlined figures."""
 
     def img(stem: str) -> str:
@@ -104,7 +104,7 @@ def render_html(runs: Sequence[RunData], pngs: dict[str, bytes], title: str = "Q
 
 
 def report_artifacts(runs: Sequence[RunData], title: str = "QeRL comparison",
-                     found: Sequence[S.Claim] | None = None) -> dict[str, Any]:
+                     found: Sequence[stats.Claim] | None = None) -> dict[str, Any]:
     """Every file of the report by name (``REPORT_FILES``): the figures as matplotlib ``Figure``s, the
     accuracy (per run and over seeds), curve-band, system and claims tables as ``DataFrame``s, the
     claims as a JSON-able list (NaN as null) and ``report.html`` as text. ``found``: the claims to state

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import pandas as pd
 
 from qerl_pipeline.config import METHOD_SPECS
-from qerl_pipeline.evaluation import stats as S
+from qerl_pipeline.evaluation import stats
 from qerl_pipeline.evaluation.report_runs import RunData, by_method
 from qerl_pipeline.quantization.aqn import stage_of
 
@@ -68,7 +68,7 @@ def _per_seed(runs: Sequence[RunData], fn) -> dict[int, float]:
     return {(r.seed if r.seed is not None else 0): fn(r) for r in runs}
 
 
-def claims(runs: Sequence[RunData], methods: Sequence[str] | None = None) -> list[S.Claim]:
+def claims(runs: Sequence[RunData], methods: Sequence[str] | None = None) -> list[stats.Claim]:
     """The paper's claims (a), (b), (c) measured on ``runs`` (see the module docstring).
 
     ``methods``: the methods the comparison chose (``compare.methods``); a claim about a method outside it is
@@ -87,10 +87,10 @@ def claims(runs: Sequence[RunData], methods: Sequence[str] | None = None) -> lis
             continue
         stat = (f"mean policy entropy over steps {window[0]}-{window[-1]} (first AQN stage)" if window
                 else "mean policy entropy in the first AQN stage (no step found)")
-        out.append(S.claim(
+        out.append(stats.claim(
             f"a_{m}_entropy_gt_lora", f"policy entropy of {m} above lora in the first AQN stage", m, "lora", stat,
-            _per_seed(groups.get(m, []), lambda r: S.window_mean(r.curve("entropy"), window)),
-            _per_seed(lora, lambda r: S.window_mean(r.curve("entropy"), window)),
+            _per_seed(groups.get(m, []), lambda r: stats.window_mean(r.curve("entropy"), window)),
+            _per_seed(lora, lambda r: stats.window_mean(r.curve("entropy"), window)),
         ))
     for cid, hi, lo in REWARD_ORDER:
         if not chosen(hi, lo):
@@ -101,18 +101,18 @@ def claims(runs: Sequence[RunData], methods: Sequence[str] | None = None) -> lis
         for seed in a_runs:
             if seed in b_runs:  # the same steps for both: the area over their common steps
                 common = sorted({s for s, _ in a_runs[seed].curve("reward")} & {s for s, _ in b_runs[seed].curve("reward")})
-                a_auc[seed] = S.curve_auc(a_runs[seed].curve("reward"), common)
-                b_auc[seed] = S.curve_auc(b_runs[seed].curve("reward"), common)
+                a_auc[seed] = stats.curve_auc(a_runs[seed].curve("reward"), common)
+                b_auc[seed] = stats.curve_auc(b_runs[seed].curve("reward"), common)
             else:
-                a_auc[seed] = S.curve_auc(a_runs[seed].curve("reward"))
+                a_auc[seed] = stats.curve_auc(a_runs[seed].curve("reward"))
         for seed in b_runs:
-            b_auc.setdefault(seed, S.curve_auc(b_runs[seed].curve("reward")))
-        out.append(S.claim(cid, f"reward growth of {hi} >= {lo}", hi, lo,
+            b_auc.setdefault(seed, stats.curve_auc(b_runs[seed].curve("reward")))
+        out.append(stats.claim(cid, f"reward growth of {hi} >= {lo}", hi, lo,
                            "area under the reward curve / step span (mean reward over training)", a_auc, b_auc))
     return out
 
 
-def claims_frame(found: Sequence[S.Claim]) -> pd.DataFrame:
+def claims_frame(found: Sequence[stats.Claim]) -> pd.DataFrame:
     """One row per claim: id, statement, verdict, difference with its interval, seeds, the sentence, and for a
     "cannot tell" claim the seeds it would need (``seeds_needed``: a number or empty; ``seeds_needed_note``: the words)."""
     rows = [{"claim": c.id, "statement": c.statement, "verdict": c.verdict, "difference": c.difference.mean,
@@ -123,7 +123,7 @@ def claims_frame(found: Sequence[S.Claim]) -> pd.DataFrame:
                                        "statistic", "text", "seeds_needed", "seeds_needed_note"]).astype({"seeds_needed": "Int64"})
 
 
-def claim_metrics(found: Sequence[S.Claim]) -> tuple[dict[str, float], dict[str, str]]:
+def claim_metrics(found: Sequence[stats.Claim]) -> tuple[dict[str, float], dict[str, str]]:
     """``(metrics, tags)`` of the claims for the compare run: ``claims/<id>/{difference,ci_low,ci_high,n_seeds}``
     and, for a "cannot tell" claim with an estimate, ``claims/<id>/seeds_needed`` (NaN left out); ``claims.<id>`` =
     the sentence."""

@@ -40,28 +40,28 @@ from mlflow.tracking import MlflowClient
 
 #: GROUP_TAG groups the runs of one compare invocation (value: the compare run's id); runs with
 #: ROLE_TAG = compare (the compare pipeline's own run) are never method rows.
-from qerl_pipeline import tracking as T
+from qerl_pipeline import tracking
 from qerl_pipeline.config import METHODS
 from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG
 
 #: Per-step training curves: key -> (title, the metric the trainer writes).
 CURVES: dict[str, tuple[str, str]] = {
-    "reward": ("Reward (mean over rollouts)", T.REWARD_MEAN),
-    "entropy": ("Policy entropy (nats/token)", T.POLICY_ENTROPY),
-    "accuracy": ("Training accuracy", T.REWARD_ACCURACY),
-    "sigma": ("AQN sigma", T.AQN_SIGMA),
-    "format": ("Format reward", T.REWARD_FORMAT),
-    "length": ("Completion length (tokens)", T.COMPLETION_LENGTH),
-    "stage": ("AQN stage", T.AQN_STAGE),
+    "reward": ("Reward (mean over rollouts)", tracking.REWARD_MEAN),
+    "entropy": ("Policy entropy (nats/token)", tracking.POLICY_ENTROPY),
+    "accuracy": ("Training accuracy", tracking.REWARD_ACCURACY),
+    "sigma": ("AQN sigma", tracking.AQN_SIGMA),
+    "format": ("Format reward", tracking.REWARD_FORMAT),
+    "length": ("Completion length (tokens)", tracking.COMPLETION_LENGTH),
+    "stage": ("AQN stage", tracking.AQN_STAGE),
 }
 
 #: System numbers: key -> (title, the metric, reduction over steps).
 SYSTEM: dict[str, tuple[str, str, str]] = {
-    "rollout_tokens_per_s": ("Rollout tokens/s", T.ROLLOUT_TOKENS_PER_S, "mean"),
-    "step_time_s": ("Step time (s)", T.STEP_TIME_S, "mean"),
-    "peak_memory_gib": ("Peak memory (GiB)", T.PEAK_MEMORY_GB, "max"),
-    "weight_mib": ("Base weight size (MiB)", T.BASE_WEIGHT_MIB, "last"),
-    "linear_bytes_ratio": ("Linear weight bytes / BF16", T.LINEAR_BYTES_RATIO, "last"),
+    "rollout_tokens_per_s": ("Rollout tokens/s", tracking.ROLLOUT_TOKENS_PER_S, "mean"),
+    "step_time_s": ("Step time (s)", tracking.STEP_TIME_S, "mean"),
+    "peak_memory_gib": ("Peak memory (GiB)", tracking.PEAK_MEMORY_GB, "max"),
+    "weight_mib": ("Base weight size (MiB)", tracking.BASE_WEIGHT_MIB, "last"),
+    "linear_bytes_ratio": ("Linear weight bytes / BF16", tracking.LINEAR_BYTES_RATIO, "last"),
 }
 
 EVAL_METRIC = re.compile(r"^eval/(?P<policy>[^/]+)/(?P<benchmark>[^/]+)/(?P<name>[^/]+)$")

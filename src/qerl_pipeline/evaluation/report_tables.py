@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from qerl_pipeline.evaluation import stats as S
+from qerl_pipeline.evaluation import stats
 from qerl_pipeline.evaluation.report_runs import SYSTEM, RunData, by_method
 
 def _fmt_ci(mean: float | None, low: float | None, high: float | None) -> str:
@@ -58,7 +58,7 @@ def _problem_scores(run: RunData, policy: str, benchmark: str, metric: str) -> d
     return out or None
 
 
-def _summary_interval(runs: Sequence[RunData], policy: str, benchmark: str, metric: str) -> S.Interval:
+def _summary_interval(runs: Sequence[RunData], policy: str, benchmark: str, metric: str) -> stats.Interval:
     """Mean and 95% interval of ``metric`` over the runs (seeds) and problems (``stats`` module docstring)."""
     logged = []
     for run in runs:
@@ -66,17 +66,17 @@ def _summary_interval(runs: Sequence[RunData], policy: str, benchmark: str, metr
         if row is not None and row.get(metric) is not None and not math.isnan(row[metric]):
             logged.append((run, row))
     if not logged:
-        return S.Interval(math.nan, math.nan, math.nan, 0, "")
+        return stats.Interval(math.nan, math.nan, math.nan, 0, "")
     if len(logged) == 1:  # one seed: that evaluation's Wilson interval over problems (metrics.py)
         _, row = logged[0]
-        return S.Interval(row[metric], row.get(f"{metric}_ci_low", math.nan), row.get(f"{metric}_ci_high", math.nan),
+        return stats.Interval(row[metric], row.get(f"{metric}_ci_low", math.nan), row.get(f"{metric}_ci_high", math.nan),
                           int(row.get("n_problems", 0) or 0), "problems")
     scores = [_problem_scores(run, policy, benchmark, metric) for run, _ in logged]
     if all(scores):
         common = sorted(set.intersection(*(set(x) for x in scores)))
         if common:
-            return S.crossed_interval([[x[pid] for pid in common] for x in scores])
-    return S.seed_interval([row[metric] for _, row in logged])  # no per-problem records: over seeds only
+            return stats.crossed_interval([[x[pid] for pid in common] for x in scores])
+    return stats.seed_interval([row[metric] for _, row in logged])  # no per-problem records: over seeds only
 
 
 def accuracy_summary(runs: Sequence[RunData]) -> pd.DataFrame:
@@ -166,7 +166,7 @@ def curve_bands(runs: Sequence[RunData], keys: Sequence[str] = ("reward", "entro
     for key in keys:
         for method, mine in by_method(runs).items():
             curves = {i: r.curve(key) for i, r in enumerate(mine) if r.curve(key)}
-            for band in S.step_bands(curves):
+            for band in stats.step_bands(curves):
                 rows.append({"curve": key, "method": method, **band})
     return pd.DataFrame(rows, columns=["curve", "method", "step", "mean", "ci_low", "ci_high", "n_seeds"])
 

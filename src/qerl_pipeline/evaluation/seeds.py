@@ -24,7 +24,6 @@ from typing import Any
 
 from qerl_pipeline.adapter import adapter_meta
 from qerl_pipeline.config import EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig
-from qerl_pipeline.evaluation import metrics as M
 from qerl_pipeline.evaluation.evaluator import (
     EvalResult,
     adapter_rank,
@@ -34,6 +33,7 @@ from qerl_pipeline.evaluation.evaluator import (
     log_evaluation,
     logged_evaluation,
 )
+from qerl_pipeline.evaluation.metrics import aggregate
 from qerl_pipeline.quantization.checkpoint import folder_bytes
 from qerl_pipeline.rollout.pool import shared_engine
 from qerl_pipeline.rollout.serving import served_model
@@ -52,7 +52,7 @@ def accuracy_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not records:
         raise ValueError("evaluation produced no records (no benchmark had prompts; check evaluate.benchmarks vs data.eval_sources)")
     seeded = any("seed" in r for r in records)
-    return M.aggregate(records, keys=("seed", "policy", "source") if seeded else ("policy", "source"))
+    return aggregate(records, keys=("seed", "policy", "source") if seeded else ("policy", "source"))
 
 
 def result_metrics(result: EvalResult, rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -56,7 +56,6 @@ adds 0), at the cost of one more fp32 ``[chunk_tokens, V]`` buffer.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_KEEP_BYTES", "token_logprobs"]
@@ -72,7 +71,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _chunk_logits(h_c, weight, bias, temperature: float, acc: torch.dtype) -> torch.Tensor:
     """fp32 (``acc``) logits ``[c, V]`` of one chunk, divided by the temperature (a fresh tensor)."""
-    z = F.linear(h_c, weight, bias)
+    z = torch.nn.functional.linear(h_c, weight, bias)
     z = z.to(acc) if z.dtype != acc else z
     if temperature != 1.0:
         z.div_(temperature)

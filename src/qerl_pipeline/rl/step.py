@@ -34,7 +34,7 @@ from qerl_pipeline.quantization import aqn
 from qerl_pipeline.quantization.policy import decoded_weights, keeps_decoded_weights
 from qerl_pipeline.rewards.scorer import RewardScorer
 from qerl_pipeline.rl import grpo
-from qerl_pipeline.rl.dist import SINGLE, shard_bounds
+from qerl_pipeline.rl.ranks import SINGLE, shard_bounds
 from qerl_pipeline.rl.logprobs import token_logprobs
 from qerl_pipeline.rl.prefix import shared_prompt_hidden
 
@@ -197,11 +197,11 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
     drawn over the same population as GRPO's (the kept groups exclude the all-right and
     all-wrong ones, which biases their mean towards 0.5).
 
-    ``dist`` (``rl/dist.py``'s ``Dist``; None = one process): every rank draws the same prompts
+    ``dist`` (``rl/ranks.py``'s ``Dist``; None = one process): every rank draws the same prompts
     each round and rolls out its contiguous share (``dist.shard_bounds``), each prompt with the
     seed of its global position. Dynamic sampling gathers every group's rewards each round, so
     all ranks take the decision one process would, then split the kept groups in balanced
-    contiguous shares of rows (``_rows_of_rank``; design: ``rl/distributed.py``); without it a
+    contiguous shares of rows (``_rows_of_rank``; design: ``rl/launch.py``); without it a
     rank trains on its own share.
 
     ``info``'s counts are this rank's share (the trainer sums them): ``sampled_groups`` the groups
@@ -360,7 +360,7 @@ def policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int, 
     add up as TRL's gradient accumulation does; with ``grpo.entropy_coef != 0`` the entropy of
     each forward is differentiable and its bonus enters the loss.
 
-    ``dist`` (``rl/dist.py``'s ``Dist``; None = one process): this rank's rows are its
+    ``dist`` (``rl/ranks.py``'s ``Dist``; None = one process): this rank's rows are its
     share of the global batch; the normalisers (sequences, tokens), the entropy threshold, the
     gradients (summed before clipping) and every returned statistic are the global batch's.
     """

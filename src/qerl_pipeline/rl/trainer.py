@@ -82,7 +82,7 @@ from qerl_pipeline.quantization.store import read_stamp
 from qerl_pipeline.rewards.functions import RewardFn, make_scorer, reward_component_metrics
 from qerl_pipeline.rl import checkpoint as ckpt
 from qerl_pipeline.rl import grpo
-from qerl_pipeline.rl.dist import SINGLE, rank_device
+from qerl_pipeline.rl.ranks import SINGLE, rank_device
 from qerl_pipeline.rl.optim import build_optimizer, lr_factor
 from qerl_pipeline.rl.step import (
     Batch,
@@ -255,7 +255,7 @@ def train(
     A fresh run logs what it trains on: ``data_report`` (data_prep's) as ``data/report.json``
     and the base's quantize report and fingerprint (stored with the base) as
     ``quantize/report.json``, ``quantize/fingerprint.json`` and ``quantize/<name>`` metrics.
-    ``dist``: this rank of a data-parallel training (``rl/distributed.py``, which launches the
+    ``dist``: this rank of a data-parallel training (``rl/launch.py``, which launches the
     ranks and passes it; None = one process): rank 0 alone writes files and MLflow.
     """
     t_start = time.perf_counter()

@@ -14,7 +14,7 @@ differs is where each training goes:
 
 A resumed training (a checkpoint in its run folder) logs into the run id stored in the
 checkpoint, so one training stays one MLflow run (``tracking.TrainingRun``). ``train.nproc > 1``:
-the node launches the ranks with torchrun and follows them (``rl/distributed.py``); rank 0 logs
+the node launches the ranks with torchrun and follows them (``rl/launch.py``); rank 0 logs
 into the same MLflow run. Compare branches share engines within one process, so they train with
 one rank.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 from qerl_pipeline.config import SKIPPED_BRANCH, QerlConfig, compare_branch, flatten, validate
 from qerl_pipeline.datasets.hf_model_folder import folder_of
-from qerl_pipeline.rl.distributed import launch
+from qerl_pipeline.rl.launch import launch
 from qerl_pipeline.rl.trainer import TrainResult, run_dir_for, train as run_training
 from qerl_pipeline.rollout.pool import shared_engine
 from qerl_pipeline.tracking import REWARD_MEAN, TrainingRun, run_name

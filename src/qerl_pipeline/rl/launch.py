@@ -2,8 +2,8 @@
 
 ``train.nproc`` ranks, launched by PyTorch's elastic launcher (``python -m
 torch.distributed.run``, i.e. torchrun), gloo on CPU; on CUDA one process group with two
-backends, ``cpu:gloo,cuda:nccl`` (``rl/dist.py``'s ``backend_for``). The rank's view and the
-collectives are ``rl/dist.py``; this module starts torchrun from the node and runs
+backends, ``cpu:gloo,cuda:nccl`` (``rl/ranks.py``'s ``backend_for``). The rank's view and the
+collectives are ``rl/ranks.py``; this module starts torchrun from the node and runs
 ``trainer.train`` in each rank.
 
 * Why two backends on CUDA: NCCL serves CUDA tensors only (torch maps the ``nccl`` backend
@@ -71,7 +71,7 @@ from qerl_pipeline.atomic import write_atomic
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.platform import current_platform
 from qerl_pipeline.rl import trainer
-from qerl_pipeline.rl.dist import init
+from qerl_pipeline.rl.ranks import init
 from qerl_pipeline.rollout.server import set_parent_death_signal
 from qerl_pipeline.tracking import MemoryLogger, TrainingRun
 
@@ -87,7 +87,7 @@ def launcher_command(nproc: int, payload: Path, *, nnodes: int = 1, node_rank: i
         cmd.append("--standalone")
     else:
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}"]
-    return cmd + ["-m", "qerl_pipeline.rl.distributed", str(payload)]
+    return cmd + ["-m", "qerl_pipeline.rl.launch", str(payload)]
 
 
 def launch(cfg, base_dir: Path, records: list[dict], *, output_dir: str | Path | None = None, tracking: dict | None = None,

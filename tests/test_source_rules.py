@@ -4,17 +4,32 @@
 * Comments and docstrings say what and why, not when: no issue numbers of this project, no
   dates, no "before this change" narrative (history lives in git and in docs/). Citations of
   other projects' issues (``vLLM #53888``) name their project and stay.
+* No function of ``src/qerl_pipeline`` takes more than 10 parameters (``MAX_PARAMETERS``: every
+  parameter a caller can pass, ``*args`` and ``**kwargs`` one each, a method's ``self``/``cls``
+  not counted), except two kinds whose signature is fixed from outside:
+  - a Triton kernel: a function with a parameter annotated ``tl.constexpr`` (its parameters are
+    the launch's arguments, pointers, sizes and strides one by one);
+  - a Kedro node whose inputs are the pipeline's wiring: a function some
+    ``pipelines/<name>/pipeline.py`` passes to ``Node(...)`` as the node's function (each
+    parameter is a dataset or a ``params:`` entry the pipeline names).
+  More than 10 elsewhere asks for a record (a dataclass or a config section) that groups them.
+* No one-letter module alias in ``src/``, ``tests/`` or ``scripts/`` (``import x as T``,
+  ``from x import y as D``): one letter says nothing of the module, and ``T`` is also the token
+  dimension. Import the module by its name, or the names used from it.
 """
 
 from __future__ import annotations
 
+import ast
 import io
 import re
 import tokenize
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "qerl_pipeline"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "qerl_pipeline"
 MAX_LINES = 600
+MAX_PARAMETERS = 10
 EXEMPT = {"config.py"}
 
 HISTORY = [
@@ -66,3 +81,106 @@ def test_the_history_check_sees_what_it_looks_for(tmp_path):
                  'y = "vLLM #53888 is a citation"\n')
     found = [p.pattern for _, text in prose(f) for p in HISTORY if p.search(text)]
     assert len(found) == 4  # the issue number and the date, "previously" and the bare (#7); not the citation
+
+
+# ------------------------------------------------------------------------- parameters
+def parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool) -> int:
+    """The parameters a caller can pass (``MAX_PARAMETERS``'s count)."""
+    a = fn.args
+    names = [*a.posonlyargs, *a.args]
+    bound = in_class and names and names[0].arg in ("self", "cls") and not any(
+        isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
+    return len(names) - bool(bound) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def is_triton_kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    a = fn.args
+    return any(p.annotation is not None and ast.unparse(p.annotation) == "tl.constexpr"
+               for p in [*a.posonlyargs, *a.args, *a.kwonlyargs])
+
+
+def node_functions(root: Path = SRC) -> set[tuple[str, str]]:
+    """``(module file relative to root, function name)`` of every function a ``pipelines/*/pipeline.py`` makes a node of."""
+    found = set()
+    for pipeline in sorted((root / "pipelines").glob("*/pipeline.py")):
+        tree = ast.parse(pipeline.read_text())
+        imported = {}  # name -> module file it is imported from
+        for stmt in ast.walk(tree):
+            if isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.module.startswith(root.name + "."):
+                where = Path(*stmt.module.split(".")[1:]).with_suffix(".py")
+                imported.update({alias.asname or alias.name: where for alias in stmt.names})
+        for call in ast.walk(tree):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in ("Node", "node")
+                    and call.args and isinstance(call.args[0], ast.Name)):
+                name = call.args[0].id
+                where = imported.get(name, pipeline.relative_to(root))
+                found.add((str(where), name))
+    return found
+
+
+def long_signatures(root: Path = SRC) -> list[str]:
+    """Every function over ``MAX_PARAMETERS`` that is neither a Triton kernel nor a Kedro node function."""
+    nodes = node_functions(root)
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root))
+        tree = ast.parse(path.read_text())
+        methods = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            n = parameter_count(fn, id(fn) in methods)
+            if n > MAX_PARAMETERS and not is_triton_kernel(fn) and (rel, fn.name) not in nodes:
+                found.append(f"{rel}:{fn.lineno}: {fn.name} takes {n} parameters")
+    return found
+
+
+def test_no_function_over_10_parameters():
+    found = long_signatures()
+    assert not found, "\n".join(found)
+
+
+def test_the_parameter_check_sees_what_it_looks_for(tmp_path):
+    """Eleven parameters are refused; a method's self is not counted, **kwargs is; a Triton kernel and a node
+    function a pipeline.py wires are let through."""
+    root = tmp_path / "qerl_pipeline"
+    (root / "pipelines" / "p").mkdir(parents=True)
+    eleven = ", ".join(f"a{i}" for i in range(11))
+    ten = ", ".join(f"a{i}" for i in range(10))
+    (root / "lib.py").write_text(
+        f"def wide({eleven}): pass\n"
+        f"def fine({ten}): pass\n"
+        f"def spread({ten}, **kw): pass\n"
+        f"class C:\n    def __init__(self, {ten}): pass\n"
+        f"def kernel({eleven}, BLOCK: tl.constexpr): pass\n")
+    (root / "pipelines" / "p" / "nodes.py").write_text(f"def wired({eleven}): pass\ndef unwired({eleven}): pass\n")
+    (root / "pipelines" / "p" / "pipeline.py").write_text(
+        "from kedro.pipeline import Node\nfrom qerl_pipeline.pipelines.p.nodes import wired\n"
+        "def create_pipeline():\n    return [Node(wired, 'x', 'y')]\n")
+    found = [line.split(": ", 1)[1] for line in long_signatures(root)]
+    assert found == ["wide takes 11 parameters", "spread takes 11 parameters", "unwired takes 11 parameters"], found
+
+
+# ------------------------------------------------------------------------- module aliases
+def one_letter_aliases(paths, root: Path = ROOT) -> list[str]:
+    found = []
+    for path in paths:
+        for stmt in ast.walk(ast.parse(path.read_text())):
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                found += [f"{path.relative_to(root)}:{stmt.lineno}: {ast.unparse(stmt)}"
+                          for alias in stmt.names if alias.asname and len(alias.asname) == 1]
+    return found
+
+
+def test_no_one_letter_module_aliases():
+    paths = sorted(p for top in ("src", "tests", "scripts") for p in (ROOT / top).rglob("*.py"))
+    found = one_letter_aliases(paths)
+    assert not found, "\n".join(found)
+
+
+def test_the_alias_check_sees_what_it_looks_for(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import numpy as np\nfrom qerl_pipeline import tracking as T\n\ndef g():\n"
+                 "    import torch.nn.functional as F\n\nfrom a import b as bee\n")
+    found = [line.split(": ", 1)[1] for line in one_letter_aliases([f], tmp_path)]
+    assert found == ["from qerl_pipeline import tracking as T", "import torch.nn.functional as F"]

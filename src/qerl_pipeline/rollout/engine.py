@@ -188,8 +188,7 @@ class RolloutEngine:
         model_dir: str | Path,
         *,
         max_model_len: int,
-        enable_lora: bool = True,
-        max_lora_rank: int = 16,
+        max_lora_rank: int | None = 16,
         dtype: str = "auto",
         seed: int = 0,
         rollout: RolloutConfig | None = None,
@@ -198,6 +197,7 @@ class RolloutEngine:
         norm_dtype: str | None = None,
         devices: tuple[int, ...] | list[int] | None = None,
     ):
+        """Start the engine on ``model_dir``; ``max_lora_rank``: the largest adapter rank it serves (None: no LoRA)."""
         self.rollout = rollout or RolloutConfig()
         self.devices = None if devices is None else tuple(int(d) for d in devices)
         self.model_dir = Path(model_dir).resolve()
@@ -216,8 +216,8 @@ class RolloutEngine:
         spec = {
             "model": str(self.model_dir),
             "max_model_len": int(max_model_len),
-            "enable_lora": bool(enable_lora),
-            "max_lora_rank": int(max_lora_rank),
+            "enable_lora": max_lora_rank is not None,
+            "max_lora_rank": int(max_lora_rank if max_lora_rank is not None else 16),
             "dtype": dtype,
             "seed": int(seed),
             "enforce_eager": self.rollout.enforce_eager,
@@ -421,7 +421,7 @@ class RolloutEngine:
         """Sample ``n`` completions per prompt (token ids in, token ids + text + log-probs out).
 
         ``seed``: one int (prompt p's request is seeded ``seed + p * n``, vLLM seeds its i-th
-        sample ``+ i``), or one seed per prompt (the trainer's hashed seeds, ``step.sampling_seeds``).
+        sample ``+ i``), or one seed per prompt (the trainer's hashed seeds, ``collect.sampling_seeds``).
         """
         if not prompts or any(not p for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")

@@ -344,8 +344,7 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
             extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, dtype, sequences=kv_need[0],
                                                                 tokens_per_sequence=kv_need[1], max_model_len=length)
     return RolloutEngine(
-        served.path, max_model_len=length, enable_lora=lora_rank is not None,
-        max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else 16,
+        served.path, max_model_len=length, max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else None,
         dtype=dtype, seed=seed if seed is not None else getattr(rollout, "seed", 0),
         rollout=rollout, extra_engine_args=extra, norm_dtype=engine_norm_dtype(mc), **kwargs,
     )

@@ -25,7 +25,7 @@ The checks (JSON names):
   24 layers, 14 query / 2 KV heads, vocab 151936, tied embeddings; dry-run: a tiny Qwen2)
   written as an NVFP4 base and as a BF16 base by the project's quantize code
   (``checkpoint.write_base``), the training policy built from each (``policy.build_policy``:
-  bf16 on CUDA, fp32 on CPU) and the real ``rl.step.policy_update`` run on a synthetic GRPO
+  bf16 on CUDA, fp32 on CPU) and the real ``rl.update.policy_update`` run on a synthetic GRPO
   batch: method qerl on NVFP4, lora on BF16. Two updates each; the second is timed (the first
   carries one-time costs: CUDA warm-up, the Triton kernels' per-shape ``auto`` decision).
   Reported per format: seconds, peak memory (``torch.cuda.max_memory_allocated``; on CPU the
@@ -230,7 +230,8 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
     from qerl_pipeline.quantization import triton_nvfp4
     from qerl_pipeline.quantization.policy import build_policy
     from qerl_pipeline.quantization import aqn
-    from qerl_pipeline.rl import step
+    from qerl_pipeline.rl import update
+    from qerl_pipeline.rl.records import Batch
     from qerl_pipeline.adapter import trained_norms
     from qerl_pipeline.rl.optim import build_optimizer, lr_factor
 
@@ -263,7 +264,7 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
         resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         t0 = time.perf_counter()
         with count_kernels(counts):
-            out = step.policy_update(policy, step.Optim(opt, sched, params, norm_params), step.Batch(ids, p_lens, roll, mask, adv), cfg, 0)
+            out = update.policy_update(policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv), cfg, 0)
         sync(device)
         seconds = time.perf_counter() - t0
         peak = peak_memory_bytes()  # CUDA's max allocated since the reset above, else the process VmHWM

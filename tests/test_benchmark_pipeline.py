@@ -116,7 +116,7 @@ def test_every_figure_reaches_mlflow_and_the_table(run):
     for t in raw["training"]:
         assert t["sequences"] == s["train_prompts"] * s["group"]
         assert t["tokens_per_step"] == t["sequences"] * (s["prompt_len"] + s["completion_len"])
-        assert t["step_impl"] == "rl.step.policy_update"
+        assert t["step_impl"] == "rl.update.policy_update"
     if HAVE_TRL:
         assert raw["trl"]["prompt_len"] == s["prompt_len"]
         assert raw["trl"]["completion_len_mean"] == s["completion_len"]

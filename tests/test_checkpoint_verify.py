@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.rl import checkpoint as ckpt
 from qerl_pipeline.rl import trainer
+from qerl_pipeline.rl.run_setup import Reporting
 
 ADAPTER_FILE = "adapter/adapter_model.safetensors"
 KINDS = ["state.pt", "trainable.pt", ADAPTER_FILE, "adapter/adapter_config.json", "meta.json"]
@@ -201,8 +202,9 @@ def test_training_resumes_over_a_garbled_adapter_from_the_previous_checkpoint(bf
 
     def run():
         loggers.append(MemoryLogger())
-        return trainer.train(cfg, bf16_base, records, engine=FakeEngine(cuda=False), make_logger=lambda _rid: loggers[-1],
-                             progress=False, reward_fn=letter_fraction)
+        return trainer.train(cfg, bf16_base, records, engine=FakeEngine(cuda=False),
+                             reporting=Reporting(make_logger=lambda _rid: loggers[-1], progress=False),
+                             reward_fn=letter_fraction)
 
     first = run()
     reference = load_file(str(first.adapter_dir / "adapter_model.safetensors"))

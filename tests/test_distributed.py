@@ -4,7 +4,7 @@ DAPO's dynamic sampling trained on 2 ranks against 1 process.
 
 Fast tier: the ranks are ``torch.multiprocessing`` processes joined by gloo over a local
 rendezvous (what torchrun sets up, without the launcher), running the real
-``step.policy_update`` on a tiny packed policy, or the real ``trainer.train`` on the fake engine
+``update.policy_update`` on a tiny packed policy, or the real ``trainer.train`` on the fake engine
 of ``tests/helpers/engines.py`` (seeded per request, as vLLM). The launched form (``kedro run ...
 --params train.nproc=2`` with real engines, also with dynamic sampling) is in ``test_trainer.py``
 (integration).
@@ -142,7 +142,7 @@ def test_two_ranks_with_half_the_batch_each_update_like_one_process_with_all(bas
 
 
 def test_an_empty_share_collates_to_no_rows():
-    from qerl_pipeline.rl.step import collate
+    from qerl_pipeline.rl.records import collate
 
     ids, p_lens, c_lens, roll = collate([], pad_id=0)
     assert ids.shape == (0, 1) and p_lens.shape == c_lens.shape == (0,) and roll.shape == (0, 1)
@@ -181,7 +181,7 @@ def _dapo_train(d: Dist, base: Path, out: Path) -> dict:
     from safetensors.torch import load_file
 
     from qerl_pipeline.rl import trainer
-    from qerl_pipeline.tracking import MemoryLogger
+    from qerl_pipeline.rl.run_setup import Reporting
     from tests.helpers.engines import FakeEngine
     from tests.helpers.rewards import odd_first_token
 
@@ -191,16 +191,16 @@ def _dapo_train(d: Dist, base: Path, out: Path) -> dict:
     real = trainer.collect
 
     def recording(*args, **kwargs):
-        groups, rewards, info, roll = real(*args, **kwargs)
-        steps.append({"prompts": [p for p, grp in zip(info["idx"], groups) for _ in grp], "rounds": info["rounds"],
-                      "completions": [s.completion_ids for grp in groups for s in grp],
-                      "rewards": [x["reward"] for x in rewards], "group_sizes": [len(grp) for grp in groups]})
-        return groups, rewards, info, roll
+        rollout = real(*args, **kwargs)
+        steps.append({"prompts": [p for p, grp in zip(rollout.prompts, rollout.groups) for _ in grp],
+                      "rounds": rollout.rounds, "completions": [s.completion_ids for grp in rollout.groups for s in grp],
+                      "rewards": [x["reward"] for x in rollout.rewards], "group_sizes": [len(grp) for grp in rollout.groups]})
+        return rollout
 
     trainer.collect = recording
     try:
         result = trainer.train(_dapo_cfg(out, d.world_size), base, _dapo_records(), engine=FakeEngine(cuda=False, norms=norms),
-                               make_logger=lambda _rid: MemoryLogger(), progress=False, reward_fn=odd_first_token, dist=d)
+                               reporting=Reporting(progress=False), reward_fn=odd_first_token, dist=d)
     finally:
         trainer.collect = real
     return {"steps": steps, "history": result.history,

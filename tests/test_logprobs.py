@@ -328,7 +328,7 @@ def test_peak_live_memory_forward_backward():
 # ------------------------------------------------- drop-in for completion_logprobs
 def test_drop_in_for_completion_logprobs():
     transformers = pytest.importorskip("transformers")
-    from qerl_pipeline.rl.step import completion_logprobs
+    from qerl_pipeline.rl.update import completion_logprobs
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(

@@ -69,13 +69,14 @@ def setup(tmp_path_factory):
 def _train(setup, name: str, **over):
     from qerl_pipeline.config import QerlConfig
     from qerl_pipeline.rl import trainer
+    from qerl_pipeline.rl.run_setup import Reporting
     from qerl_pipeline.tracking import MemoryLogger
 
     work, base, engine, records = setup
     cfg = QerlConfig.model_validate(_smoke_params(work / name, **{"method": "lora", **over}))
     logger = MemoryLogger()
-    result = trainer.train(cfg, base, records, engine=engine, make_logger=lambda _rid: logger, progress=False,
-                           reward_fn=letter_fraction)
+    result = trainer.train(cfg, base, records, engine=engine,
+                           reporting=Reporting(make_logger=lambda _rid: logger, progress=False), reward_fn=letter_fraction)
     assert result.steps == STEPS and (result.adapter_dir / "adapter_model.safetensors").exists()
     steps = {m["step"] for m in result.history}
     assert steps == set(range(1, STEPS + 1))

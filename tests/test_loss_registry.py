@@ -1,5 +1,5 @@
 """The loss registry (rl/losses.py) as the one place a loss type is added: a toy loss registered from this file
-alone is accepted by config.py's validation, obeys its own rule, and trains one ``step.policy_update`` (the
+alone is accepted by config.py's validation, obeys its own rule, and trains one ``update.policy_update`` (the
 trainer's update: micro-batches, optimiser step) on a tiny packed base; no source file names it. Also what the
 registry refuses, and the benchmark's TRL arguments read from it. Fast tier: no vLLM, no Kedro."""
 
@@ -10,7 +10,8 @@ import torch
 
 from qerl_pipeline.benchmarking import peer_trl
 from qerl_pipeline.config import BenchmarkConfig, ConfigError, QerlConfig, validate
-from qerl_pipeline.rl import grpo, losses, step
+from qerl_pipeline.rl import grpo, losses, update
+from qerl_pipeline.rl.records import Batch
 
 from tests.helpers.policy_update import update_batch, update_policy
 
@@ -54,10 +55,10 @@ def test_a_toy_loss_from_this_file_trains_one_update(base_dir, toy):
     policy, opt, ref_norms = update_policy(base_dir, cfg)
     ids, p_lens, roll, mask, adv = update_batch()
     with torch.no_grad():
-        logp = step.completion_logprobs(policy, ids, p_lens, mask.shape[1], cfg.rollout.temperature)[0]
+        logp = update.completion_logprobs(policy, ids, p_lens, mask.shape[1], cfg.rollout.temperature)[0]
     want = float(-(adv.clamp(max=0.5).unsqueeze(1) * logp * mask).sum() / mask.sum())
     before = [p.detach().clone() for p in opt.params]
-    out = step.policy_update(policy, opt, step.Batch(ids, p_lens, roll, mask, adv), cfg, 0, ref_norms=ref_norms)
+    out = update.policy_update(policy, opt, Batch(ids, p_lens, roll, mask, adv), cfg, 0, ref_norms=ref_norms)
     assert out["loss"] == pytest.approx(want, rel=1e-5)
     dapo = float(-(adv.unsqueeze(1) * mask).sum() / mask.sum())  # what the default loss would give here
     assert out["loss"] != pytest.approx(dapo, rel=1e-3)

@@ -5,7 +5,7 @@ with ``policy.build_policy`` (no vLLM, no Kedro run). Every trainer-side figure 
 computes is compared with bytes measured on those objects: the packed base and the rest of
 the policy's parameters and buffers, the LoRA, the AdamW (torch and bitsandbytes 8-bit) state
 after one step, and the activations autograd saves in a forward through
-``step.completion_logprobs`` (counted with ``saved_tensors_hooks``), with and without
+``update.completion_logprobs`` (counted with ``saved_tensors_hooks``), with and without
 gradient checkpointing. The config is read through Kedro's own loader, compared with the
 loader ``kedro run`` builds. The engine-side figures (vLLM) have no CPU counterpart here.
 """
@@ -22,7 +22,7 @@ from qerl_pipeline.planner import cli, inputs, sizing
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.quantization import checkpoint
 from qerl_pipeline.quantization.policy import PackedLinear, build_policy
-from qerl_pipeline.rl.step import completion_logprobs
+from qerl_pipeline.rl.update import completion_logprobs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 NF4_BLOCK = 48  # not a divisor of every weight's numel: exercises the trailing partial block

@@ -16,7 +16,8 @@ from qerl_pipeline.quantization.policy import (
     decoded_weights,
     keeps_decoded_weights,
 )
-from qerl_pipeline.rl import prefix, step
+from qerl_pipeline.rl import prefix, update
+from qerl_pipeline.rl.records import Batch
 
 TEMP = 0.7
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -77,7 +78,7 @@ def _peft(model, train_norms=True):
 
 def _score(policy, ids, p_lens, t_max, mask, share):
     policy.zero_grad(set_to_none=True)
-    logp, ent = step.completion_logprobs(policy, ids, p_lens, t_max, TEMP, share_prompts=share)
+    logp, ent = update.completion_logprobs(policy, ids, p_lens, t_max, TEMP, share_prompts=share)
     (logp * mask * torch.linspace(0.5, 1.5, mask.numel()).view_as(mask)).sum().backward()
     grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
     return (logp.detach() * mask, ent * mask, grads)
@@ -220,24 +221,24 @@ def test_policy_update_keeps_weights_on_cpu_by_default(nvfp4_base, monkeypatch):
     roll = torch.full(mask.shape, -2.0)
     adv = torch.linspace(-1, 1, ids.shape[0])
     refs = []
-    real_cl = step.completion_logprobs
+    real_cl = update.completion_logprobs
 
     def spy(*args, **kwargs):
         refs.append(torch.is_grad_enabled())
         return real_cl(*args, **kwargs)
 
-    monkeypatch.setattr(step, "completion_logprobs", spy)
+    monkeypatch.setattr(update, "completion_logprobs", spy)
     # step 0: the KL diagnostic's reference forward (no grad) runs; decodes stay one per linear for the whole update
-    out0 = step.policy_update(policy, step.Optim(opt, sched, params, {}), step.Batch(ids, p_lens, roll, mask, adv), cfg, 0)
+    out0 = update.policy_update(policy, update.Optim(opt, sched, params, {}), Batch(ids, p_lens, roll, mask, adv), cfg, 0)
     assert refs == [False, True] and "policy/kl_to_base" in out0
     assert len(decodes) == len(packed)
     # step 1 (log_kl_to_base_every 5): no reference forward, no KL logged
     refs.clear()
-    out1 = step.policy_update(policy, step.Optim(opt, sched, params, {}), step.Batch(ids, p_lens, roll, mask, adv), cfg, 1)
+    out1 = update.policy_update(policy, update.Optim(opt, sched, params, {}), Batch(ids, p_lens, roll, mask, adv), cfg, 1)
     assert refs == [True] and "policy/kl_to_base" not in out1
-    assert step.reference_every(cfg) == 5
-    assert step.reference_every(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"kl_beta": 0.1})})) == 1
-    assert step.reference_every(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"log_kl_to_base": False})})) == 0
+    assert update.reference_every(cfg) == 5
+    assert update.reference_every(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"kl_beta": 0.1})})) == 1
+    assert update.reference_every(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"log_kl_to_base": False})})) == 0
 
 
 def test_benchmark_batch_groups_share_their_prompt():

@@ -324,7 +324,8 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(project, reference, track
     from qerl_pipeline.config import QerlConfig
     from qerl_pipeline.rl import checkpoint as ckpt
     from qerl_pipeline.rl import trainer
-    from qerl_pipeline.rl.step import TrainingDiverged
+    from qerl_pipeline.rl.run_setup import Reporting
+    from qerl_pipeline.rl.update import TrainingDiverged
     from qerl_pipeline.tracking import MlflowLogger
 
     mlflow.set_tracking_uri(tracking)
@@ -356,7 +357,8 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(project, reference, track
 
     try:
         with pytest.raises(TrainingDiverged, match=r"at step 3\b"):
-            trainer.train(cfg, base, records, make_logger=make_logger, progress=False, reward_fn=nan_at_step_3)
+            trainer.train(cfg, base, records, reporting=Reporting(make_logger=make_logger, progress=False),
+                          reward_fn=nan_at_step_3)
     finally:
         if mlflow.active_run() is not None:
             mlflow.end_run("FAILED")  # the fluent run MlflowLogger(None) opened in this process
@@ -448,6 +450,7 @@ def test_a_checkpoint_of_two_ranks_is_not_resumed_by_one(project, two_ranks):
     from qerl_pipeline.config import QerlConfig
     from qerl_pipeline.rl import checkpoint as ckpt
     from qerl_pipeline.rl import trainer
+    from qerl_pipeline.rl.run_setup import Reporting
 
     out, _ = two_ranks
     state = ckpt.peek_state(ckpt.find_latest(out / "qerl"))
@@ -461,7 +464,8 @@ def test_a_checkpoint_of_two_ranks_is_not_resumed_by_one(project, two_ranks):
             node = node.setdefault(p, {})
         node[leaf] = value
     with pytest.raises(ValueError, match=r"2 rank\(s\); this run has 1 "):
-        trainer.train(QerlConfig.model_validate(nested), project / "data/06_models/smoke/base_nvfp4", [], progress=False)
+        trainer.train(QerlConfig.model_validate(nested), project / "data/06_models/smoke/base_nvfp4", [],
+                      reporting=Reporting(progress=False))
 
 
 # ------------------------------------- DAPO's dynamic sampling on 2 ranks (the paper's recipe, scaled out)

@@ -14,12 +14,12 @@ Micro-batches as TRL takes them: a generation batch split into ``GA`` equal micr
 (``steps_per_generation = gradient_accumulation_steps = GA``), ``_compute_loss`` called on
 each, the losses summed (what its backward accumulates); ours is called on the same slices
 with the batch's counts (``num_sequences``, ``num_tokens``, ``num_micro_batches``), as
-``rl/step.py`` calls it.
+``rl/update.py`` calls it.
 
 Name map: TRL ``loss_type`` = the registry's ``trl_name`` of our ``grpo.loss_type`` (``rl/losses.py``; the same names);
 ``importance_sampling_level`` the same; ``use_bias_correction_kl`` = our
 ``kl_bias_correction``; ``top_entropy_quantile`` the same (TRL takes the quantile over the
-micro-batch it is given; the tests give ours the same selection, ``rl/step.py`` takes it over
+micro-batch it is given; the tests give ours the same selection, ``rl/update.py`` takes it over
 the whole batch: documented in config.py); ``epsilon_high`` under cispo = our
 ``cispo_clip_max``; ``sapo_temperature_*``, ``vespo_*``, ``entropy_coef`` the same;
 ``importance_sampling_ratio`` (the vLLM IS weights) = our ``is_weights`` (the weights

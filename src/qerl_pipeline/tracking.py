@@ -423,7 +423,7 @@ def label_run(name: str, role: str, tags: dict[str, str] | None = None, run_id: 
 class TrainingRun:
     """The MLflow run of one training: chosen when the trainer knows its checkpoint's run id, closed after.
 
-    ``logger(stored_run_id)`` is the ``make_logger`` of ``rl.trainer.train``: it is called with the
+    ``logger(stored_run_id)`` is the ``make_logger`` of ``rl.trainer.train``'s ``Reporting``: called with the
     run id of the checkpoint it resumes (None for a fresh training). Standalone (``parent`` None):
     the active run (the one kedro-mlflow opened for this ``kedro run``, or ``active_run_id``, the
     run of the ``kedro run`` that launched a distributed training's ranks); a resume logs into the
@@ -517,26 +517,70 @@ class TrainingRun:
 
 
 # --------------------------------------------------------------------------- metric names
-# The training metrics that more than one part reads (the console bar and log line, the curves the
-# trainer plots and returns, the compare report, the GPU acceptance check); the trainer writes them
-# under these names.
+# Every metric a training writes, by name (rl/records.py maps each field of a step's records to its name);
+# the console bar and log line, the curves the trainer plots and returns, the compare report and the GPU
+# acceptance check read them under the same names.
+#: every sampled group's completions (before DAPO's filter): the curves that compare across methods
 REWARD_MEAN = "reward/mean"
 REWARD_ACCURACY = "reward/accuracy"
 #: the sampled completions' mean accuracy, as the console shows it (the same value as ``REWARD_ACCURACY``)
 TRAIN_ACCURACY = "accuracy"
 REWARD_FORMAT = "reward/format"
-POLICY_ENTROPY = "policy/entropy"
+#: the kept groups the update trains on (equal to the above without dynamic sampling)
+REWARD_KEPT_MEAN = "reward/kept_mean"
+REWARD_STD = "reward/std"
+REWARD_KEPT_ACCURACY = "reward/kept_accuracy"
+REWARD_KEPT_FORMAT = "reward/kept_format"
+REWARD_OVERLONG = "reward/overlong"
+GROUPS_SAMPLED = "groups/sampled"
+GROUPS_KEPT = "groups/kept"
+GROUPS_ZERO_STD_FRACTION = "groups/zero_std_fraction"
+GROUPS_REFILL_ROUNDS = "groups/refill_rounds"
 COMPLETION_LENGTH = "completion/length"
+TRUNCATED_FRACTION = "completion/truncated_fraction"
 AQN_SIGMA = "aqn/sigma"
+AQN_SIGMA_EFFECTIVE = "aqn/sigma_effective"
 AQN_STAGE = "aqn/stage"
 ROLLOUT_TOKENS_PER_S = "rollout/tokens_per_s"
+ROLLOUT_TIME_S = "time/rollout_s"
+REWARD_TIME_S = "time/reward_s"
 STEP_TIME_S = "time/step_s"
 SYNC_TIME_S = "time/sync_s"
 UPDATE_TIME_S = "time/update_s"
+#: the engine processes' CPU seconds while the trainer updated (~0: the engine leaves the cores to the update)
+ENGINE_CPU_DURING_UPDATE_S = "time/engine_cpu_during_update_s"
 #: the update's loss (summed over its micro-batches, mean over its updates) and gradient norm before clipping
 LOSS = "loss"
 GRAD_NORM = "optim/grad_norm"
+LEARNING_RATE = "optim/lr"
+POLICY_ENTROPY = "policy/entropy"
+CLIP_FRACTION = "policy/clip_fraction"
+CLIP_LOW_FRACTION = "policy/clip_low_fraction"
+CLIP_HIGH_FRACTION = "policy/clip_high_fraction"
+SELECTED_TOKEN_FRACTION = "policy/selected_token_fraction"
+ENTROPY_THRESHOLD = "policy/entropy_threshold"
+KL_TO_BASE = "policy/kl_to_base"
+#: the rollout's (vLLM's) log-probs against the trainer's: their KL, the importance weights' mean, the raw
+#: ratios' min/mean/max and the fraction the mode masked or clipped (``grpo.ISStats``)
+MISMATCH_KL = "mismatch/kl"
+IS_WEIGHT_MEAN = "mismatch/is_weight_mean"
+IS_RATIO_MIN = "mismatch/is_ratio_min"
+IS_RATIO_MEAN = "mismatch/is_ratio_mean"
+IS_RATIO_MAX = "mismatch/is_ratio_max"
+IS_MASKED_FRACTION = "mismatch/is_masked_fraction"
+IS_CLIPPED_FRACTION = "mismatch/is_clipped_fraction"
+#: the engine's sleep during the update (``rollout/sleep.py``): the sleep call, the wake, the probes and the
+#: adapter's registration, the adapter resets the step needed
+SLEEP_TIME_S = "time/sleep_s"
+WAKE_TIME_S = "time/wake_s"
+WAKE_CHECK_TIME_S = "time/wake_check_s"
+SLEEP_REPAIRS = "sleep/repairs"
 PEAK_MEMORY_GB = "memory/peak_gb"
+#: logged once per training: the prompts it draws from and those dropped as too long, the ranks, the wall time
+DATA_PROMPTS = "data/prompts"
+DATA_DROPPED_PROMPTS = "data/dropped_prompts"
+WORLD_SIZE = "dist/world_size"
+TOTAL_TIME_S = "time/total_s"
 BASE_WEIGHT_MIB = "base/weight_mib"
 LINEAR_BYTES_RATIO = "quantize/linear_bytes_ratio"
 #: the per-step curves a training returns and plots

@@ -1,4 +1,4 @@
-"""One ``step.policy_update`` on a tiny packed policy over some rows of a fixed batch.
+"""One ``update.policy_update`` on a tiny packed policy over some rows of a fixed batch.
 
 The data-parallel tests run it once in one process over the whole batch and once on each
 rank over that rank's half, and compare the two: so the configuration uses every option
@@ -16,7 +16,8 @@ import torch
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.quantization import aqn
 from qerl_pipeline.quantization.policy import build_policy
-from qerl_pipeline.rl import grpo, step
+from qerl_pipeline.rl import grpo, update
+from qerl_pipeline.rl.records import Batch
 from qerl_pipeline.rl.ranks import Dist
 from qerl_pipeline.adapter import trained_norms
 from qerl_pipeline.rl.optim import build_optimizer, lr_factor
@@ -61,7 +62,7 @@ def update_batch():
     return ids, p_lens, roll, mask, adv
 
 
-def update_policy(base_dir: Path, cfg: QerlConfig) -> tuple[torch.nn.Module, step.Optim, dict]:
+def update_policy(base_dir: Path, cfg: QerlConfig) -> tuple[torch.nn.Module, update.Optim, dict]:
     """The tiny packed policy with an adapter that has trained (the same in every process), its optimiser, and the
     clean norms (the KL reference)."""
     torch.manual_seed(0)  # the same LoRA initialisation in every process
@@ -76,7 +77,7 @@ def update_policy(base_dir: Path, cfg: QerlConfig) -> tuple[torch.nn.Module, ste
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, warmup=0, total=10, schedule="constant"))
     base = trained_norms(policy)
     norm_params = aqn.norm_parameters(policy, sorted(base))
-    return policy, step.Optim(opt, sched, params, norm_params), {n: base[n].clone() for n in norm_params}
+    return policy, update.Optim(opt, sched, params, norm_params), {n: base[n].clone() for n in norm_params}
 
 
 def update_rows(base_dir: Path, d: Dist, rows: slice) -> tuple[dict, dict]:
@@ -86,6 +87,6 @@ def update_rows(base_dir: Path, d: Dist, rows: slice) -> tuple[dict, dict]:
     policy, opt, ref_norms = update_policy(base_dir, cfg)
     start = {n: prm.detach().clone() for n, prm in policy.named_parameters() if prm.requires_grad}
     ids, p_lens, roll, mask, adv = update_batch()
-    out = step.policy_update(policy, opt, step.Batch(ids[rows], p_lens[rows], roll[rows], mask[rows], adv[rows]), cfg, 0, ref_norms=ref_norms, dist=d)
+    out = update.policy_update(policy, opt, Batch(ids[rows], p_lens[rows], roll[rows], mask[rows], adv[rows]), cfg, 0, ref_norms=ref_norms, dist=d)
     state = {n: prm.detach().clone() for n, prm in policy.named_parameters() if prm.requires_grad}
     return state, {**out, "start": start}

@@ -66,7 +66,7 @@ from qerl_pipeline.benchmarking.bases import method_formats
 from qerl_pipeline.config import BenchmarkConfig, LoraConfig, QerlConfig
 from qerl_pipeline.quantization.policy import build_policy
 from qerl_pipeline.rewards.functions import make_scorer
-from qerl_pipeline.rl.step import _score
+from qerl_pipeline.rl.collect import _score
 from qerl_pipeline.rollout.engine import EngineError, RolloutEngine
 from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
 

@@ -4,9 +4,9 @@
 (``quantization.policy.build_policy``: packed NVFP4 / NF4 codes decoded on the fly, or the
 plain bf16 base, with PEFT LoRA), makes one fixed GRPO batch, and times optimizer steps:
 
-* The step is the trainer's own update, ``rl.step.policy_update`` (completion log-probs,
+* The step is the trainer's own update, ``rl.update.policy_update`` (completion log-probs,
   clipped GRPO loss from ``rl.grpo``, importance sampling, gradient clipping, AdamW), on a
-  ``rl.step.Batch``: the benchmark times the code that trains, called as the trainer calls it.
+  ``rl.records.Batch``: the benchmark times the code that trains, called as the trainer calls it.
 * The batch: ``num_prompts x grpo.num_generations`` sequences of exactly ``prompt_len``
   prompt + ``completion_len`` completion tokens (random ids, every completion token
   counted), random group rewards, rollout log-probs set to a constant. Only shapes matter
@@ -54,7 +54,8 @@ from qerl_pipeline.quantization.policy import build_policy, parameter_bytes
 from qerl_pipeline.rl import grpo
 from qerl_pipeline.rl.optim import build_optimizer
 from qerl_pipeline.rl.prefix import share_plan
-from qerl_pipeline.rl.step import Batch, Optim, policy_update, reference_every
+from qerl_pipeline.rl.records import Batch
+from qerl_pipeline.rl.update import Optim, policy_update, reference_every
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def make_batch(vocab: int, num_prompts: int, group: int, prompt_len: int, comple
 
 def _reference_forwards(every: int) -> float:
     """No-grad forwards per rollout batch besides the trained ones, on average: the base without
-    LoRA (the KL reference) on one step in ``every`` (``rl.step.reference_every``: 1 with
+    LoRA (the KL reference) on one step in ``every`` (``rl.update.reference_every``: 1 with
     ``kl_beta > 0``, ``log_kl_to_base_every`` for the diagnostic, 0 for none)."""
     return 1.0 / every if every else 0.0
 
@@ -163,7 +164,7 @@ def measure_training(
         "method": method,
         "format": fmt,
         "device": device,
-        "step_impl": "rl.step.policy_update",
+        "step_impl": "rl.update.policy_update",
         "optimizer": opt_note,
         "sequences": n_seq,
         "tokens_per_step": tokens,

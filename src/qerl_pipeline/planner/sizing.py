@@ -55,7 +55,7 @@ the byte on tiny models against the policy's parameters and buffers, ``PackedLin
 Trainer, activations of one micro-batch of ``b`` rows padded to ``L = model.max_seq_len``
 (the worst case: the longest prompt plus ``T = rollout.max_new_tokens``), ``N = b L``, ``P =
 b T``. What autograd saves (exact: the test counts the saved tensors of a forward through
-``step.completion_logprobs`` with ``torch.autograd.graph.saved_tensors_hooks``), per layer:
+``update.completion_logprobs`` with ``torch.autograd.graph.saved_tensors_hooks``), per layer:
 
 * LoRA: PEFT casts each target's input to the adapter dtype (fp32) before ``lora_A``, a new
   tensor per target (q, k, v each cast the same input): ``f N (in + r)`` per target, i.e.

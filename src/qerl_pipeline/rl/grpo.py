@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from qerl_pipeline import tracking
 from qerl_pipeline.rl import losses
 
 
@@ -180,15 +181,16 @@ class ISStats:
         return ISStats(parts[0].level, torch.cat([p.ratios for p in parts]), sum(p.masked for p in parts),
                        sum(p.clipped for p in parts))
 
-    def metrics(self, prefix: str = "mismatch/") -> dict[str, float]:
-        """``ratio_min/mean/max`` and ``masked_fraction``/``clipped_fraction`` (of tokens or sequences)."""
+    def metrics(self) -> dict[str, float]:
+        """The raw ratios' min/mean/max and the masked/clipped fractions (of tokens or sequences), by metric name."""
         n = int(self.ratios.numel())
         if n == 0:
             return {}
         r = self.ratios.double()
         return {
-            f"{prefix}is_ratio_min": float(r.min()), f"{prefix}is_ratio_mean": float(r.mean()), f"{prefix}is_ratio_max": float(r.max()),
-            f"{prefix}is_masked_fraction": self.masked / n, f"{prefix}is_clipped_fraction": self.clipped / n,
+            tracking.IS_RATIO_MIN: float(r.min()), tracking.IS_RATIO_MEAN: float(r.mean()),
+            tracking.IS_RATIO_MAX: float(r.max()), tracking.IS_MASKED_FRACTION: self.masked / n,
+            tracking.IS_CLIPPED_FRACTION: self.clipped / n,
         }
 
 

@@ -23,7 +23,7 @@ collectives are ``rl/ranks.py``; this module starts torchrun from the node and r
 * The step's prompt groups are global: ``train.prompts_per_step`` is the whole step's,
   drawn identically on every rank (same seeded sampler) and split in contiguous shares
   (``shard_bounds``); each prompt keeps the sampling seed of its global position
-  (``step.sampling_seeds``). So ``nproc`` changes where the work runs, never what is
+  (``collect.sampling_seeds``). So ``nproc`` changes where the work runs, never what is
   computed: N ranks with P prompts per step train what 1 rank with P prompts does, up to
   floating-point summation order (``tests/test_distributed.py`` compares the adapters).
 * DAPO's dynamic sampling (``grpo.dynamic_sampling``) decides each refill round for all ranks
@@ -31,7 +31,7 @@ collectives are ``rl/ranks.py``; this module starts torchrun from the node and r
   group's rewards are gathered, and each rank takes the decision one process would take over
   the whole round (the groups kept, the prompts the next round draws, when to stop). The kept
   groups, in one process's order, are then split over the ranks in balanced contiguous shares
-  of rows, each group's samples sent by the rank that rolled it out (``step.collect``). A rank
+  of rows, each group's samples sent by the rank that rolled it out (``collect.collect``). A rank
   whose share is empty (fewer kept rows than ranks) still joins every collective of the update.
 * Rewards are gathered (``all_gather_object``) so advantages, reward metrics and the
   batch-level normalisers (``advantage_scale: batch``, token counts of the ``token``
@@ -72,8 +72,9 @@ from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.platform import current_platform
 from qerl_pipeline.rl import trainer
 from qerl_pipeline.rl.ranks import init
+from qerl_pipeline.rl.run_setup import Reporting
 from qerl_pipeline.rollout.server import set_parent_death_signal
-from qerl_pipeline.tracking import MemoryLogger, TrainingRun
+from qerl_pipeline.tracking import TrainingRun
 
 log = logging.getLogger(__name__)
 
@@ -147,18 +148,16 @@ def _worker(payload_path: str) -> int:
     d = init(current_platform())
     logging.basicConfig(level=logging.INFO, format=f"rank {d.rank}: %(levelname)s %(name)s: %(message)s", force=True)  # no brackets: rich markup
     tr = p.get("tracking")
-    if d.is_main and tr:
+    reporting = Reporting(dataset_name=p.get("dataset_name"), data_report=p.get("data_report"), progress=False)
+    if d.is_main and tr:  # rank 0 logs into the launching process's run; the other ranks in memory
         import mlflow
 
         mlflow.set_tracking_uri(tr["uri"])
-        make_logger = TrainingRun(tr["name"], cfg.method, tr.get("params") or {}, active_run_id=tr["active_run_id"]).logger
-    else:
-        def make_logger(_run_id):
-            return MemoryLogger()
+        reporting.make_logger = TrainingRun(tr["name"], cfg.method, tr.get("params") or {},
+                                            active_run_id=tr["active_run_id"]).logger
     try:
-        result = trainer.train(cfg, Path(p["base_dir"]), json.loads(Path(p["records"]).read_text()), output_dir=p["output_dir"],
-                               make_logger=make_logger, dataset_name=p.get("dataset_name"), progress=False,
-                               reward_fn=p.get("reward_fn"), data_report=p.get("data_report"), dist=d)
+        result = trainer.train(cfg, Path(p["base_dir"]), json.loads(Path(p["records"]).read_text()),
+                               output_dir=p["output_dir"], reporting=reporting, reward_fn=p.get("reward_fn"), dist=d)
         if d.is_main:
             write_atomic(Path(p["result"]), json.dumps({
                 "run_dir": str(result.run_dir), "adapter_dir": str(result.adapter_dir), "steps": result.steps,

@@ -12,7 +12,7 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
    checkpointed), ``num_generations`` samples each, with the current adapter folder.
    Dynamic sampling (DAPO) drops groups with equal rewards and refills for up to
    ``max_refill_rounds`` extra rounds (same noise, new sampling seed); over data-parallel ranks
-   each round is decided once for all of them (``step.collect``). Honest curves:
+   each round is decided once for all of them (``collect.collect``). Honest curves:
    ``reward/mean``, ``reward/accuracy``, ``reward/format`` (and ``accuracy``) are over every
    sampled group, before the filter, so a DAPO run's curve compares with a GRPO run's;
    ``reward/kept_mean``/``kept_accuracy``/``kept_format`` are over the groups trained on
@@ -37,8 +37,12 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
 5. The adapter is saved to a new step folder (the engine loads it under a new LoRA id);
    checkpoints every ``checkpoint_every`` steps.
 
-The step's parts (prompts, rollout + rewards, log-probs, the update) live in
-``rl/step.py``; this module is the loop, the optimizer, adapters and run control.
+``train`` reads as that loop: ``setup`` (``rl/run_setup.py``) builds the parts once, then each step is
+``_train_step``. The step's parts live where their concept does: the rollout side (prompts, sampling
+seeds, ``collect``) in ``rl/collect.py``, the update side (log-probs, ``policy_update``) in
+``rl/update.py``, and the records passed between them (``Rollout``, ``Batch``, ``UpdateStats``,
+``StepStats``: fields named as metrics in ``tracking.py``) in ``rl/records.py``; this module is the
+loop, the run folder and run control.
 
 Resume: the newest intact checkpoint of ``<output_dir>/<method>`` (``open_run_dir``) restores
 trainable tensors, optimizer, scheduler, RNG, data cursor and the MLflow run id; metrics go on in that run.
@@ -55,9 +59,7 @@ with the signal, both with the last completed step.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -66,41 +68,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from qerl_pipeline import tracking as T
-from qerl_pipeline.adapter import is_adapter, save_adapter, trained_norms
+from qerl_pipeline import tracking
+from qerl_pipeline.adapter import save_adapter
 from qerl_pipeline.atomic import write_atomic
-from qerl_pipeline.config import METHOD_FORMAT, QerlConfig, flatten
-from qerl_pipeline.memory import limit_heap_fragmentation, peak_memory_bytes
-from qerl_pipeline.models import load_tokenizer, resolve_dtype
-from qerl_pipeline.platform import current_platform
+from qerl_pipeline.config import QerlConfig, flatten
+from qerl_pipeline.memory import peak_memory_bytes
 from qerl_pipeline.quantization import aqn
-from qerl_pipeline.quantization.norms import check_noise_precision, sigma_effective
-from qerl_pipeline.quantization.policy import build_policy
-from qerl_pipeline.quantization.store import read_stamp
-from qerl_pipeline.rewards.functions import RewardFn, make_scorer, reward_component_metrics
+from qerl_pipeline.quantization.norms import sigma_effective
+from qerl_pipeline.rewards.functions import RewardFn
 from qerl_pipeline.rl import checkpoint as ckpt
-from qerl_pipeline.rl import grpo
-from qerl_pipeline.rl.ranks import SINGLE, rank_device
-from qerl_pipeline.rl.optim import build_optimizer, lr_factor
-from qerl_pipeline.rl.step import (
-    Batch,
-    Optim,
-    PromptSampler,
-    _mean,
-    collate,
-    collect,
-    completion_rows,
-    policy_update,
-    tokenize_prompts,
-)
-from qerl_pipeline.rollout.layout import engine_plan
-from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
-from qerl_pipeline.rollout.sleep import EngineSleeper, engine_platform, sleep_plan
-from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, git_commit, scalar_metrics
+from qerl_pipeline.rl.collect import collect, completion_rows
+from qerl_pipeline.rl.ranks import SINGLE
+from qerl_pipeline.rl.records import Batch, Rollout, RolloutStats, StepStats
+from qerl_pipeline.rl.run_setup import Reporting, Run, RunFolder, _save_step_adapter, setup
+from qerl_pipeline.rl.update import policy_update
+from qerl_pipeline.tracking import MetricsLogger
 
 log = logging.getLogger(__name__)
+
 
 # --------------------------------------------------------------- the loop
 @dataclass
@@ -190,31 +176,6 @@ def config_changes(stored: dict[str, Any], current: dict[str, Any], defaults: di
                   and not (k not in stored and k in defaults and current.get(k) == defaults[k]))
 
 
-def _log_fresh_run(logger: MetricsLogger, cfg: QerlConfig, base_dir: Path, *, dataset_name: str | None, optimizer_note: str,
-                   data_report: dict | None, moved_aside: Path | None) -> None:
-    """A fresh run's tags, resolved config and inputs (a resumed run has them already)."""
-    logger.set_tags({
-        "method": cfg.method, "model": cfg.model.name, "dataset": dataset_name or cfg.data.train_source,
-        "git_commit": git_commit(), "optimizer": optimizer_note,
-    })
-    logger.log_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config/resolved_config.yaml")
-    log_inputs(logger, base_dir, data_report)
-    if moved_aside is not None:
-        logger.set_tags({"qerl.previous_run_dir": str(moved_aside)})
-
-
-def log_inputs(logger: MetricsLogger, base_dir: Path, data_report: dict | None) -> None:
-    """A training run's record of its inputs: the data report and the base's stored quantize report."""
-    stamp = read_stamp(base_dir) or {}
-    report = stamp.get("report") or {}
-    logger.log_metrics(scalar_metrics(report, "quantize/"), step=0)
-    if report:
-        logger.log_text(json.dumps(report, indent=1, default=str), "quantize/report.json")
-        logger.log_text(json.dumps(stamp.get("fingerprint", {}), indent=1, default=str), "quantize/fingerprint.json")
-    if data_report:
-        logger.log_text(json.dumps(data_report, indent=1, default=str), "data/report.json")
-
-
 def prune_adapters(adapters: Path, keep: list[Path]) -> None:
     """Delete the ``step-*`` folders of ``adapters`` except ``keep`` (this run's last two written)."""
     keep_names = {k.name for k in keep}
@@ -227,42 +188,71 @@ def _peak_memory_gb() -> float:
     return peak_memory_bytes() / 2**30
 
 
-def train(
-    cfg: QerlConfig,
-    base_dir: str | Path,
-    records: list[dict],
-    *,
-    output_dir: str | Path | None = None,
-    make_logger: Callable[[str | None], MetricsLogger] | None = None,
-    engine: Any = None,
-    engine_factory: Callable[[Any], Any] | None = None,
-    dataset_name: str | None = None,
-    progress: bool = True,
-    reward_fn: RewardFn | str | None = None,
-    data_report: dict | None = None,
-    dist: Any = None,
-) -> TrainResult:
+def train(cfg: QerlConfig, base_dir: str | Path, records: list[dict], *, output_dir: str | Path | None = None,
+          reporting: Reporting | None = None, engine: Any = None, engine_factory: Callable[[Any], Any] | None = None,
+          reward_fn: RewardFn | str | None = None, dist: Any = None) -> TrainResult:
     """Train ``cfg.method`` on ``records`` (prompt records) over the base in ``base_dir``.
 
-    ``make_logger(run_id)``: the metrics logger; called with the run id stored in the
-    checkpoint when resuming (None for a fresh run). ``engine``: an already started
-    ``RolloutEngine`` on the serving folder (tests share one); by default one is started
-    and closed here; ``engine_factory(served)`` (instead of ``engine``): called with the
-    ``ServedModel`` when the engine is needed (not for a run that is finished already), its
-    engine is not closed here (compare's shared engine, ``rollout/pool.py``). ``reward_fn(completions, golds, samples) -> list[dict]`` (or an import
-    path ``"module:function"``): a custom reward replacing the math ``RewardScorer``, the hook
-    for custom rewards (like TRL's ``reward_funcs``); default ``cfg.train.reward_fn``.
-    A fresh run logs what it trains on: ``data_report`` (data_prep's) as ``data/report.json``
-    and the base's quantize report and fingerprint (stored with the base) as
-    ``quantize/report.json``, ``quantize/fingerprint.json`` and ``quantize/<name>`` metrics.
-    ``dist``: this rank of a data-parallel training (``rl/launch.py``, which launches the
-    ranks and passes it; None = one process): rank 0 alone writes files and MLflow.
+    ``output_dir``: where the run folder goes (default ``train.output_dir``; ``open_run_dir``).
+    ``reporting``: the metrics logger and what a fresh run logs (``Reporting``; in memory by default).
+    ``engine``: an already started ``RolloutEngine`` on the serving folder (tests share one); by
+    default one is started and closed here; ``engine_factory(served)`` (instead of ``engine``):
+    called with the ``ServedModel`` when the engine is needed (not for a run that is finished
+    already), its engine is not closed here (compare's shared engine, ``rollout/pool.py``).
+    ``reward_fn(completions, golds, samples) -> list[dict]`` (or an import path
+    ``"module:function"``): a custom reward replacing the math ``RewardScorer``, the hook for
+    custom rewards (like TRL's ``reward_funcs``); default ``cfg.train.reward_fn``. ``dist``: this
+    rank of a data-parallel training (``rl/launch.py``, which launches the ranks and passes it;
+    None = one process): rank 0 alone writes files and MLflow.
     """
     t_start = time.perf_counter()
-    d = dist or SINGLE
-    base_dir = Path(base_dir)
-    tc, gc, rc = cfg.train, cfg.grpo, cfg.rollout
-    # rank 0 opens (or moves aside) the run folder; the others take its decision
+    d, tc, reporting = dist or SINGLE, cfg.train, reporting or Reporting()
+    folder = open_run(cfg, output_dir, reporting, d)
+    if folder.finished(tc.steps):  # a compare or a kedro run resumed after a later step failed: reuse it
+        log.info("%s: already trained to step %d in %s (MLflow run %s); reusing it (train.resume=false trains anew)",
+                 cfg.method, int(folder.state["step"]), folder.path, folder.run_id)
+        return TrainResult(folder.path, folder.final, tc.steps, int(folder.state["step"]), folder.run_id,
+                           _full_history(folder.logger), time.perf_counter() - t_start, None, reused=True)
+    run = setup(cfg, Path(base_dir), records, folder, reporting, engine=engine,
+                engine_factory=engine_factory, reward_fn=reward_fn, dist=d)
+    logger, history = folder.logger, []
+    bar = _progress(reporting.progress and d.is_main, tc.steps, run.start_step)
+    try:
+        for step in range(run.start_step, tc.steps):
+            rollout, stats = _train_step(run, step)
+            metrics = stats.metrics()
+            logger.log_metrics(metrics, step=step + 1)
+            history.append({"step": step + 1, **metrics})
+            if (step + 1) % tc.log_completions_every == 0 or step == run.start_step:  # rank 0's share of the completions
+                logger.log_table(completion_rows(rollout, run.items, step + 1), f"completions/step_{step + 1:05d}.json")
+            if d.is_main and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
+                _save_checkpoint(run, step + 1, stats)
+            if bar is not None:
+                bar.advance(metrics)
+            log.info(
+                "step %d/%d reward %.3f acc %.3f entropy %.3f sigma %.1e | rollout %.1fs (%.0f tok/s) update %.1fs",
+                step + 1, tc.steps, metrics[tracking.REWARD_MEAN], metrics[tracking.TRAIN_ACCURACY],
+                stats.update.entropy, stats.aqn_sigma, rollout.seconds, rollout.tokens_per_s, stats.update_s,
+            )
+    except BaseException as exc:  # the run says how it ended: KILLED (Ctrl-C, SIGTERM) or FAILED, after which step
+        tracking.mark_ended(logger, exc, last_step=history[-1]["step"] if history else run.start_step)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        run.close()
+    if d.is_main:
+        _save_final_adapter(run, base_dir)
+    d.barrier()
+    seconds = time.perf_counter() - t_start
+    logger.log_metrics({tracking.TOTAL_TIME_S: seconds}, step=tc.steps)
+    return TrainResult(folder.path, folder.final, tc.steps, run.start_step, folder.run_id, history, seconds,
+                       folder.moved_aside)
+
+
+def open_run(cfg: QerlConfig, output_dir: str | Path | None, reporting: Reporting, d) -> RunFolder:
+    """Rank 0 opens (or moves aside) the run folder, the others take its decision; a checkpoint of another
+    world size is refused; the logger is opened on the checkpoint's run id."""
     run_dir, latest, moved_aside = d.broadcast_object(open_run_dir(cfg, output_dir) if d.is_main else None)
     stored = ckpt.peek_state(latest) if latest is not None else {}
     if latest is not None and int(stored.get("world_size", 1)) != d.world_size:
@@ -270,200 +260,96 @@ def train(
             f"{latest} was written by a training on {stored.get('world_size', 1)} rank(s); this run has {d.world_size} "
             f"(train.nproc x train.nnodes): resume it with the same number of ranks, or start anew with train.resume=false"
         )
-    make_logger = make_logger or (lambda _run_id: MemoryLogger())
-    logger = make_logger(stored.get("run_id"))
-    run_id = getattr(logger, "run_id", None)
-    final = run_dir / "final_adapter"
-    if latest is not None and int(stored.get("step", 0)) >= tc.steps and is_adapter(final):
-        # Finished already (a compare or a kedro run resumed after a later step failed): reuse it.
-        log.info("%s: already trained to step %d in %s (MLflow run %s); reusing it (train.resume=false trains anew)",
-                 cfg.method, int(stored["step"]), run_dir, run_id)
-        return TrainResult(run_dir, final, tc.steps, int(stored["step"]), run_id, _full_history(logger),
-                           time.perf_counter() - t_start, None, reused=True)
-
-    torch.manual_seed(tc.seed)
-    platform = current_platform()
-    device = rank_device(platform, d.local_rank) if d.active else platform
-    dtype = resolve_dtype(cfg.model, platform)
-    check_noise_precision(cfg, dtype)  # before any model loads
-    limit_heap_fragmentation()  # glibc keeps freed activations otherwise (qerl_pipeline.memory)
-    served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=platform)
-    sync = resolve_sync(rc.sync, served, rc.tensor_parallel_size)  # adapter | merge, before any model loads (rollout/serving.py)
-    policy = build_policy(base_dir, METHOD_FORMAT[cfg.method], cfg.lora, dtype=dtype, device=device,
-                          norm_dtype=cfg.model.norm_dtype)
-    policy.train()
-    # the base's values of trained norms, before a resume loads trained ones: the KL reference's norms
-    base_norms = {n: t.clone() for n, t in trained_norms(policy).items()}
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer, opt_note = build_optimizer(params, cfg)
-    updates = gc.updates_per_rollout
-    total_updates = tc.steps * updates
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: lr_factor(i, warmup=cfg.optim.warmup_steps, total=total_updates, schedule=cfg.optim.schedule)
-    )
-    tokenizer = _tokenizer(base_dir, cfg)
-    items, dropped = tokenize_prompts(records, tokenizer, cfg.model.max_seq_len - rc.max_new_tokens)
-    sampler = PromptSampler(len(items), tc.seed)
-
-    start_step = 0
-    if latest is not None:
-        state = ckpt.load_checkpoint(latest, policy=policy, optimizer=optimizer, scheduler=scheduler)
-        start_step = int(state["step"])
-        sampler = PromptSampler(len(items), tc.seed, **state["sampler"])
-        log.info("resuming from %s (step %d, MLflow run %s)", latest, start_step, run_id)
-        kept = ckpt.set_aside_damaged(run_dir, latest) if d.is_main else []
-        fallback = {"qerl.resume_fallback": " | ".join(f"{dmg} (kept as {to.name})" for dmg, to in kept)[:4000]} if kept else {}
-        logger.set_tags({"qerl.resumed_at_step": str(start_step), **fallback})
-    else:
-        _log_fresh_run(logger, cfg, base_dir, dataset_name=dataset_name, optimizer_note=opt_note, data_report=data_report,
-                       moved_aside=moved_aside)
-    if dropped:
-        log.warning("%d prompts longer than %d tokens were dropped", dropped, cfg.model.max_seq_len - rc.max_new_tokens)
+    logger = reporting.make_logger(stored.get("run_id"))
+    return RunFolder(run_dir, latest, stored, moved_aside, logger, getattr(logger, "run_id", None))
 
 
-    ranks = dict(world_size=d.world_size, rank=d.rank, local_rank=d.local_rank)
-    layout = engine_plan(rc, platform, **ranks)  # rollout.engines / tensor_parallel_size: this rank's engine and GPUs
-    own_engine = engine is None and engine_factory is None
-    if engine is None:
-        # a merging engine needs no LoRA slots; its KV cache holds one step's rollout (CPU)
-        kv_need = (math.ceil(tc.prompts_per_step / d.world_size) * gc.num_generations,
-                   max((len(it.ids) for it in items), default=0) + rc.max_new_tokens)
-        engine = engine_factory(served) if engine_factory else open_engine(
-            served, cfg.model, rollout=rc, lora_rank=cfg.lora.rank if sync == "adapter" else None,
-            devices=layout.devices, kv_need=kv_need)
-    if sync == "adapter" and not own_engine:
-        engine.unmerge()  # a shared engine may still serve an earlier run's merged adapter under its LoRAs
-    engine_on = engine_platform(engine, platform)  # where the engine runs, as its process reports
-    sleeper = EngineSleeper(engine, sleep_plan(rc, engine_on, colocated=engine_plan(rc, engine_on, **ranks).colocated))
-    log.info("engine sleep during updates: %s (%s)", "on" if sleeper.enabled else "off", sleeper.plan.why)
-    scorer = make_scorer(cfg, reward_fn)
+def _train_step(run: Run, step: int) -> tuple[Rollout, StepStats]:
+    """One step: the norms and adapter the engine serves, rollout + rewards (``collect``), the global batch's
+    advantages, the update, the next adapter; this rank's rollout and the step's statistics."""
+    cfg, d, engine = run.cfg, run.dist, run.engine
+    t0 = time.perf_counter()
+    norms = _serve_norms(run, step)
+    sync_s = norms.seconds
+    if run.sync == "merge":  # the step's adapter into the served linears; the rollout then runs without LoRA
+        sync_s += engine.merge_adapter(run.adapter_dir)
+    lora = run.adapter_dir if run.sync == "adapter" else None
+    rollout = collect(engine, run.scorer, run.sampler, run.items, cfg, step, lora, dist=d)
+    first = rollout.groups[0][0].prompt_ids if rollout.groups else None
+    run.sleeper.before_update(lora, first)  # CUDA + colocated: the update gets the memory
+    t_roll = time.perf_counter()
+    totals = RolloutStats.gather(rollout, d)  # the global batch (every rank's share, in rank order)
+    batch = Batch.of(rollout.samples, totals.advantages(cfg.grpo, d.rank), norms.values, pad_id=run.pad_id,
+                     mask_truncated=cfg.grpo.mask_truncated)
+    engine_cpu0 = _engine_cpu(engine)
+    update = policy_update(run.policy, run.optim, batch, cfg, step, ref_norms=run.ref_norms, dist=d)
+    t_upd = time.perf_counter()
+    engine_cpu1 = _engine_cpu(engine)
+    _next_adapter(run, step + 1)
+    sleep = run.sleeper.after_update(run.adapter_dir if run.sync == "adapter" else None)  # wake, probe, register it
+    engine_cpu = engine_cpu1 - engine_cpu0 if engine_cpu0 is not None and engine_cpu1 is not None else None
+    return rollout, StepStats(totals, update, norms.stage, norms.sigma, norms.sigma_effective, sync_s=sync_s,
+                              update_s=t_upd - t_roll, step_s=time.perf_counter() - t0,
+                              peak_memory_gb=_peak_memory_gb(), sleep=sleep, engine_cpu_s=engine_cpu)
+
+
+@dataclass
+class ServedNorms:
+    """The norm weights the engine serves for a step: AQN's ``stage`` and ``sigma`` (0 without AQN), the
+    values by name (``values``: AQN's noisy targets and trained norms; empty without either), the std of
+    served minus clean on AQN's targets (``sigma_effective``) and the seconds the sync took."""
+
+    stage: int
+    sigma: float
+    sigma_effective: float
+    values: dict[str, torch.Tensor]
+    seconds: float
+
+
+def _serve_norms(run: Run, step: int) -> ServedNorms:
+    """AQN's noise for ``(aqn.seed, step)`` on the clean norms, set on the engine (also at sigma 0, which
+    restores the clean values, and every step when norms train), then read back: the trainer uses the
+    values the engine serves (its dtype may round)."""
+    cfg, engine = run.cfg, run.engine
     aqn_on = cfg.aqn_enabled()
-    engine_norms = engine.norm_weight_names()
-    sync_names = sorted(set((aqn.noisy_target_names(engine_norms) if aqn_on else []) + (engine_norms if cfg.lora.train_norms else [])))
-    norm_params = aqn.norm_parameters(policy, sync_names) if sync_names else {}
-    noisy_names = aqn.noisy_target_names(norm_params) if aqn_on else []
-    ref_norms = {n: base_norms[n] for n in norm_params if n in base_norms} or None
-    serving_tags = {**served_tags(served, engine), "model.norm_dtype": cfg.model.norm_dtype, "rollout.sync": sync}
-    logger.set_tags(serving_tags)
-    log.info("engine serves %s in %s", serving_tags["rollout.served_format"], serving_tags["rollout.served_dtype"])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    adapters = run_dir / "adapters"
-    adapter_dir = _save_step_adapter(policy, adapters / f"step-{start_step:06d}", d)
-    written = [adapter_dir]  # the step folders this call wrote, oldest first: prune_adapters keeps the last two
-    history: list[dict] = []
-    logger.log_metrics({"data/prompts": len(items), "data/dropped_prompts": dropped, "dist/world_size": d.world_size},
-                       step=start_step)
-
-    bar = _progress(progress and d.is_main, tc.steps, start_step)
-    try:
-        for step in range(start_step, tc.steps):
-            t0 = time.perf_counter()
-            stage, sigma = aqn.sigma_at(step, tc.steps, cfg.aqn) if aqn_on else (0, 0.0)
-            clean = {n: p.detach().cpu().clone() for n, p in norm_params.items()}
-            noise = aqn.draw_noise(clean, sigma, seed=cfg.aqn.seed, step=step) if aqn_on else None
-            noisy = aqn.apply_noise(clean, noise) if clean else {}
-            sync_s = engine.update_weights(noisy) if noisy else 0.0
-            if noisy:  # what the engine really serves (its dtype may round): the trainer uses the same values
-                noisy = engine.read_weights(sorted(noisy))
-            sigma_eff = sigma_effective(noisy, clean, noisy_names)
-            if sync == "merge":  # the step's adapter into the served linears; the rollout then runs without LoRA
-                sync_s += engine.merge_adapter(adapter_dir)
-            lora = adapter_dir if sync == "adapter" else None
-
-            groups, rewards, info, roll = collect(engine, scorer, sampler, items, cfg, step, lora, dist=d)
-            sleeper.before_update(lora, groups[0][0].prompt_ids if groups else None)  # CUDA + colocated: the update gets the memory
-            t_roll = time.perf_counter()
-            samples = [s for g in groups for s in g]
-            ids, p_lens, c_lens_local, roll_logp = collate(samples, pad_id)
-            truncated_local = torch.tensor([s.finish_reason == "length" for s in samples])
-            mask = grpo.completion_mask(c_lens_local, roll_logp.shape[1], truncated_local if gc.mask_truncated else None)
-            # the global batch (every rank's share, in rank order): advantages and metrics are its
-            g_all = _gather_step(d, rewards, info, roll, c_lens_local, truncated_local)
-            offset = sum(g_all["counts"][: d.rank])
-            r = torch.tensor([x["reward"] for x in g_all["rewards"]], dtype=torch.float32)
-            adv_all = grpo.group_advantages(r, gc.num_generations, gc.advantage_scale, gc.advantage_eps)
-            adv = adv_all[offset: offset + len(rewards)]
-            engine_cpu0 = _engine_cpu(engine)
-            upd = policy_update(policy, Optim(optimizer, scheduler, params, norm_params),
-                                Batch(ids, p_lens, roll_logp, mask, adv, noisy), cfg, step, ref_norms=ref_norms, dist=d)
-            t_upd = time.perf_counter()
-            engine_cpu1 = _engine_cpu(engine)
-            adapter_dir = _save_step_adapter(policy, adapters / f"step-{step + 1:06d}", d)
-            written = [*written[-1:], adapter_dir]
-            if d.is_main:
-                prune_adapters(adapters, written)
-            sleep_metrics = sleeper.after_update(adapter_dir if sync == "adapter" else None)  # wake, probe, register the next adapter
-
-            metrics = _step_metrics(g_all, r, info, upd, sleep_metrics, stage=stage, sigma=sigma, sigma_eff=sigma_eff,
-                                    times={T.SYNC_TIME_S: sync_s, T.UPDATE_TIME_S: t_upd - t_roll,
-                                           T.STEP_TIME_S: time.perf_counter() - t0},
-                                    engine_cpu=(engine_cpu0, engine_cpu1))
-            logger.log_metrics(metrics, step=step + 1)
-            history.append({"step": step + 1, **metrics})
-            if (step + 1) % tc.log_completions_every == 0 or step == start_step:  # rank 0's share of the completions
-                logger.log_table(completion_rows(groups, rewards, items, info, step + 1), f"completions/step_{step + 1:05d}.json")
-            if d.is_main and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
-                ckpt.save_checkpoint(
-                    run_dir, step + 1, policy=policy, optimizer=optimizer, scheduler=scheduler,
-                    state={"step": step + 1, "sampler": sampler.state(), "aqn_stage": stage, "aqn_sigma": sigma, "run_id": run_id,
-                           "config": resume_config(cfg), "world_size": d.world_size},
-                )
-            if bar is not None:
-                bar.advance(metrics)
-            log.info(
-                "step %d/%d reward %.3f acc %.3f entropy %.3f sigma %.1e | rollout %.1fs (%.0f tok/s) update %.1fs",
-                step + 1, tc.steps, metrics[T.REWARD_MEAN], metrics[T.TRAIN_ACCURACY], metrics[T.POLICY_ENTROPY], sigma,
-                roll["seconds"], roll["tokens_per_s"], metrics[T.UPDATE_TIME_S],
-            )
-    except BaseException as exc:  # the run says how it ended: KILLED (Ctrl-C, SIGTERM) or FAILED, after which step
-        T.mark_ended(logger, exc, last_step=history[-1]["step"] if history else start_step)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        scorer.close()
-        if own_engine:
-            engine.close()
-
-    if d.is_main:
-        save_adapter(policy, final, meta={
-            "method": cfg.method, "model": cfg.model.name, "seed": tc.seed, "steps": tc.steps, "mlflow_run_id": run_id,
-            "base_dir": str(base_dir), "run_dir": str(run_dir), "world_size": d.world_size,
-        })
-        logger.log_artifact(final, artifact_path="final_adapter")
-        _log_curves(logger, run_dir, cfg.method)
-    d.barrier()
-    seconds = time.perf_counter() - t_start
-    logger.log_metrics({"time/total_s": seconds}, step=tc.steps)
-    return TrainResult(run_dir, final, tc.steps, start_step, run_id, history, seconds, moved_aside)
+    stage, sigma = aqn.sigma_at(step, cfg.train.steps, cfg.aqn) if aqn_on else (0, 0.0)
+    clean = {n: p.detach().cpu().clone() for n, p in run.optim.norm_params.items()}
+    noise = aqn.draw_noise(clean, sigma, seed=cfg.aqn.seed, step=step) if aqn_on else None
+    noisy = aqn.apply_noise(clean, noise) if clean else {}
+    seconds = engine.update_weights(noisy) if noisy else 0.0
+    if noisy:
+        noisy = engine.read_weights(sorted(noisy))
+    return ServedNorms(stage, sigma, sigma_effective(noisy, clean, run.noisy_names), noisy, seconds)
 
 
-def _step_metrics(g_all: dict, r: torch.Tensor, info: dict, upd: dict, sleep_metrics: dict, *, stage: int, sigma: float,
-                  sigma_eff: float, times: dict[str, float], engine_cpu: tuple[float | None, float | None]) -> dict:
-    """One step's metrics: the global batch's rewards and lengths (``_gather_step``), the update's
-    statistics, AQN's sigma, the step's times and memory."""
-    sampled, c_lens, truncated = g_all["sampled"], g_all["lengths"], g_all["truncated"]
-    metrics = {
-        # every sampled group (before DAPO's filter): the curves that compare across methods
-        T.REWARD_MEAN: _mean(x["reward"] for x in sampled), T.REWARD_ACCURACY: _mean(x["accuracy"] for x in sampled),
-        T.REWARD_FORMAT: _mean(x["format"] for x in sampled), T.TRAIN_ACCURACY: _mean(x["accuracy"] for x in sampled),
-        # the kept groups the update trains on (equal to the above without dynamic sampling)
-        "reward/kept_mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
-        "reward/kept_accuracy": _mean(x["accuracy"] for x in g_all["rewards"]),
-        "reward/kept_format": _mean(x["format"] for x in g_all["rewards"]),
-        "groups/sampled": g_all["sampled_groups"], "groups/kept": g_all["kept_groups"],
-        "reward/overlong": g_all["overlong"],
-        T.COMPLETION_LENGTH: float(c_lens.float().mean()), "completion/truncated_fraction": float(truncated.float().mean()),
-        "groups/zero_std_fraction": g_all["zero_std_fraction"], "groups/refill_rounds": info["rounds"] - 1,
-        T.AQN_SIGMA: sigma, "aqn/sigma_effective": sigma_eff, T.AQN_STAGE: stage, "optim/lr": upd["lr"],
-        T.ROLLOUT_TOKENS_PER_S: g_all["tokens_per_s"], "time/rollout_s": g_all["rollout_s"], "time/reward_s": g_all["reward_s"],
-        T.SYNC_TIME_S: times[T.SYNC_TIME_S], T.UPDATE_TIME_S: times[T.UPDATE_TIME_S], T.STEP_TIME_S: times[T.STEP_TIME_S],
-        T.PEAK_MEMORY_GB: _peak_memory_gb(), **{k: v for k, v in upd.items() if k != "lr"}, **sleep_metrics,
-        **reward_component_metrics(sampled),  # rewards/<name>/mean|std of a train.reward_fn list
-    }
-    if engine_cpu[0] is not None and engine_cpu[1] is not None:  # ~0: the engine leaves the cores to the update
-        metrics["time/engine_cpu_during_update_s"] = engine_cpu[1] - engine_cpu[0]
-    return metrics
+def _next_adapter(run: Run, step: int) -> None:
+    """The adapter after ``step`` steps into ``adapters/step-NNNNNN`` (rank 0 writes, every rank waits), the one
+    the engine serves next; rank 0 then keeps this call's last two step folders (``prune_adapters``)."""
+    run.adapter_dir = _save_step_adapter(run.policy, run.folder.path / "adapters" / f"step-{step:06d}", run.dist)
+    run.written = [*run.written[-1:], run.adapter_dir]
+    if run.dist.is_main:
+        prune_adapters(run.adapter_dir.parent, run.written)
+
+
+def _save_checkpoint(run: Run, step: int, stats: StepStats) -> None:
+    """Checkpoint ``step`` (completed steps) of the run folder: what a resume restores (``rl/checkpoint.py``)."""
+    ckpt.save_checkpoint(
+        run.folder.path, step, policy=run.policy, optimizer=run.optim.optimizer, scheduler=run.optim.scheduler,
+        state={"step": step, "sampler": run.sampler.state(), "aqn_stage": stats.aqn_stage, "aqn_sigma": stats.aqn_sigma,
+               "run_id": run.folder.run_id, "config": resume_config(run.cfg), "world_size": run.dist.world_size},
+    )
+
+
+def _save_final_adapter(run: Run, base_dir: str | Path) -> None:
+    """Rank 0: ``final_adapter/`` with what it is, into MLflow with the training curves."""
+    cfg, folder = run.cfg, run.folder
+    save_adapter(run.policy, folder.final, meta={
+        "method": cfg.method, "model": cfg.model.name, "seed": cfg.train.seed, "steps": cfg.train.steps,
+        "mlflow_run_id": folder.run_id, "base_dir": str(base_dir), "run_dir": str(folder.path),
+        "world_size": run.dist.world_size,
+    })
+    folder.logger.log_artifact(folder.final, artifact_path="final_adapter")
+    _log_curves(folder.logger, folder.path, cfg.method)
 
 
 def _engine_cpu(engine) -> float | None:
@@ -471,37 +357,6 @@ def _engine_cpu(engine) -> float | None:
     reader = getattr(engine, "cpu_seconds", None)
     value = reader() if callable(reader) else None
     return value if isinstance(value, (int, float)) else None
-
-
-def _save_step_adapter(policy, folder: Path, d) -> Path:
-    """Rank 0 writes the step's adapter folder; after the barrier every rank's engine may load it."""
-    if d.is_main:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        save_adapter(policy, folder)
-    d.barrier()
-    return folder
-
-
-def _gather_step(d, rewards: list[dict], info: dict, roll: dict, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
-    """The step's global numbers from every rank's share (one process: its own): rewards of the kept and of every
-    sampled group, completion lengths and truncation, and the rollout's time (the slowest rank's) and throughput."""
-    mine = {"rewards": rewards, "sampled": info["sampled"], "lengths": lengths.tolist(), "truncated": truncated.tolist(),
-            "seconds": roll["seconds"], "tokens": roll["tokens_per_s"] * roll["seconds"], "reward_s": info["reward_s"],
-            "zero_std": info["zero_std_fraction"], "sampled_groups": info["sampled_groups"],
-            "kept_groups": info["kept_groups"]}
-    parts = d.all_gather_object(mine)
-    seconds = max(p["seconds"] for p in parts)
-    kept = [x for p in parts for x in p["rewards"]]
-    return {
-        "rewards": kept, "sampled": [x for p in parts for x in p["sampled"]],
-        "counts": [len(p["rewards"]) for p in parts],
-        "lengths": torch.tensor([x for p in parts for x in p["lengths"]]),
-        "truncated": torch.tensor([x for p in parts for x in p["truncated"]], dtype=torch.bool),
-        "rollout_s": seconds, "tokens_per_s": sum(p["tokens"] for p in parts) / seconds if seconds else 0.0,
-        "reward_s": max(p["reward_s"] for p in parts), "zero_std_fraction": _mean(p["zero_std"] for p in parts),
-        "overlong": _mean(x.get("overlong", 0.0) for x in kept), "sampled_groups": sum(p["sampled_groups"] for p in parts),
-        "kept_groups": sum(p["kept_groups"] for p in parts),
-    }
 
 
 def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:
@@ -519,14 +374,11 @@ def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:
         log.warning("could not draw the training curves: %s", exc)
 
 
-#: Metrics drawn in ``train_curves.png``.
-
-
 def _full_history(logger: MetricsLogger) -> list[dict]:
     """Per-step metrics from the logger (MLflow: the run's whole history, also before a resume)."""
     if not hasattr(logger, "history"):  # the protocol's optional reader
         return []
-    metrics = logger.history(T.CURVE_METRICS)
+    metrics = logger.history(tracking.CURVE_METRICS)
     rows: dict[int, dict] = {}
     for name, pts in metrics.items():
         for step, value in pts:
@@ -534,18 +386,6 @@ def _full_history(logger: MetricsLogger) -> list[dict]:
                 rows.setdefault(step, {"step": step})[name] = value
     return [rows[s] for s in sorted(rows)]
 
-
-def _tokenizer(base_dir: Path, cfg: QerlConfig):
-    """The base folder's tokenizer (quantize saves it there), else the configured model's."""
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(base_dir)
-    except (OSError, ValueError):
-        tok = load_tokenizer(cfg.model)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 class _Bar:
     """A rich progress bar: step, reward, entropy, sigma, tokens/s and ETA."""
@@ -562,8 +402,8 @@ class _Bar:
 
     def advance(self, m: dict) -> None:
         info = (
-            f"reward {m[T.REWARD_MEAN]:.3f} acc {m[T.TRAIN_ACCURACY]:.2f} ent {m[T.POLICY_ENTROPY]:.2f} "
-            f"sigma {m[T.AQN_SIGMA]:.1e} {m[T.ROLLOUT_TOKENS_PER_S]:.0f} tok/s"
+            f"reward {m[tracking.REWARD_MEAN]:.3f} acc {m[tracking.TRAIN_ACCURACY]:.2f} ent {m[tracking.POLICY_ENTROPY]:.2f} "
+            f"sigma {m[tracking.AQN_SIGMA]:.1e} {m[tracking.ROLLOUT_TOKENS_PER_S]:.0f} tok/s"
         )
         self.progress.update(self.task, advance=1, info=info)
 

@@ -66,6 +66,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from qerl_pipeline import tracking
 from qerl_pipeline.platform import current_platform
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class EngineSleeper:
         self._asleep = True
         if not slept:
             log.warning("engine did not go to sleep (sleep mode off in the engine, or asleep already)")
-        return {"time/sleep_s": self._sleep_s}
+        return {tracking.SLEEP_TIME_S: self._sleep_s}
 
     def after_update(self, adapter_dir: str | Path | None) -> dict:
         """Wake, check the probe, register ``adapter_dir`` (the next rollout's); the step's sleep metrics."""
@@ -193,7 +194,8 @@ class EngineSleeper:
         if adapter_dir is not None:  # None: an engine without LoRA
             repairs += self._check_registered(Path(adapter_dir))
         check_s = self._check_s + time.perf_counter() - t0
-        return {"time/sleep_s": self._sleep_s, "time/wake_s": wake_s, "time/wake_check_s": check_s, "sleep/repairs": repairs}
+        return {tracking.SLEEP_TIME_S: self._sleep_s, tracking.WAKE_TIME_S: wake_s, tracking.WAKE_CHECK_TIME_S: check_s,
+                tracking.SLEEP_REPAIRS: repairs}
 
     def _check_probe(self, woke: Any) -> int:
         prompt, adapter, before = self._probe

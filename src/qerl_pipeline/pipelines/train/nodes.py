@@ -29,6 +29,7 @@ from typing import Any
 from qerl_pipeline.config import SKIPPED_BRANCH, QerlConfig, compare_branch, flatten, validate
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.rl.launch import launch
+from qerl_pipeline.rl.run_setup import Reporting
 from qerl_pipeline.rl.trainer import TrainResult, run_dir_for, train as run_training
 from qerl_pipeline.rollout.pool import shared_engine
 from qerl_pipeline.tracking import REWARD_MEAN, TrainingRun, run_name
@@ -45,21 +46,17 @@ def train_policy(
     train_prompts: list[dict],
     base_model: Any,
     method: str,
-    model: dict,
-    lora: dict,
-    rollout: dict,
-    grpo: dict,
-    aqn: dict,
-    optim: dict,
-    train: dict,
-    reward: dict,
-    data: dict,
     data_report: dict | None = None,
     compare_group: dict | None = None,
     seeds: list[int] | str | None = None,
     methods: list[str] | str | None = None,
+    **sections: dict,
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Train ``method`` on ``train_prompts`` over the base folder, once per seed (module docstring).
+
+    ``sections``: the parameter sections the pipeline wires in by name (``pipeline.SECTIONS``:
+    ``model``, ``lora``, ``rollout``, ``grpo``, ``aqn``, ``optim``, ``train``, ``reward``, ``data``),
+    validated together into the training's ``QerlConfig`` (``train_config``).
 
     A compare branch whose method ``methods`` (``compare.methods``) leaves out trains nothing:
     it logs why and returns no adapter and the summary ``{"method", "skipped", "seeds": [], "runs": []}``
@@ -70,8 +67,6 @@ def train_policy(
     ``quantize/<name>`` metrics), so the run holds what it was trained on. The first output is
     the ``trained_adapters`` dataset's save (PEFT files, trained norms, ``qerl_adapter.json``).
     """
-    sections = dict(model=model, lora=lora, rollout=rollout, grpo=grpo, aqn=aqn, optim=optim, train=train, reward=reward,
-                    data=data)
     if not compare_group:
         adapter, summary = _train_seed(train_config(method, sections), train_prompts, base_model, data_report)
         return {method: adapter}, summary
@@ -80,7 +75,7 @@ def train_policy(
         log.info(skipped)
         return {}, {"method": method, SKIPPED_BRANCH: skipped, "seeds": [], "runs": []}
     adapters, runs = {}, []
-    for seed in seeds if seeds is not None else [int((train or {}).get("seed", 0))]:
+    for seed in seeds if seeds is not None else [int((sections.get("train") or {}).get("seed", 0))]:
         cfg = train_config(method, seeded_sections(sections, seed))
         adapters[f"seed-{seed}"], summary = _train_seed(cfg, train_prompts, base_model, data_report, compare_group, seed)
         runs.append(summary)
@@ -128,9 +123,9 @@ def _train_seed(cfg: QerlConfig, train_prompts: list[dict], base_model: Any, dat
             log.info("compare branch %s seed %d: run folder %s", cfg.method, seed, run_dir_for(cfg, output_dir))
             engine_factory = partial(shared_engine, model_cfg=cfg.model, rollout=cfg.rollout, lora_rank=cfg.lora.rank)
         try:
-            result = run_training(cfg, base_dir, list(train_prompts), make_logger=run.logger,
-                                  dataset_name=dataset_name(cfg), output_dir=output_dir,
-                                  engine_factory=engine_factory, data_report=data_report)
+            reporting = Reporting(make_logger=run.logger, dataset_name=dataset_name(cfg), data_report=data_report)
+            result = run_training(cfg, base_dir, list(train_prompts), output_dir=output_dir, reporting=reporting,
+                                  engine_factory=engine_factory)
         except BaseException as exc:  # a branch's or a resumed run the training opened never stays RUNNING
             run.fail(exc)
             raise

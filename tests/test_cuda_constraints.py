@@ -9,6 +9,7 @@ which CUDA behaviour it stands in for and reads it from torch's or vLLM's own co
 2. ``torch.cuda.is_available()`` without ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` runs ``cuInit``;
    vLLM then forks EngineCore from an initialised driver: torch's CUDA query is made to raise
    when it would call ``cuInit``, and the engine server's start-up runs up to vLLM's import.
+   Where NVML cannot count (MIG slices), torch falls back to that query: vLLM must then spawn.
 3. vLLM replicates RMSNorm weights on every tensor-parallel rank and shards the linears: two
    worker extensions over fake TP=2 model runners take the norm write, and refuse a merge.
 4. NVFP4 layers are served quantized (vLLM renames ``weight_packed`` to ``weight`` and Marlin
@@ -115,7 +116,8 @@ def test_two_ranks_update_in_a_group_whose_cuda_backend_refuses_cpu_tensors(base
 # ------------------------------------------------- 2. no cuInit in the engine server before vLLM
 _FAKE_VLLM = '''
 import os, sys
-STATE = {"nvml_check_at_import": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")}
+STATE = {"nvml_check_at_import": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
+         "start_method_at_import": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")}
 
 class LLM:
     def __init__(self, **kwargs):
@@ -133,14 +135,18 @@ _START = '''
 import json, os, sys
 import torch
 
+NVML_COUNT = int(sys.argv[1])  # what NVML answers: 1 (one GPU), -1 (cannot count: MIG slices, NVML down)
+RUNTIME = sys.argv[2]  # what the runtime query does: "raise" (must not be called) or "count" (one GPU)
 calls = []
-def cu_init(*args):  # what cudaGetDeviceCount does first on a GPU machine
+def cu_init(*args):  # what cudaGetDeviceCount does first on a GPU machine: cuInit, which poisons a later fork
     calls.append("cuInit")
-    raise RuntimeError("cuInit in the engine server before vLLM's import")
+    if RUNTIME == "raise":
+        raise RuntimeError("cuInit in the engine server before vLLM's import")
+    return 1
 
-torch.cuda._is_compiled = lambda: True        # a CUDA build of torch ...
-torch._C._cuda_getDeviceCount = cu_init       # ... whose runtime query initialises the driver
-torch.cuda._device_count_nvml = lambda: 1     # ... on a machine whose NVML sees one GPU
+torch.cuda._is_compiled = lambda: True                # a CUDA build of torch ...
+torch._C._cuda_getDeviceCount = cu_init               # ... whose runtime query initialises the driver
+torch.cuda._device_count_nvml = lambda: NVML_COUNT    # ... on a machine whose NVML answers NVML_COUNT
 from qerl_pipeline.rollout import server
 spec = {"model": "m", "dtype": "auto", "max_model_len": 64, "seed": 0, "enable_lora": False, "enforce_eager": True,
         "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": 0.5, "sleep_between_steps": False}
@@ -156,6 +162,26 @@ print(json.dumps({"outcome": outcome, "calls": calls, "vllm": {k: v for k, v in 
 '''
 
 
+def _start_server_as_on_cuda(tmp_path, nvml_count: int, runtime: str) -> dict:
+    """The engine server's start-up in a child process with torch made a CUDA build (``_START``) and a stand-in
+    ``vllm`` package that records the environment at its import; returns ``_START``'s record."""
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(_FAKE_VLLM)
+    (fake / "platforms.py").write_text(_FAKE_PLATFORMS)
+    drop = ("PYTORCH_NVML_BASED_CUDA_CHECK", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), str(SRC), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _START, str(nvml_count), runtime], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert got["outcome"] == "RuntimeError: reached vLLM's LLM", got
+    assert got["vllm"]["nvml_check_at_import"] == "1"
+    assert got["multiprocessing"] is None and got["backend"] is None  # CUDA: vLLM's own process chain
+    return got
+
+
 def test_engine_server_asks_for_cuda_without_initialising_it_before_vllm(tmp_path):
     """Stands in for a CUDA machine's engine start: ``torch.cuda.is_available()`` without
     ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` calls ``cudaGetDeviceCount``, i.e. ``cuInit``
@@ -164,19 +190,23 @@ def test_engine_server_asks_for_cuda_without_initialising_it_before_vllm(tmp_pat
     Here the runtime query raises, NVML reports one GPU, and a stand-in ``vllm`` package records
     the variable at its import; the server's start-up must reach vLLM's ``LLM`` with it set,
     take the CUDA branch (EngineCore in its own process) and never call the runtime query."""
-    fake = tmp_path / "fake" / "vllm"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(_FAKE_VLLM)
-    (fake / "platforms.py").write_text(_FAKE_PLATFORMS)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_NVML_BASED_CUDA_CHECK", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), str(SRC), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _START], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    got = _start_server_as_on_cuda(tmp_path, nvml_count=1, runtime="raise")
     assert got["calls"] == [], f"the CUDA driver was initialised before vLLM's import: {got['outcome']}"
-    assert got["outcome"] == "RuntimeError: reached vLLM's LLM"
-    assert got["vllm"]["nvml_check_at_import"] == "1"
-    assert got["multiprocessing"] is None and got["backend"] is None  # CUDA: vLLM's own process chain
+    assert got["vllm"]["start_method_at_import"] is None  # NVML answered: vLLM keeps its own choice (fork)
+
+
+def test_engine_server_where_nvml_cannot_count_makes_vllm_spawn(tmp_path):
+    """Stands in for a MIG slice (``CUDA_VISIBLE_DEVICES=MIG-...``) or a machine whose NVML does not start:
+    torch's ``_device_count_nvml`` answers -1 and its NVML-based check falls back to
+    ``_cuda_getDeviceCount()`` (torch/cuda/__init__.py ``device_count``), which runs ``cuInit`` without setting
+    ``is_initialized()``; vLLM's ``_maybe_force_spawn`` (vllm/utils/system_utils.py) would then fork EngineCore
+    from an initialised driver ("Cannot re-initialize CUDA in forked subprocess"). The start-up must reach
+    vLLM with either no runtime query made or ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` set."""
+    got = _start_server_as_on_cuda(tmp_path / "mig", nvml_count=-1, runtime="count")
+    spawn = got["vllm"]["start_method_at_import"] == "spawn"
+    assert got["calls"] == [] or spawn, (
+        f"NVML could not count and the runtime query ran ({got['calls']}) but vLLM was left to fork "
+        f"(VLLM_WORKER_MULTIPROC_METHOD={got['vllm']['start_method_at_import']!r})")
 
 
 # ------------------------------------------- 3, 4. the worker extension under TP and on packed bases

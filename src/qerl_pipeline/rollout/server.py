@@ -34,7 +34,8 @@ no-op that returns False.
 No orphans: every process of an engine dies with the process that created it, SIGKILL
 included. The engine is a chain: owner (trainer, ``kedro run``) -> this server -> vLLM's
 EngineCore -> its Worker(s), all started with ``multiprocessing`` (spawn on CPU, where
-vLLM's CPU platform forces it; fork by default on CUDA, spawn once CUDA is initialized).
+vLLM's CPU platform forces it; fork by default on CUDA, spawn once CUDA is initialized or
+where NVML cannot count the GPUs: ``platform.cuda_present``).
 EngineCore does not watch its parent: vLLM relies on the server to shut it down (EOF from
 a dead owner does that), and when the server dies alone the owner's ``close()`` kills what
 is left of its process group. Killing the owner and the server together (as killing a run's

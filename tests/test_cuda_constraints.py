@@ -13,7 +13,8 @@ which CUDA behaviour it stands in for and reads it from torch's or vLLM's own co
 3. vLLM replicates RMSNorm weights on every tensor-parallel rank and shards the linears: two
    worker extensions over fake TP=2 model runners take the norm write, and refuse a merge.
 4. NVFP4 layers are served quantized (vLLM renames ``weight_packed`` to ``weight`` and Marlin
-   repacks it): a merge into them names the quantization, a read of them is refused.
+   repacks it): a merge or a dense write into them names the quantization (the kind is checked
+   before the shape, which is the kernel's), a read of them is refused.
 """
 
 from __future__ import annotations
@@ -327,6 +328,27 @@ def test_packed_base_merge_and_read_name_the_quantization(tmp_path):
         worker.qerl_read_weights(["model.layers.0.self_attn.v_proj.weight"], str(tmp_path / "x.safetensors"))
     dense, _ = _fake_worker(1)  # the same layer unquantized: its parts are addressable and readable
     assert dense.qerl_param_names()["model.layers.0.self_attn.q_proj.weight"] == "linear"
+
+
+def test_a_dense_write_into_a_packed_layer_names_the_quantization_not_the_shape(tmp_path):
+    """Stands in for ``rollout.sync: merge`` or a weight push aimed at an NVFP4 base served on CUDA: the packed
+    layer's parameter has the kernel's shape (here the fused rows, as the index records it), so a dense ``q_proj``
+    tensor never matches it; the refusal must say the layer is quantized and point at the adapter sync, and
+    nothing in the same file (the norm) may be written."""
+    from safetensors.torch import save_file
+
+    worker, norm = _fake_worker(1, quantized=True)
+    before = norm.weight.data.clone()
+    save_file({NORM: torch.linspace(0.5, 1.5, H), "model.layers.0.self_attn.q_proj.weight": torch.ones(Q, H)},
+              str(tmp_path / "dense.safetensors"))
+    with pytest.raises(NotImplementedError, match=r"q_proj\.weight: served layer is quantized \(_PackedMethod\); write "
+                                                  r"refused: .*rollout\.sync: adapter"):
+        worker.qerl_update_weights(str(tmp_path / "dense.safetensors"))
+    assert torch.equal(norm.weight.data, before)
+    save_file({"model.layers.0.self_attn.q_proj.weight": torch.ones(Q, H + 1)}, str(tmp_path / "odd.safetensors"))
+    dense, _ = _fake_worker(1)  # an unquantized layer still names a wrong shape as such
+    with pytest.raises(ValueError, match=r"shape \(8, 9\) does not match served \(8, 8\)"):
+        dense.qerl_update_weights(str(tmp_path / "odd.safetensors"))
 
 
 def test_tensor_parallel_engines_take_the_lora_as_an_adapter_and_refuse_merges():

@@ -253,15 +253,16 @@ class QerlWorkerExtension:
         unknown = sorted(set(tensors) - set(index))
         if unknown:
             raise KeyError(f"unknown parameter name(s) {unknown[:5]}; the served model has e.g. {sorted(index)[:3]}")
+        # all refusals before the first write (nothing half-applied); the layer's kind before the shape: a packed
+        # layer's parameter has the kernel's shape, so a dense tensor never matches it and the shape says nothing
+        for name in tensors:
+            _refuse_unservable(name, index[name], "write")
         by_module: dict[tuple[int, str], list[tuple[_Target, torch.Tensor]]] = {}
         for name, value in tensors.items():
             target = index[name]
             if tuple(value.shape) != target.shape:
                 raise ValueError(f"{name}: shape {tuple(value.shape)} does not match served {target.shape}")
             by_module.setdefault((id(target.module), target.param), []).append((target, value))
-        for items in by_module.values():  # all refusals before the first write: nothing half-applied
-            target = items[0][0]
-            _refuse_unservable(target.fused_names[0], target, "write")
         is_cpu = current_platform.is_cpu()
         with torch.no_grad():
             for items in by_module.values():

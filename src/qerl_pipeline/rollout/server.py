@@ -290,11 +290,13 @@ class Server:
         self.loras: dict[str, tuple[object, int]] = {}  # path -> (version key, lora id)
         self.next_lora_id = 1
         self.dtype = str(self.llm.llm_engine.model_config.dtype).replace("torch.", "")
+        self.model_runner = self.llm.collective_rpc("qerl_model_runner")[0]  # V1 or V2 (worker_ext.py)
         self.merged: str | None = None  # the adapter folder merged into the served linears (op_merge_adapter)
 
     # ------------------------------------------------------------------ ops
     def info(self) -> dict:
-        return {"startup_s": self.startup_s, "cuda": self.is_cuda, "dtype": self.dtype, "pid": os.getpid()}
+        return {"startup_s": self.startup_s, "cuda": self.is_cuda, "dtype": self.dtype, "pid": os.getpid(),
+                "model_runner": self.model_runner}
 
     def _awake(self) -> dict:
         out = {"was_asleep": self.asleep, "level": self.asleep_level, "reloaded": False, "reapplied": []}

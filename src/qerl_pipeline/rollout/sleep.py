@@ -86,7 +86,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from qerl_pipeline.platform import current_platform
+from qerl_pipeline.memory import release_trainer_cache
 
 log = logging.getLogger(__name__)
 
@@ -160,17 +160,6 @@ def engine_platform(engine: Any, default: str) -> str:
     if "cuda" not in info:
         return default
     return "cuda" if info["cuda"] else "cpu"
-
-
-def release_trainer_cache() -> bool:
-    """``torch.cuda.empty_cache()`` where CUDA is: PyTorch's caching allocator would otherwise keep the update's
-    activation peak reserved in the trainer, and the waking engine could not have it (planner/sizing.py counts this)."""
-    import torch
-
-    if current_platform() != "cuda":
-        return False
-    torch.cuda.empty_cache()
-    return True
 
 
 class EngineSleeper:

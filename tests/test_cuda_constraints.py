@@ -17,11 +17,14 @@ which CUDA behaviour it stands in for and reads it from torch's or vLLM's own co
    before the shape, which is the kernel's), a read of them is refused.
 5. PyTorch's caching allocator keeps a trainer's freed GPU memory from any other process: every
    engine start on CUDA (``open_engine``) releases it first.
+6. pip takes ``torch-2.13.0+cpu`` for ``torch==2.13.0``: ``install.sh`` on a CUDA backend refuses
+   a torch without CUDA (driven with a stub interpreter whose pip installs nothing).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -441,3 +444,52 @@ def test_every_engine_start_on_cuda_first_returns_the_trainers_cached_gpu_memory
     serving.open_engine(cpu, ModelConfig(), rollout=RolloutConfig(), lora_rank=8)
     assert order == ["engine start"]
 
+
+
+# ------------------------------------------------- 6. install.sh on a CUDA backend refuses a torch without CUDA
+_STUB_PYTHON = """#!/usr/bin/env bash
+# pip is recorded, never run; anything else is the real interpreter over a stand-in torch (PYTHONPATH)
+if [[ $1 == -m && $2 == pip ]]; then echo "${*:3}" >> "$(dirname "$0")/../../pip.log"; exit 0; fi
+exec @PYTHON@ "$@"
+"""
+
+
+def _install_with_torch(tmp_path: Path, version: str, cuda: str | None, backend: str) -> tuple[subprocess.CompletedProcess,
+                                                                                               list[str]]:
+    """``bash install.sh`` (the real script, copied) with ``QERL_BACKEND=backend``, over a ``.venv`` whose python runs
+    the real interpreter with a stand-in ``torch`` (``__version__``, ``version.cuda``) and whose pip only records
+    its arguments: nothing is installed. Returns the run and pip's recorded calls."""
+    root = tmp_path / f"{backend}-{version}"
+    (root / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy(ROOT / "install.sh", root / "install.sh")
+    stub = root / ".venv" / "bin" / "python"
+    stub.write_text(_STUB_PYTHON.replace("@PYTHON@", sys.executable))
+    stub.chmod(0o755)
+    fake = root / "fake_torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"__version__ = {version!r}\n\nclass version:\n    cuda = {cuda!r}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QERL_", "PIP_"))}
+    env.update(QERL_BACKEND=backend, QERL_SKIP_RUN="1", PYTHONPATH=str(root / "fake_torch"))
+    proc = subprocess.run(["bash", str(root / "install.sh")], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=tmp_path)
+    log = root / "pip.log"
+    return proc, log.read_text().splitlines() if log.is_file() else []
+
+
+def test_install_on_a_cuda_backend_refuses_a_torch_without_cuda_and_names_the_fix(tmp_path):
+    """Stands in for ``bash install.sh`` on a GPU machine where a find-links folder or a mirror offers
+    ``torch-2.13.0+cpu``: it satisfies ``torch==2.13.0`` (PEP 440 ignores the local version) and vLLM's CUDA build
+    would fail at import. The install must stop right after torch, before the project and vLLM, with a message
+    that names the CUDA wheel index; a CUDA build passes, and on a CPU backend the CPU build is what is wanted."""
+    for version, cuda in (("2.13.0+cpu", None), ("2.13.0", None)):
+        proc, pip = _install_with_torch(tmp_path, version, cuda, "cuda")
+        assert proc.returncode != 0, f"torch {version} (cuda {cuda}) accepted for the cuda backend:\n{proc.stdout}"
+        assert "backend cuda, but the torch in .venv is " + version in proc.stderr
+        assert "--index-url https://download.pytorch.org/whl/cu" in proc.stderr and "QERL_BACKEND=cpu" in proc.stderr
+        assert not any("-e" in call.split() for call in pip), f"the project was installed anyway: {pip}"
+    proc, pip = _install_with_torch(tmp_path, "2.13.0+cu130", "13.0", "cuda")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[install] torch 2.13.0+cu130 (CUDA 13.0)" in proc.stdout
+    assert any(call.split()[-1] == ".[cuda,bench]" for call in pip), pip
+    proc, _ = _install_with_torch(tmp_path, "2.13.0+cpu", None, "cpu")
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -299,7 +299,7 @@ def check_trainer(dry: bool, device: torch.device, work: Path):
     bases = {}
     for fmt in ("nvfp4", "bf16"):
         bases[fmt] = work / f"qwen2-{fmt}"
-        checkpoint.write_base(model, None, fmt, bases[fmt], serving_dtype=torch.bfloat16)
+        checkpoint.write_base(model, None, fmt, bases[fmt])
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

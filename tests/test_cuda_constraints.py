@@ -19,10 +19,13 @@ which CUDA behaviour it stands in for and reads it from torch's or vLLM's own co
    engine start on CUDA (``open_engine``) releases it first.
 6. pip takes ``torch-2.13.0+cpu`` for ``torch==2.13.0``: ``install.sh`` on a CUDA backend refuses
    a torch without CUDA (driven with a stub interpreter whose pip installs nothing).
+7. CUDA serves the packed base itself: quantize writes no dense ``serving/`` copy (61-122 GiB at
+   32B); the CPU engine's copy is decoded from the base on its first use.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -493,3 +496,62 @@ def test_install_on_a_cuda_backend_refuses_a_torch_without_cuda_and_names_the_fi
     assert any(call.split()[-1] == ".[cuda,bench]" for call in pip), pip
     proc, _ = _install_with_torch(tmp_path, "2.13.0+cpu", None, "cpu")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ------------------------------------------------- 7. no dense serving copy where the packed base is served
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+def test_quantize_on_cuda_writes_no_dense_copy_and_the_cpu_engine_decodes_it_on_first_use(tiny_model_dir, tmp_path,
+                                                                                          monkeypatch, fmt):
+    """Stands in for ``kedro run --pipelines=quantize`` on a GPU machine: the platform reports CUDA, where vLLM serves
+    the NVFP4 folder itself and the NF4 base through its bitsandbytes layout (``bnb/``, its shapes from the config,
+    not from a dense copy); a dense ``serving/`` would be a second copy of the model in bf16/fp32 that nothing reads.
+    The same base served on CPU gets ``serving/`` on first use: the codes decoded in float32, the other tensors as
+    stored, its own stamp naming the base, reused untouched by the next engine start."""
+    from safetensors import safe_open
+
+    from qerl_pipeline import platform
+    from qerl_pipeline.config import ModelConfig, QuantizeConfig
+    from qerl_pipeline.quantization import checkpoint, nf4, nvfp4, store
+    from qerl_pipeline.rollout import serving
+    from tests.helpers.files import snapshot
+
+    monkeypatch.setattr(platform, "current_platform", lambda: "cuda")
+    monkeypatch.setattr(platform, "cuda_present", lambda environ=None: True)
+    monkeypatch.setattr(serving, "vllm_has_bitsandbytes", lambda: True)
+    folder = tmp_path / f"base_{fmt}"
+    store.ensure_base(ModelConfig(source="local", name=str(tiny_model_dir)), QuantizeConfig(), fmt, folder)
+    on_cuda = serving.served_model(folder, platform="cuda")
+    assert on_cuda.served_format == {"nvfp4": "nvfp4", "nf4": "nf4-bnb"}[fmt] and not on_cuda.dense
+    assert not checkpoint.serving_dir(folder).exists(), "a dense serving copy was written where the base is served packed"
+    assert "serving/config.json" not in store.read_stamp(folder)["files"]
+
+    on_cpu = serving.served_model(folder, platform="cpu")
+    assert on_cpu.path == checkpoint.serving_dir(folder).resolve() and on_cpu.dense
+    cfg = json.loads((on_cpu.path / "config.json").read_text())
+    assert cfg["dtype"] == "float32" and "quantization_config" not in cfg and "qerl_quantization" not in cfg
+    assert (on_cpu.path / "tokenizer.json").is_file() and not (on_cpu.path / store.STAMP).exists()
+    dense = checkpoint.read_tensors(on_cpu.path)
+    stored = checkpoint.read_tensors(folder)
+    expected = {}
+    for name, tensor in stored.items():
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "weight_packed":
+            codes = (stored[f"{owner}.{s}"] for s in checkpoint.NVFP4_SUFFIXES)
+            expected[f"{owner}.weight"] = nvfp4.decode(*codes, dtype=torch.float32)
+        elif leaf == "weight_nf4":
+            shape = tuple(dense[f"{owner}.weight"].shape)
+            expected[f"{owner}.weight"] = nf4.decode(tensor, stored[f"{owner}.weight_absmax"], shape,
+                                                     nf4.DEFAULT_BLOCKSIZE, dtype=torch.float32)
+        elif leaf not in checkpoint.NVFP4_SUFFIXES + checkpoint.NF4_SUFFIXES:
+            expected[name] = tensor.float()  # stored in bf16, the master precision
+    assert sorted(dense) == sorted(expected)
+    for name, want in expected.items():
+        assert torch.equal(dense[name], want), name
+    with safe_open(str(on_cpu.path / "model.safetensors"), "pt") as fh:
+        assert all(fh.get_slice(k).get_dtype() == "F32" for k in fh.keys())
+    stamp = json.loads((on_cpu.path / store.SERVING_STAMP).read_text())
+    assert stamp["base"] == store.read_stamp(folder)["fingerprint"]["digest"] and stamp["dtype"] == "float32"
+    before = snapshot(on_cpu.path)
+    assert serving.served_model(folder, platform="cpu").path == on_cpu.path
+    assert snapshot(on_cpu.path) == before  # the next engine start reuses it
+

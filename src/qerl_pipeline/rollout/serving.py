@@ -21,6 +21,9 @@ The table (``decide``; paths relative to the base folder ``<base>``)::
 
     (*) when the installed vLLM cannot load bitsandbytes checkpoints (see below).
 
+``<base>/serving`` and ``<base>/bnb`` are written on first use (``store.ensure_serving``,
+``bnb.ensure_bnb_nf4``), each atomically, so a base served packed never gets a dense copy.
+
 Why each row:
 
 * NVFP4 on CUDA: vLLM parses the folder's ``quantization_config`` (compressed-tensors,
@@ -95,6 +98,7 @@ from qerl_pipeline.platform import check as check_platform
 from qerl_pipeline.platform import current_platform
 from qerl_pipeline.quantization import checkpoint
 from qerl_pipeline.quantization.bnb import ensure_bnb_nf4
+from qerl_pipeline.quantization.store import ensure_serving
 from qerl_pipeline.quantization.checkpoint import BNB_SUBDIR, SERVING_SUBDIR
 from qerl_pipeline.rollout.engine import RolloutEngine
 from qerl_pipeline.rollout.kv import kv_bytes_per_token
@@ -237,10 +241,11 @@ def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
 def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | None = None) -> ServedModel:
     """What to serve for the base folder ``base_dir`` on ``platform`` (default: this machine's).
 
-    ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). For NF4 on
-    CUDA the bitsandbytes folder is written on first use (``bnb.ensure_bnb_nf4``,
-    atomically) for bases quantized before it existed. Raises ``FileNotFoundError``
-    naming the quantize command when the base or the served folder is missing.
+    ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). The served folder
+    is written on first use when it is a derived one (module docstring): the dense
+    ``serving/`` copy (``store.ensure_serving``), or for NF4 on CUDA the bitsandbytes folder
+    (``bnb.ensure_bnb_nf4``). Raises ``FileNotFoundError`` naming the quantize command when the
+    base is missing.
     """
 
     base_dir = Path(base_dir)
@@ -258,11 +263,11 @@ def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | N
         )
     decision = decide(actual, platform, bitsandbytes_in_vllm=bnb)
     if decision.served_format == "nf4-bnb":
-        if not (checkpoint.serving_dir(base_dir) / "config.json").is_file():
-            raise _missing(base_dir, actual, f"base {base_dir} has no serving/ folder (needed for the weight shapes)")
         path = ensure_bnb_nf4(base_dir)
+    elif decision.path == Path(SERVING_SUBDIR):
+        path = ensure_serving(base_dir)
     else:
-        path = (base_dir / decision.path) if decision.path != Path(".") else base_dir
+        path = base_dir
     if not (path / "config.json").is_file():
         raise _missing(base_dir, actual, f"base {base_dir} has no {decision.path}/ folder to serve ({decision.served_format})")
     return replace(decision, path=path.resolve())

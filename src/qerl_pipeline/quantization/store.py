@@ -70,6 +70,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qerl_pipeline.atomic import file_manifest, manifest_damage, sha256_file, staged_dir, write_atomic
 from qerl_pipeline.config import ModelConfig, QuantizeConfig, parse
 from qerl_pipeline.models import _gguf_file, load_base_model, resolve_dtype, resolve_source
@@ -458,8 +460,6 @@ def ensure_serving(folder: str | Path) -> Path:
             return out
         log.info("serving copy %s: %s; decoding it again", out, why)
     log.info("writing the dense serving copy of %s (%s) to %s", folder, dtype, out)
-    import torch
-
     try:
         with staged_dir(out, create=False, replace=out.exists(), what="serving copy") as stage:
             checkpoint.write_serving(folder, stage, getattr(torch, dtype))

@@ -43,8 +43,8 @@ write and deterministic given its inputs, so it is written once and reused:
   CUDA without bitsandbytes), never where the base is served packed. It carries its own stamp
   (``serving/qerl_serving.json``: the base's digest, the dtype, its files' sizes and sha256),
   is staged and swapped in whole, and is reused while its stamp names this base and dtype and
-  its files have their sizes (a base written before lazy copies lists ``serving/`` in its own
-  stamp and is reused as it is).
+  its files have their sizes (a ``serving/`` without its own stamp, one the base's stamp lists
+  or one made by hand, is served as it is).
 
 Verification (``quantize.verify``). The sizes catch a truncated or missing file; the hashes
 catch damage at the same size (a garbled safetensors header, garbled weights that would
@@ -441,9 +441,9 @@ def ensure_serving(folder: str | Path) -> Path:
     """``<folder>/serving``, the dense copy of the base ``folder``, written first when it is not there or stale.
 
     The dtype is the base stamp's ``serving_dtype`` (float32 for a folder without a stamp). Reused
-    when it has no own stamp but config.json (written with the base: the base's stamp covers it),
-    or when its stamp names this base's digest and dtype and every file has its size. Written into
-    a stage swapped in whole; a copy another process finished meanwhile is kept."""
+    when it has config.json and no stamp of its own (then the base's stamp lists it, or it was made
+    by hand), or when its stamp names this base's digest and dtype and every file has its size.
+    Written into a stage swapped in whole; a copy another process finished meanwhile is kept."""
     folder = Path(folder)
     out = checkpoint.serving_dir(folder)
     base = read_stamp(folder)

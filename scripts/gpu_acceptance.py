@@ -300,7 +300,7 @@ def check_trainer(dry: bool, device: torch.device, work: Path):
     bases = {}
     for fmt in ("nvfp4", "bf16"):
         bases[fmt] = work / f"qwen2-{fmt}"
-        checkpoint.write_base(model, None, fmt, bases[fmt], serving_dtype=torch.bfloat16)
+        checkpoint.write_base(model, None, fmt, bases[fmt])
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -581,7 +581,7 @@ class EngineChecks:
         ok = info.get("cuda") is True and len(kids) >= 1 and self.engine.alive()
         detail = (f"VLLM_ENABLE_V1_MULTIPROCESSING=1: engine server pid {self.engine.pid} with {len(kids)} child "
                   f"process(es) (EngineCore), started in {start_s:.1f}s, served {self.served.served_format} "
-                  f"{info.get('dtype')} on cuda={info.get('cuda')}")
+                  f"{info.get('dtype')} on cuda={info.get('cuda')}, model runner {info.get('model_runner')}")
         if not ok:
             detail = "expected a CUDA engine with its EngineCore in a child process | " + detail
         return ("PASS" if ok else "FAIL"), detail, {"start_s": start_s, "children": len(kids), "child_cmdlines": names,

@@ -119,11 +119,11 @@ def test_half_written_or_damaged_folder_is_rewritten(model, tmp_path, caplog):
     assert rewritten(before, snapshot(folder))
     assert any("no fingerprint file (qerl_base.json)" in m for m in _messages(caplog))
     # a weight file cut short under a valid stamp
-    with (folder / "serving" / "model.safetensors").open("r+b") as fh:
+    with (folder / "model.safetensors").open("r+b") as fh:
         fh.truncate(100)
     caplog.clear()
     assert not store.ensure_base(model, QuantizeConfig(), "nf4", folder)[2]
-    assert any("damaged folder: serving/model.safetensors: size mismatch: 100 bytes" in m for m in _messages(caplog))
+    assert any("damaged folder: model.safetensors: size mismatch: 100 bytes" in m for m in _messages(caplog))
     assert store.ensure_base(model, QuantizeConfig(), "nf4", folder)[2]
     # a stamp that is not JSON
     (folder / store.STAMP).write_text("{not json")

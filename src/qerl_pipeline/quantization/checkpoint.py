@@ -1,4 +1,4 @@
-"""Writing and reading each method's base checkpoint (NVFP4, NF4, BF16) plus its dense serving copy.
+"""Writing and reading each method's base checkpoint (NVFP4, NF4, BF16), and its dense serving copy.
 
 Layout of ``data/06_models/base_<format>/`` (a Hugging Face model folder):
 
@@ -28,8 +28,11 @@ Design choices:
   (exactly what llmcompressor does with a model loaded in bf16, the golden files' recipe),
   and the ``lora`` baseline's base is the bf16 model. The three methods therefore start
   from the same numbers, and the only difference between them is the 4-bit format.
-* ``serving/`` inside each base folder is a plain dense HF folder decoded from the very
-  same codes (float32 on CPU), for engines without a kernel for the format (vLLM on CPU).
+* ``serving/`` (``write_serving``) is a plain dense HF folder decoded from the base folder's
+  own codes (float32 on CPU), for engines without a kernel for the format (vLLM on CPU). The
+  base writers do not write it: where the base is served packed (NVFP4, bitsandbytes NF4 on
+  CUDA) it would be a second, dense copy of the model (61 GiB in bf16 at 32B) that nothing
+  reads; ``quantization.store.ensure_serving`` writes it on first use (rollout/serving.py).
   The training policy decodes the same codes the same way, so rollouts and training see
   numerically the same base.
 * Safetensors are written in shards of at most ``MAX_SHARD_BYTES`` while iterating over
@@ -37,8 +40,8 @@ Design choices:
   base is built in a stage and swapped in (``atomic.staged_dir``), and ``write_base`` writes
   into a folder its caller stages.
 * ``nvfp4_algorithm: awq | gptq`` runs llmcompressor's calibrated quantization (the paper's
-  text) and takes its compressed checkpoint as the base; we then add ``serving/`` and the
-  statistics exactly as for RTN. RTN (default) is our own codec, bit-exact with llmcompressor.
+  text) and takes its compressed checkpoint as the base; we then add the statistics exactly
+  as for RTN. RTN (default) is our own codec, bit-exact with llmcompressor.
 """
 
 from __future__ import annotations
@@ -201,7 +204,7 @@ def base_format(folder: Path) -> str:
 
 
 def serving_dir(base_dir: Path) -> Path:
-    """The dense folder decoded from the base's codes (what vLLM on CPU serves)."""
+    """The dense folder decoded from the base's codes (what vLLM on CPU serves; written on first use)."""
     return Path(base_dir) / SERVING_SUBDIR
 
 
@@ -300,10 +303,9 @@ def write_base(
     *,
     ignore: Iterable[str] = ("lm_head",),
     nf4_blocksize: int = nf4.DEFAULT_BLOCKSIZE,
-    serving_dtype: torch.dtype = torch.float32,
     progress: bool = False,
 ) -> dict:
-    """Quantize ``model`` to ``fmt`` (RTN) and write ``out_dir`` (+ ``serving/``); returns statistics.
+    """Quantize ``model`` to ``fmt`` (RTN) and write ``out_dir`` (no ``serving/``: ``write_serving``); statistics.
 
     ``out_dir`` must not exist yet (callers write to a fresh temporary folder and move it).
     The statistics: per-layer relative reconstruction error vs the given model's weights,
@@ -340,29 +342,12 @@ def write_base(
         tokenizer.save_pretrained(out_dir)
 
     layers = []
-    serving = out_dir / SERVING_SUBDIR
-    serving.mkdir()
-
-    def serving_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in model.state_dict().items():
-            if name in tied:
-                continue
-            owner = name.rpartition(".")[0]
-            if owner in codes and name.endswith(".weight"):
-                dense = codes[owner].decode(torch.float32)
-            elif tensor.is_floating_point():
-                dense = tensor.detach().to(BASE_DTYPE).to(torch.float32)
-            else:
-                yield name, tensor
-                continue
-            if owner in mods and isinstance(mods[owner], torch.nn.Linear) and name.endswith(".weight"):
-                layers.append(_layer_stats(owner, tensor, dense, codes.get(owner)))
-            yield name, dense.to(serving_dtype)
-
-    write_safetensors(serving_tensors(), serving)
-    _save_config(model, serving, serving_dtype)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(serving)
+    for name, tensor in model.state_dict().items():
+        owner = name.rpartition(".")[0]
+        if name in tied or not name.endswith(".weight") or not isinstance(mods.get(owner), torch.nn.Linear):
+            continue
+        dense = codes[owner].decode(torch.float32) if owner in codes else tensor.detach().to(BASE_DTYPE).to(torch.float32)
+        layers.append(_layer_stats(owner, tensor, dense, codes.get(owner)))
     return summarize(fmt, layers, out_dir)
 
 
@@ -397,13 +382,12 @@ def summarize(fmt: str, layers: list[dict], out_dir: Path) -> dict:
         "rel_error_mean": sum(errors) / len(errors),
         "rel_error_max": max(errors),
         "checkpoint_bytes": folder_bytes(out_dir),
-        "serving_bytes": folder_bytes(serving_dir(out_dir), exclude=()),
     }
 
 
 # ----------------------------------------------------------------------------- calibrated
 def calibrated_nvfp4_base(model, tokenizer, out_dir: Path, *, algorithm: str, texts: list[str], ignore: list[str],
-                          max_seq_len: int = 512, serving_dtype: torch.dtype = torch.float32) -> dict:
+                          max_seq_len: int = 512) -> dict:
     """NVFP4 through llmcompressor's AWQ or GPTQ with ``texts`` as calibration data.
 
     llmcompressor modifies ``model`` in place (AWQ smooths and rescales weights), so the
@@ -446,22 +430,90 @@ def calibrated_nvfp4_base(model, tokenizer, out_dir: Path, *, algorithm: str, te
         model.save_pretrained(stage, save_compressed=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(stage)
-        # Serving copy and statistics from the codes llmcompressor wrote.
-        tensors = read_tensors(stage)
-        layers, serving_sd = [], {}
-        for key, tensor in tensors.items():
-            owner, _, leaf = key.rpartition(".")
-            if leaf == "weight_packed":
-                code = nvfp4.NVFP4Weight(*(tensors[f"{owner}.{s}"] for s in NVFP4_SUFFIXES))
-                dense = code.decode(torch.float32)
-                layers.append(_layer_stats(owner, original[owner], dense, code))
-                serving_sd[f"{owner}.weight"] = dense.to(serving_dtype)
-            elif leaf not in NVFP4_SUFFIXES:
-                serving_sd[key] = tensor.to(serving_dtype) if tensor.is_floating_point() else tensor
-        serving = serving_dir(stage)
-        serving.mkdir()
-        write_safetensors(serving_sd.items(), serving)
-        _save_config(model, serving, serving_dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(serving)
+        # Statistics from the codes llmcompressor wrote.
+        layers = [_layer_stats(owner, original[owner], code.decode(torch.float32), code)
+                  for owner, code in iter_codes(stage) if isinstance(code, nvfp4.NVFP4Weight)]
         return summarize("nvfp4", layers, stage)
+
+
+# ----------------------------------------------------------------------------- reading codes, the serving copy
+def empty_model(base_dir: Path, dtype: torch.dtype):
+    """The model class of the base folder ``base_dir`` built from its config.json on the meta device (no memory,
+    no weights; its quantization entries left out): the shapes of every module."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_dir)
+    for attr in ("quantization_config", "qerl_quantization"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def iter_codes(base_dir: Path) -> Iterator[tuple[str, torch.Tensor | nvfp4.NVFP4Weight | nf4.NF4Weight]]:
+    """The base folder's tensors one at a time, each quantized linear as one code object.
+
+    Yields ``(tensor name, tensor)`` for every stored tensor that is not part of a code, and
+    ``(linear name, NVFP4Weight | NF4Weight)`` once all of a linear's code tensors were read (the
+    shape of an NF4 linear, which its flat codes do not hold, from ``empty_model``)."""
+    base_dir = Path(base_dir)
+    fmt = base_format(base_dir)
+    suffixes = {"nvfp4": NVFP4_SUFFIXES, "nf4": NF4_SUFFIXES}.get(fmt, ())
+    shapes: dict[str, tuple[int, ...]] = {}
+    blocksize = nf4.DEFAULT_BLOCKSIZE
+    if fmt == "nf4":
+        blocksize = int(json.loads((base_dir / "config.json").read_text())["qerl_quantization"].get("blocksize", blocksize))
+        shapes = {n: tuple(m.weight.shape) for n, m in empty_model(base_dir, BASE_DTYPE).named_modules()
+                  if isinstance(m, torch.nn.Linear)}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_tensors(base_dir):
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in suffixes:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(owner, {})
+        parts[leaf] = tensor
+        if len(parts) < len(suffixes):
+            continue
+        del pending[owner]
+        if fmt == "nvfp4":
+            yield owner, nvfp4.NVFP4Weight(*(parts[s] for s in NVFP4_SUFFIXES))
+        elif owner not in shapes:
+            raise KeyError(f"{base_dir}: NF4 codes for {owner}, which the model of its config.json has no linear for")
+        else:
+            yield owner, nf4.NF4Weight(parts["weight_nf4"], parts["weight_absmax"], shapes[owner], blocksize)
+    if pending:
+        raise ValueError(f"{base_dir}: incomplete {fmt} tensors for {sorted(pending)[:5]}")
+
+
+def write_serving(base_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> None:
+    """Write the dense HF folder of the base ``base_dir`` to ``out_dir`` (must not exist) in ``dtype``.
+
+    Every quantized linear is its codes decoded in float32 (``iter_codes``; what the training
+    policy computes with), every other tensor the stored bf16 value; both then cast to
+    ``dtype``. config.json is the base's without its quantization entries; the tokenizer and
+    generation files are copied (not our own ``qerl_*`` records).
+    """
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    out_dir.mkdir(parents=True)
+
+    def dense() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in iter_codes(base_dir):
+            if isinstance(value, torch.Tensor):
+                yield name, value.to(torch.float32).to(dtype) if value.is_floating_point() else value
+            else:
+                yield f"{name}.weight", value.decode(torch.float32).to(dtype)
+
+    write_safetensors(dense(), out_dir)
+    cfg = json.loads((base_dir / "config.json").read_text())
+    for key in ("quantization_config", "qerl_quantization"):
+        cfg.pop(key, None)
+    for key in ("dtype", "torch_dtype"):  # transformers 5 writes the first, older writers the second
+        if key in cfg or key == "dtype":
+            cfg[key] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for p in base_dir.iterdir():
+        if p.is_file() and not p.name.startswith("qerl_") and not p.name.endswith(".safetensors") \
+                and p.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(p, out_dir / p.name)

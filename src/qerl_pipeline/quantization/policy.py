@@ -351,7 +351,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def load_base(base_dir: Path, fmt: Format, *, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
     """The base model of ``base_dir`` with packed linears (no LoRA yet), frozen, on ``device``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     base_dir = Path(base_dir)
     actual = checkpoint.base_format(base_dir)
@@ -361,16 +361,9 @@ def load_base(base_dir: Path, fmt: Format, *, dtype: torch.dtype, device: str = 
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
         model.requires_grad_(False)
         return model
-    from accelerate import init_empty_weights
-
     raw = json.loads((base_dir / "config.json").read_text())
     blocksize = raw.get("qerl_quantization", {}).get("blocksize", nf4.DEFAULT_BLOCKSIZE)
-    config = AutoConfig.from_pretrained(base_dir)
-    for attr in ("quantization_config", "qerl_quantization"):
-        if hasattr(config, attr):
-            delattr(config, attr)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = checkpoint.empty_model(base_dir, dtype)
     suffixes = checkpoint.NVFP4_SUFFIXES if fmt == "nvfp4" else checkpoint.NF4_SUFFIXES
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in checkpoint.iter_tensors(base_dir):

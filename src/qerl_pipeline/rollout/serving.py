@@ -21,6 +21,9 @@ The table (``decide``; paths relative to the base folder ``<base>``)::
 
     (*) when the installed vLLM cannot load bitsandbytes checkpoints (see below).
 
+``<base>/serving`` and ``<base>/bnb`` are written on first use (``store.ensure_serving``,
+``bnb.ensure_bnb_nf4``), each atomically, so a base served packed never gets a dense copy.
+
 Why each row:
 
 * NVFP4 on CUDA: vLLM parses the folder's ``quantization_config`` (compressed-tensors,
@@ -89,11 +92,13 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.config import METHOD_SPECS, ModelConfig, parse
+from qerl_pipeline.memory import release_trainer_cache
 from qerl_pipeline.models import resolve_dtype
 from qerl_pipeline.platform import check as check_platform
 from qerl_pipeline.platform import current_platform
 from qerl_pipeline.quantization import checkpoint
 from qerl_pipeline.quantization.bnb import ensure_bnb_nf4
+from qerl_pipeline.quantization.store import ensure_serving
 from qerl_pipeline.quantization.checkpoint import BNB_SUBDIR, SERVING_SUBDIR
 from qerl_pipeline.rollout.engine import RolloutEngine
 from qerl_pipeline.rollout.kv import kv_bytes_per_token
@@ -236,10 +241,11 @@ def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
 def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | None = None) -> ServedModel:
     """What to serve for the base folder ``base_dir`` on ``platform`` (default: this machine's).
 
-    ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). For NF4 on
-    CUDA the bitsandbytes folder is written on first use (``bnb.ensure_bnb_nf4``,
-    atomically) for bases quantized before it existed. Raises ``FileNotFoundError``
-    naming the quantize command when the base or the served folder is missing.
+    ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). The served folder
+    is written on first use when it is a derived one (module docstring): the dense
+    ``serving/`` copy (``store.ensure_serving``), or for NF4 on CUDA the bitsandbytes folder
+    (``bnb.ensure_bnb_nf4``). Raises ``FileNotFoundError`` naming the quantize command when the
+    base is missing.
     """
 
     base_dir = Path(base_dir)
@@ -257,11 +263,11 @@ def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | N
         )
     decision = decide(actual, platform, bitsandbytes_in_vllm=bnb)
     if decision.served_format == "nf4-bnb":
-        if not (checkpoint.serving_dir(base_dir) / "config.json").is_file():
-            raise _missing(base_dir, actual, f"base {base_dir} has no serving/ folder (needed for the weight shapes)")
         path = ensure_bnb_nf4(base_dir)
+    elif decision.path == Path(SERVING_SUBDIR):
+        path = ensure_serving(base_dir)
     else:
-        path = (base_dir / decision.path) if decision.path != Path(".") else base_dir
+        path = base_dir
     if not (path / "config.json").is_file():
         raise _missing(base_dir, actual, f"base {base_dir} has no {decision.path}/ folder to serve ({decision.served_format})")
     return replace(decision, path=path.resolve())
@@ -287,13 +293,17 @@ def engine_dtype(model_cfg: Any, platform: str | None = None, served: ServedMode
 
 
 def served_tags(served: ServedModel, engine: Any) -> dict[str, str]:
-    """MLflow tags of an engine start: ``rollout.served_format`` and ``rollout.served_dtype``.
+    """MLflow tags of an engine start: ``rollout.served_format``, ``rollout.served_dtype`` and, where the engine
+    reports it, ``rollout.model_runner`` (vLLM's runner class: V1 on vLLM-CPU, V2 by default on CUDA).
 
     The dtype is the one vLLM actually uses (``engine.info["dtype"]``, reported by the engine
     process), not the one asked for.
     """
     info = getattr(engine, "info", None) or {}
-    return {"rollout.served_format": served.served_format, "rollout.served_dtype": str(info.get("dtype", "unknown"))}
+    tags = {"rollout.served_format": served.served_format, "rollout.served_dtype": str(info.get("dtype", "unknown"))}
+    if info.get("model_runner"):
+        tags["rollout.model_runner"] = str(info["model_runner"])
+    return tags
 
 
 #: vLLM accepts only these max_lora_rank values; a smaller adapter rank fits under the next one.
@@ -327,7 +337,9 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
     engine is started (the caller closes it, or uses it as a context manager). ``kv_need``:
     ``(sequences, tokens per sequence)`` a CPU engine's KV cache must hold at once (the
     trainer's step); without it, or with ``rollout.cpu_kv_cache_gib`` set, that many GiB
-    (default ``DEFAULT_CPU_KV_CACHE_GIB``). CUDA: ``rollout.gpu_memory_utilization`` decides.
+    (default ``DEFAULT_CPU_KV_CACHE_GIB``). CUDA: ``rollout.gpu_memory_utilization`` decides, and this process's
+    cached GPU memory is released first (``memory.release_trainer_cache``: vLLM's start checks the GPU's free
+    memory, which a previous compare branch's trainer would otherwise still hold).
     """
 
     mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
@@ -343,6 +355,7 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
             config = json.loads((Path(served.path) / "config.json").read_text())
             extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, dtype, sequences=kv_need[0],
                                                                 tokens_per_sequence=kv_need[1], max_model_len=length)
+    release_trainer_cache(collect=True)  # a no-op off CUDA
     return RolloutEngine(
         served.path, max_model_len=length, enable_lora=lora_rank is not None,
         max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else 16,

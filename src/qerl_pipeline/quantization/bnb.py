@@ -22,8 +22,8 @@ from safetensors import safe_open
 
 from qerl_pipeline.atomic import staged_dir
 from qerl_pipeline.quantization import nf4
-from qerl_pipeline.quantization.checkpoint import (BASE_DTYPE, BNB_SUBDIR, NF4_SUFFIXES, base_format, iter_tensors,
-                                                   safetensor_files, serving_dir, write_safetensors)
+from qerl_pipeline.quantization.checkpoint import (BASE_DTYPE, BNB_SUBDIR, base_format, iter_tensors, safetensor_files,
+                                                   serving_dir, write_safetensors)
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
     """
     base_dir = Path(base_dir)
     out_dir = Path(out_dir) if out_dir is not None else bnb_dir(base_dir)
-    if base_format(base_dir) != "nf4":
+    if base_format(base_dir) != nf4.CODEC.name:
         raise ValueError(f"{base_dir}: not an NF4 base (format {base_format(base_dir)!r})")
     cfg = json.loads((base_dir / "config.json").read_text())
     meta = cfg.pop("qerl_quantization")
@@ -121,7 +121,7 @@ def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in iter_tensors(base_dir):
             owner, _, leaf = name.rpartition(".")
-            if leaf not in NF4_SUFFIXES:
+            if leaf not in nf4.CODEC.suffixes:
                 yield name, tensor
                 continue
             if owner == "lm_head" or owner.endswith(".lm_head"):
@@ -129,7 +129,7 @@ def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
                                  "keep the output head dense: quantize with lm_head in quantize.ignore")
             parts = pending.setdefault(owner, {})
             parts[leaf] = tensor
-            if len(parts) == len(NF4_SUFFIXES):
+            if len(parts) == len(nf4.CODEC.suffixes):
                 del pending[owner]
                 shape = shapes.get(f"{owner}.weight")
                 if shape is None:

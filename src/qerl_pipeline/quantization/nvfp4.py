@@ -33,6 +33,13 @@ their dtype behaviour, so that our codes equal theirs bit for bit
 
 Everything is vectorised; no Triton, no CUDA needed. Nothing here is copied from
 compressed-tensors: the rules are re-derived from its behaviour and the NVFP4 definition.
+
+``CODEC`` is the format as the rest of the project sees it (``quantization/codec.py``): the
+compressed-tensors ``nvfp4-pack-quantized`` checkpoint (``weight_packed``, ``weight_scale``,
+``weight_global_scale`` per linear; a linear whose in_features is not a multiple of 16 stays
+dense and is listed in ``ignore``), the calibrated path through llmcompressor's ``NVFP4A16``
+preset (``quantize.nvfp4_algorithm: awq | gptq``), and on CUDA vLLM's
+``CompressedTensorsW4A4Fp4(use_a16=True)`` scheme (rollout/serving.py says which kernel).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from qerl_pipeline.quantization.codec import CompressedTensorsCodec, Served, register
 
 #: Magnitudes of the 8 E2M1 codes (index = low 3 bits of a nibble; bit 3 is the sign).
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
@@ -276,3 +285,49 @@ def relative_error(weight: torch.Tensor, dense: torch.Tensor) -> float:
     if denom == 0:
         return float(torch.linalg.vector_norm(d))
     return float(torch.linalg.vector_norm(w - d) / denom)
+
+
+# ----------------------------------------------------------------------------- the codec
+#: compressed-tensors' format name and weight arguments of NVFP4A16 (weights only, group 16, FP8 scales)
+CT_FORMAT = "nvfp4-pack-quantized"
+CT_WEIGHTS = {
+    "actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP_SIZE, "num_bits": 4,
+    "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
+    "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None,
+}
+
+
+class NVFP4Codec(CompressedTensorsCodec):
+    """NVFP4A16 as the project stores, trains on and serves it (module docstring)."""
+
+    name = "nvfp4"
+    label = "NVFP4"
+    suffixes = ("weight_packed", "weight_scale", "weight_global_scale")
+    group_size = GROUP_SIZE
+    buffers = {"weight_packed": "packed", "weight_scale": "scale_bits", "weight_global_scale": "gs_bits"}
+    settings = ("ignore", "nvfp4_algorithm")
+    max_rel_error = 0.15
+    calibration_scheme = "NVFP4A16"
+    ct_format, ct_weights = CT_FORMAT, CT_WEIGHTS
+    cuda = Served(".", "nvfp4", False, {"quantization": "compressed-tensors"}, activations_16bit=True,
+                  scheme="CompressedTensorsW4A4Fp4(use_a16=True)")
+
+    def encode(self, weight, settings):
+        return encode(weight).state_dict()
+
+    def encode_linears(self, weights, settings, progress=False):
+        return {n: code.state_dict() for n, code in encode_linears(weights, progress=progress).items()}
+
+    def decode(self, tensors, shape, dtype, params):
+        return decode(tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"], dtype=dtype)
+
+    def tensor_specs(self, n_out, n_in, params):
+        return {"weight_packed": ((n_out, n_in // 2), torch.uint8),
+                "weight_scale": ((n_out, n_in // GROUP_SIZE), torch.float8_e4m3fn),
+                "weight_global_scale": ((1,), torch.float32)}
+
+    def algorithm(self, settings):
+        return settings.get("nvfp4_algorithm", "rtn")
+
+
+CODEC = register(NVFP4Codec())

@@ -1,4 +1,4 @@
-"""What every vLLM engine start serves for a base: one decision, from the base format and the platform.
+"""What every vLLM engine start serves for a base: one decision, from the base format's codec and the platform.
 
 QeRL's rollout speed-up comes from vLLM decoding with the NVFP4 weights themselves: each
 decode step reads 4.5 bits a weight instead of 16 (decoding is memory-bound). Serving the
@@ -7,7 +7,8 @@ the QLoRA baseline's rollouts would likewise never pay what bitsandbytes NF4 cos
 trainer, the evaluation, the comparison and the benchmark all start their engines through
 ``served_model`` and nothing else.
 
-The table (``decide``; paths relative to the base folder ``<base>``)::
+Each row is the format's codec's (``Codec.served``, ``quantization/codec.py``); for the built-in
+formats (``decide``; paths relative to the base folder ``<base>``)::
 
     base   platform  served folder   served_format        dense  extra vllm.LLM args
     nvfp4  cuda      <base>          nvfp4                no     quantization="compressed-tensors"
@@ -15,11 +16,13 @@ The table (``decide``; paths relative to the base folder ``<base>``)::
                                                                  load_format="bitsandbytes"
     nf4    cuda (*)  <base>/serving  dense-decoded-nf4    yes    -
     bf16   cuda      <base>          bf16                 yes    -
-    nvfp4  cpu       <base>/serving  dense-decoded-nvfp4  yes    -
-    nf4    cpu       <base>/serving  dense-decoded-nf4    yes    -
+    <fmt>  cpu       <base>/serving  dense-decoded-<fmt>  yes    -   (every quantized format)
     bf16   cpu       <base>/serving  bf16                 yes    -
 
     (*) when the installed vLLM cannot load bitsandbytes checkpoints (see below).
+
+A registered format without a vLLM scheme of its own (``Codec.cuda`` None) is served as the
+dense decoded copy on CUDA too.
 
 Why each row:
 
@@ -53,7 +56,8 @@ tensors can be written, and adapters go to vLLM as ``LoRARequest``.
 
 Engine dtype (``engine_dtype``): ``model.dtype`` as ``models.resolve_dtype`` reads it
 (``auto``: float32 on CPU, bfloat16 on CUDA). vLLM's NVFP4 W4A16 kernels take 16-bit
-activations only, so a float32 engine on the packed NVFP4 base is refused here.
+activations only (``Served.activations_16bit``), so a float32 engine on the packed NVFP4 base
+is refused here.
 
 How the trained policy reaches the engine each step (``resolve_sync``): ``rollout.sync:
 auto`` merges on CPU (``W + scale * B @ A`` written into the dense served linears by the
@@ -84,6 +88,7 @@ import importlib.util
 import json
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -92,9 +97,9 @@ from qerl_pipeline.config import METHOD_SPECS, ModelConfig, parse
 from qerl_pipeline.models import resolve_dtype
 from qerl_pipeline.platform import check as check_platform
 from qerl_pipeline.platform import current_platform
-from qerl_pipeline.quantization import checkpoint
+from qerl_pipeline.quantization import checkpoint, formats
 from qerl_pipeline.quantization.bnb import ensure_bnb_nf4
-from qerl_pipeline.quantization.checkpoint import BNB_SUBDIR, SERVING_SUBDIR
+from qerl_pipeline.quantization.checkpoint import BNB_SUBDIR
 from qerl_pipeline.rollout.engine import RolloutEngine
 from qerl_pipeline.rollout.kv import kv_bytes_per_token
 from qerl_pipeline.rollout.layout import tensor_parallel_args
@@ -102,11 +107,8 @@ from qerl_pipeline.rollout.server import DEFAULT_CPU_KV_CACHE_BYTES
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("nvfp4", "nf4", "bf16")
-#: The vLLM plugin that registers bitsandbytes with vLLM >= 0.32 (in-tree support was removed).
-BNB_PLUGIN = "vllm-bnb-plugin"
-BNB_ENGINE_ARGS = {"quantization": "bitsandbytes", "load_format": "bitsandbytes"}
-NVFP4_ENGINE_ARGS = {"quantization": "compressed-tensors"}
+#: Folders a served row may name besides the base and ``serving/``: written from the base on first use.
+DERIVED_FOLDERS = {BNB_SUBDIR: ensure_bnb_nf4}
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,8 @@ class ServedModel:
     ``decide`` returns, absolute from ``served_model``); ``served_format``: the tag logged
     as ``rollout.served_format``; ``dense``: plain dense linears (dense writes possible);
     ``engine_args``: extra ``vllm.LLM`` keyword arguments; ``base_format`` and
-    ``platform``: what the decision was made from.
+    ``platform``: what the decision was made from; ``activations_16bit``: the served kernel
+    takes 16-bit activations only; ``note``: a fallback said at WARNING when it is served.
     """
 
     path: Path
@@ -126,33 +129,21 @@ class ServedModel:
     engine_args: dict[str, Any] = field(default_factory=dict)
     base_format: str = ""
     platform: str = ""
+    activations_16bit: bool = False
+    note: str = ""
 
 
-def _check(fmt: str, platform: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown base format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    check_platform(platform)
+def decide(fmt: str, platform: str, *, vllm_features: Collection[str] = ()) -> ServedModel:
+    """The format's served row on ``platform`` (the table of the module docstring; pure; ``path`` relative to the base).
 
-
-def decide(fmt: str, platform: str, *, bitsandbytes_in_vllm: bool = False) -> ServedModel:
-    """The table of the module docstring (pure; ``path`` relative to the base folder).
-
-    ``bitsandbytes_in_vllm``: whether the vLLM that will serve can load bitsandbytes
-    checkpoints (``vllm_has_bitsandbytes()``); it only matters for NF4 on CUDA.
+    ``vllm_features``: the optional capabilities of the vLLM that will serve (``vllm_features()``:
+    ``bitsandbytes``, which only NF4 on CUDA needs).
     """
-
-    _check(fmt, platform)
-    serving = Path(SERVING_SUBDIR)
-    if platform == "cpu":
-        tag = "bf16" if fmt == "bf16" else f"dense-decoded-{fmt}"
-        return ServedModel(serving, tag, True, {}, fmt, platform)
-    if fmt == "nvfp4":
-        return ServedModel(Path("."), "nvfp4", False, dict(NVFP4_ENGINE_ARGS), fmt, platform)
-    if fmt == "nf4":
-        if bitsandbytes_in_vllm:
-            return ServedModel(Path(BNB_SUBDIR), "nf4-bnb", False, dict(BNB_ENGINE_ARGS), fmt, platform)
-        return ServedModel(serving, "dense-decoded-nf4", True, {}, fmt, platform)
-    return ServedModel(Path("."), "bf16", True, {}, fmt, platform)
+    codec = formats.get(fmt)
+    check_platform(platform)
+    row = codec.served(platform, vllm_features)
+    return ServedModel(Path(row.path), row.tag, row.dense, dict(row.engine_args), fmt, platform, row.activations_16bit,
+                       row.note)
 
 
 SYNC_MODES = ("auto", "adapter", "merge")
@@ -226,6 +217,11 @@ def vllm_has_bitsandbytes() -> bool:
     return any(ep.name == "bitsandbytes" for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
 
 
+def vllm_features() -> frozenset[str]:
+    """The optional vLLM capabilities a codec's CUDA row may need (``Codec.cuda_needs``), as installed here."""
+    return frozenset({"bitsandbytes"} if vllm_has_bitsandbytes() else ())
+
+
 def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
     method = next((m for m, spec in METHOD_SPECS.items() if spec.format == fmt), "<method>")  # the first on that format
     return FileNotFoundError(
@@ -236,9 +232,9 @@ def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
 def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | None = None) -> ServedModel:
     """What to serve for the base folder ``base_dir`` on ``platform`` (default: this machine's).
 
-    ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). For NF4 on
-    CUDA the bitsandbytes folder is written on first use (``bnb.ensure_bnb_nf4``,
-    atomically) for bases quantized before it existed. Raises ``FileNotFoundError``
+    ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). A served folder
+    derived from the base (``DERIVED_FOLDERS``: NF4's bitsandbytes layout on CUDA) is written on
+    first use (atomically), also for bases quantized before it existed. Raises ``FileNotFoundError``
     naming the quantize command when the base or the served folder is missing.
     """
 
@@ -249,17 +245,14 @@ def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | N
     if fmt is not None and fmt != actual:
         raise ValueError(f"{base_dir} holds a {actual!r} base, not {fmt!r}")
     platform = platform or current_platform()
-    bnb = actual == "nf4" and platform == "cuda" and vllm_has_bitsandbytes()
-    if actual == "nf4" and platform == "cuda" and not bnb:
-        log.warning(
-            "NF4 base served dense on CUDA (dense-decoded-nf4): this vLLM has no bitsandbytes support "
-            "(vLLM >= 0.32 needs `pip install %s`); QLoRA rollouts then run at BF16 speed", BNB_PLUGIN,
-        )
-    decision = decide(actual, platform, bitsandbytes_in_vllm=bnb)
-    if decision.served_format == "nf4-bnb":
+    decision = decide(actual, platform, vllm_features=vllm_features() if platform == "cuda" else ())
+    if decision.note:
+        log.warning("%s", decision.note)
+    writer = DERIVED_FOLDERS.get(str(decision.path))
+    if writer is not None:
         if not (checkpoint.serving_dir(base_dir) / "config.json").is_file():
             raise _missing(base_dir, actual, f"base {base_dir} has no serving/ folder (needed for the weight shapes)")
-        path = ensure_bnb_nf4(base_dir)
+        path = writer(base_dir)
     else:
         path = (base_dir / decision.path) if decision.path != Path(".") else base_dir
     if not (path / "config.json").is_file():
@@ -270,18 +263,20 @@ def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | N
 def engine_dtype(model_cfg: Any, platform: str | None = None, served: ServedModel | None = None) -> str:
     """The engine's compute dtype, ``"float32"`` or ``"bfloat16"``, from ``model.dtype``.
 
-    ``model_cfg``: a ``ModelConfig`` or its dict. ``served`` (optional): refuse float32 on
-    the packed NVFP4 base (vLLM's W4A16 NVFP4 kernels take 16-bit activations only).
+    ``model_cfg``: a ``ModelConfig`` or its dict. ``served`` (optional): refuse float32 on a
+    base whose served kernel takes 16-bit activations only (``activations_16bit``: NVFP4 served
+    packed on CUDA).
     """
     import torch
 
     cfg = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
     platform = platform or current_platform()
     name = "bfloat16" if resolve_dtype(cfg, device=platform) == torch.bfloat16 else "float32"
-    if served is not None and served.served_format == "nvfp4" and name == "float32":
+    if served is not None and served.activations_16bit and name == "float32":
         raise ValueError(
-            "model.dtype float32 with the NVFP4 base served packed on CUDA: vLLM's NVFP4 W4A16 kernels take "
-            "bfloat16/float16 activations only; use model.dtype auto or bfloat16"
+            f"model.dtype float32 with the {served.base_format} base served packed on {served.platform} "
+            f"({served.served_format}): vLLM's kernels for it take bfloat16/float16 activations only; use model.dtype "
+            "auto or bfloat16"
         )
     return name
 

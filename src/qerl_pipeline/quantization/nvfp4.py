@@ -163,6 +163,14 @@ def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) 
     out, inp = weight.shape
     eff = effective_scale(scale, gs).unsqueeze(-1)  # [out, groups, 1]
     x = weight.unflatten(-1, (inp // GROUP_SIZE, GROUP_SIZE)).to(torch.float32) / eff
+    return e2m1_codes(x).reshape(out, inp)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8 in [0, 15], bit 3 = sign) of values already divided by their scale.
+
+    ``x`` is clamped to +-6 and rounded to the nearest E2M1 value, ties to the even mantissa
+    (rule 4 of the module docstring); the sign bit is set for ``x < 0``. MXFP4 codes the same way."""
     x = torch.clamp(x, -E2M1_MAX, E2M1_MAX)
     mag = x.abs()
     idx = torch.zeros_like(mag, dtype=torch.uint8)
@@ -171,7 +179,7 @@ def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) 
     for t in _UPPER_INCL.tolist():
         idx += (mag >= t).to(torch.uint8)
     sign = (x < 0).to(torch.uint8) << 3
-    return (idx | sign).reshape(out, inp)
+    return idx | sign
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """What a base-weight format is to the project: the ``Codec`` interface and the one registry of formats.
 
-A format is one module (``quantization/nvfp4.py``, ``nf4.py``, ``bf16.py``, ``mxfp4.py``) that defines a ``Codec`` subclass and registers one instance with ``register``;
+A format is one module (``quantization/nvfp4.py``, ``nf4.py``, ``bf16.py``, ``mxfp4.py``,
+``fp8.py``) that defines a ``Codec`` subclass and registers one instance with ``register``;
 ``quantization/formats.py`` imports the built-in ones and is where the rest of the project
 looks them up. Everything that depends on the format asks its codec, and nothing else:
 

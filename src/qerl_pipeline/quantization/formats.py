@@ -1,6 +1,6 @@
 """The registered base-weight formats: where the project looks a codec up.
 
-Importing this module registers the built-in codecs (``nvfp4``, ``nf4``, ``bf16``, ``mxfp4``); a codec registered later with ``codec.register`` (a format of one's own,
+Importing this module registers the built-in codecs (``nvfp4``, ``nf4``, ``bf16``, ``mxfp4``, ``fp8``); a codec registered later with ``codec.register`` (a format of one's own,
 one module) is found the same way. ``config.py`` derives its method and format choices from here,
 so a registered format is accepted by validation without touching any other file.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qerl_pipeline.quantization import bf16, mxfp4, nf4, nvfp4  # noqa: F401 - the built-in formats register themselves
+from qerl_pipeline.quantization import bf16, fp8, mxfp4, nf4, nvfp4  # noqa: F401 - the built-in formats register themselves
 from qerl_pipeline.quantization.codec import REGISTRY, Codec
 
 

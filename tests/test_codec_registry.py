@@ -15,7 +15,7 @@ from qerl_pipeline import config
 from qerl_pipeline.config import ConfigError, MethodSpec, QerlConfig, register_method, validate
 from qerl_pipeline.quantization import checkpoint, formats
 from qerl_pipeline.quantization.codec import REGISTRY, Codec, CodecError, probe_weight, register
-from qerl_pipeline.rollout.serving import decide
+from qerl_pipeline.rollout.serving import decide, engine_dtype
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -82,6 +82,26 @@ def test_every_built_in_format_keeps_its_promises(fmt):
     assert cuda.base_format == fmt and cuda.platform == "cuda"
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_mxfp4_and_fp8_are_served_packed_on_cuda_through_compressed_tensors(fmt):
+    served = decide(fmt, "cuda")
+    assert (served.path, served.served_format, served.dense, served.engine_args) == (
+        Path("."), fmt, False, {"quantization": "compressed-tensors"})
+    assert decide(fmt, "cpu").served_format == f"dense-decoded-{fmt}"
+    with pytest.raises(ValueError, match="bfloat16/float16 activations only"):
+        engine_dtype({"dtype": "float32"}, "cuda", served)
+    assert engine_dtype({}, "cuda", served) == "bfloat16"
+
+
+def test_the_format_sweep_methods_are_registered():
+    assert {m: config.METHOD_FORMAT[m] for m in ("mxfp4", "mxfp4_noaqn", "fp8")} == {
+        "mxfp4": "mxfp4", "mxfp4_noaqn": "mxfp4", "fp8": "fp8"}
+    assert "mxfp4" in config.AQN_METHODS and "mxfp4_noaqn" not in config.AQN_METHODS
+    assert all(config.METHOD_SPECS[m].quantized for m in ("mxfp4", "mxfp4_noaqn", "fp8"))
+    cfg = validate({"compare": {"methods": "qerl mxfp4 fp8"}})
+    assert cfg.compare.methods == ["qerl", "mxfp4", "fp8"] and cfg.compare.mxfp4.method == "mxfp4"
+
+
 # ----------------------------------------------------------------------------- refusals
 class _Lossy(Toy6Codec):
     name = "toy_lossy"
@@ -123,14 +143,14 @@ def test_a_codec_that_breaks_its_promises_is_refused_when_it_registers(codec, wh
 
 
 def test_an_unregistered_format_or_method_is_refused_naming_the_registered_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"method: Input should be 'qerl', .*'lora_aqn' \(got 'toy7'\)"):
+    with pytest.raises(ConfigError, match=r"method: Input should be 'qerl', .*'fp8' \(got 'toy7'\)"):
         validate({"method": "toy7"})
     for section in ({"compare": {"methods": ["qerl", "toy7"]}}, {"benchmark": {"methods": ["toy7"]}}):
         with pytest.raises(ConfigError, match=r"Input should be 'qerl', .* \(got 'toy7'\)"):
             validate(section)
-    with pytest.raises(ConfigError, match=r"lr: unknown method 'toy7'; allowed: qerl, .*, lora_aqn"):
+    with pytest.raises(ConfigError, match=r"lr: unknown method 'toy7'; allowed: qerl, .*, fp8"):
         validate({"optim": {"lr": {"toy7": 1e-3}}})
-    with pytest.raises(ValueError, match=r"unknown base format 'int3'; registered formats: .*nvfp4"):
+    with pytest.raises(ValueError, match=r"unknown base format 'int3'; registered formats: .*mxfp4"):
         register_method(MethodSpec("toy7", "int3", False, 1e-3, "int3"))
     assert "toy7" not in config.METHOD_SPECS
     with pytest.raises(ValueError, match="method 'qerl' is registered already"):
@@ -172,7 +192,8 @@ def test_a_registered_codec_writes_and_reads_its_base(toy_base):
     assert stats["n_quantized_linears"] == 14 and 0 < stats["rel_error_max"] < Toy6Codec.max_rel_error
 
 
-BUFFERS = {"nf4": {"packed": torch.uint8, "absmax_bits": torch.int32},
+BUFFERS = {"mxfp4": {"packed": torch.uint8, "scale_exponents": torch.uint8},
+           "fp8": {"codes": torch.uint8, "scale_bits": torch.int16},
            "toy6": {"q6": torch.int8, "s6_bits": torch.int32}}
 
 
@@ -211,7 +232,7 @@ def test_a_codec_trains_in_the_policy(toy, fmt, tmp_path):
     assert all(not torch.equal(a, p) for a, p in zip(before, trainable))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "nf4", "toy6"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4", "mxfp4", "fp8", "toy6"])
 def test_the_planner_takes_the_bytes_of_each_codec(toy, fmt, tmp_path):
     """The planner's packed base linears == what the policy holds, for every quantizing format (toy6 included)."""
     from qerl_pipeline.config import LoraConfig

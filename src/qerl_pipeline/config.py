@@ -54,7 +54,8 @@ class MethodSpec:
 #: Every method, in the report's order (``register_method`` appends). ``lora_aqn`` is not in the paper:
 #: AQN on a BF16 base, no quantization, the ablation QeRL's users asked for, so the effect of the added
 #: noise can be told apart from that of quantization noise; it takes LoRA's learning rate, so only the
-#: noise differs.
+#: noise differs. ``mxfp4``, ``mxfp4_noaqn`` and ``fp8`` are QeRL's recipe on the other formats
+#: llmcompressor ships beside NVFP4A16 (MXFP4A16, FP8 weights), for the format sweep.
 METHOD_SPECS: dict[str, MethodSpec] = {}
 
 
@@ -79,6 +80,9 @@ for _spec in (
     MethodSpec("qlora", "nf4", False, 1e-5, "QLoRA (NF4)"),
     MethodSpec("lora", "bf16", False, 5e-6, "BF16 LoRA"),
     MethodSpec("lora_aqn", "bf16", True, 5e-6, "BF16 LoRA+AQN (ablation)"),
+    MethodSpec("mxfp4", "mxfp4", True, 1e-5, "MXFP4+LoRA+AQN"),
+    MethodSpec("mxfp4_noaqn", "mxfp4", False, 1e-5, "MXFP4+LoRA (no AQN)"),
+    MethodSpec("fp8", "fp8", False, 1e-5, "FP8+LoRA"),
 ):
     register_method(_spec)
 
@@ -768,8 +772,8 @@ class OptimConfig(Section):
     lr: dict[str, float] = Field(
         default_factory=lambda: {m: spec.lr for m, spec in METHOD_SPECS.items()},
         description="Learning rate per method (paper: 1e-5 for QeRL and QLoRA, 5e-6 for LoRA; lora_aqn, not in the "
-        "paper, takes LoRA's: it is the BF16 LoRA arm with AQN added, so only the noise differs). Keys: registered "
-        "methods.",
+        "paper, takes LoRA's: it is the BF16 LoRA arm with AQN added, so only the noise differs; the other quantized "
+        "methods, mxfp4, mxfp4_noaqn and fp8, take QeRL's). Keys: registered methods.",
     )
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.99))
@@ -1085,7 +1089,8 @@ class QerlConfig(Section):
     method: Method = Field(
         "qerl", description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA; "
         "lora_aqn = BF16+LoRA+AQN (not in the paper: noise without quantization, the ablation QeRL's users asked for); "
-        "any method registered with config.register_method (METHOD_SPECS)."
+        "mxfp4 = MXFP4+LoRA+AQN; mxfp4_noaqn = MXFP4+LoRA; fp8 = FP8 (E4M3, per-channel scales)+LoRA; any method "
+        "registered with config.register_method (METHOD_SPECS)."
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

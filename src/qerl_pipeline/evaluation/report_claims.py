@@ -1,11 +1,12 @@
 """The paper's claims, stated with the measured seed-paired difference and its 95% interval.
 
-* (a) the policy entropy of each quantized method (qerl, qerl_noaqn, qlora: every registered
-  method whose format quantizes) is above BF16 LoRA's in the first AQN stage (``first_aqn_stage_steps``:
+* (a) the policy entropy of each quantized method (qerl, qerl_noaqn, qlora, and the format
+  sweep's mxfp4, mxfp4_noaqn, fp8: every registered method whose format quantizes, so each
+  format is put to it) is above BF16 LoRA's in the first AQN stage (``first_aqn_stage_steps``:
   the steps of the first stage with sigma > 0, read from the runs' ``aqn/stage`` and
   ``aqn/sigma`` curves);
 * (b) reward growth, the area under the reward curve (``stats.curve_auc``), is ordered
-  qerl >= qerl_noaqn >= lora;
+  qerl >= qerl_noaqn >= lora; and, for AQN on MXFP4, mxfp4 >= mxfp4_noaqn;
 * (c) the same for AQN without quantization: lora_aqn >= lora.
 
 Where the interval contains 0, or there is one seed, the claim reads "cannot tell" with the
@@ -34,7 +35,7 @@ from qerl_pipeline.quantization.aqn import stage_of
 
 #: Claims (b) and (c): (id, higher, lower) of "reward growth of higher >= lower".
 REWARD_ORDER = (("b_qerl_ge_qerl_noaqn", "qerl", "qerl_noaqn"), ("b_qerl_noaqn_ge_lora", "qerl_noaqn", "lora"),
-                ("c_lora_aqn_ge_lora", "lora_aqn", "lora"))
+                ("c_lora_aqn_ge_lora", "lora_aqn", "lora"), ("b_mxfp4_ge_mxfp4_noaqn", "mxfp4", "mxfp4_noaqn"))
 
 
 def quantized_methods() -> tuple[str, ...]:

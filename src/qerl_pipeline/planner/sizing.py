@@ -37,10 +37,12 @@ the byte on tiny models against the policy's parameters and buffers, ``PackedLin
   format's codec declares (``Codec.linear_bytes`` from ``Codec.tensor_specs``, checked against
   ``encode`` when the codec registers): NVFP4 ``out*in/2`` (E2M1 codes) ``+ out*in/16`` (one
   FP8-E4M3 scale per 16) ``+ 4`` (FP32 global scale); NF4 ``ceil(out*in/2) + 4*ceil(out*in/B)``
-  (codes + FP32 absmax per block, ``B = quantize.nf4_blocksize``). BF16 base: ``c*out*in`` (frozen ``nn.Linear``). Which linears are quantized follows
+  (codes + FP32 absmax per block, ``B = quantize.nf4_blocksize``); MXFP4 ``out*in/2 +
+  out*in/32`` (codes + one E8M0 byte per 32); FP8 ``out*in + 2*out`` (E4M3 codes + a bf16 scale
+  per row). BF16 base: ``c*out*in`` (frozen ``nn.Linear``). Which linears are quantized follows
   ``checkpoint.quantizable_linears``: all but ``quantize.ignore`` (default ``lm_head``), a head
   tied to the embeddings, and those the codec leaves dense (``Codec.skip_reason``: NVFP4 ``in %
-  16 != 0``).
+  16 != 0``, MXFP4 ``in % 32 != 0``).
 * biases (Qwen2's q/k/v, ``attention_bias``/``mlp_bias``): ``c`` bytes each.
 * embeddings ``c*V*h``; an untied, unquantized lm_head ``c*V*h`` (``load_base`` casts every
   non-quantized tensor to the compute dtype).
@@ -83,7 +85,8 @@ saved tensors (taken as one layer's saved set again); the head's chunk buffers,
 ``chunk (2f + c) V`` with ``chunk = min(512, P)`` rows, plus the gradient of the hidden states ``c N h``
 (head and layers do not overlap: the larger counts); the decoded dense weight of the largest
 quantized linear on the torch decode path, ``Codec.decode_bytes_per_weight * out*in`` (13 for the
-byte-table decodes of NVFP4 and NF4: uint8 codes, int64 indices, fp32 values; zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen), plus the whole
+byte-table decodes of NVFP4, NF4 and MXFP4: uint8 codes, int64 indices, fp32 values; 8 for FP8;
+zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen), plus the whole
 dense base ``c * sum(out*in)`` with ``train.keep_decoded_weights: true`` (``auto`` is off on
 CUDA); the head's softmax chunks kept for backward, whole chunks up to 256 MiB
 (``kept_softmax``; with V = 152k not even one 512-row chunk fits). Peak =
@@ -91,8 +94,8 @@ saved + transient. A no-grad reference forward (``grpo.log_kl_to_base``) keeps l
 
 Engine (vLLM, ``rollout/serving.py``: what CUDA serves):
 
-* served weights: the trainer's bytes (NVFP4 packed through its
-  compressed-tensors scheme; qkv and gate/up fused share one NVFP4 global scale per group), NF4
+* served weights: the trainer's bytes (NVFP4, MXFP4 and FP8 packed through their
+  compressed-tensors schemes; qkv and gate/up fused share one NVFP4 global scale per group), NF4
   through bitsandbytes (``nf4-bnb``: the same codes and FP32 absmax; assumes ``vllm-bnb-plugin``
   is installed, else it is served dense), BF16 dense; a format without a vLLM scheme dense;
   embeddings, lm_head and biases in ``c``; norms fp32 (the project's vLLM plugin).

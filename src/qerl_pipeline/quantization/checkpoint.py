@@ -14,6 +14,10 @@ Layout of ``data/06_models/base_<format>/`` (a Hugging Face model folder), for t
   ``<linear>.weight_nf4`` (uint8, bitsandbytes packing) and ``<linear>.weight_absmax``
   (float32 per block), with ``qerl_quantization: {format: nf4, blocksize, ignore}`` in
   config.json.
+* ``mxfp4``: compressed-tensors ``mxfp4-pack-quantized`` (``weight_packed``, ``weight_scale``
+  holding E8M0 exponents; a linear whose in_features is not a multiple of 32 stays dense);
+  ``fp8``: compressed-tensors ``naive-quantized`` (``weight`` in FP8-E4M3, ``weight_scale`` per
+  row); both as llmcompressor writes them, bit for bit (tests/test_mxfp4.py, tests/test_fp8.py).
 * ``bf16``: plain weights.
 * ``nf4/bnb/`` (written on demand by ``quantization/bnb.py``, for serving on CUDA; see
   rollout/serving.py): the same NF4 bytes in bitsandbytes' pre-quantized 4-bit layout
@@ -43,7 +47,7 @@ Design choices:
   compressed checkpoint as the base; we then add ``serving/`` and the statistics exactly as for
   RTN. RTN (default) is our own codec, bit-exact with llmcompressor.
 * A quantized linear is a module with every one of its codec's ``suffixes`` in the checkpoint
-  (a suffix named ``weight`` alone would be no marker: a norm has one too).
+  (FP8's ``weight`` alone is no marker: a norm has one too).
 """
 
 from __future__ import annotations

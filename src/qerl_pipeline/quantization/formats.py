@@ -1,7 +1,8 @@
 """The registered base-weight formats: where the project looks a codec up.
 
-Importing this module registers the built-in codecs (``nvfp4``, ``nf4``, ``bf16``, ``mxfp4``, ``fp8``); a codec registered later with ``codec.register`` (a format of one's own,
-one module) is found the same way. ``config.py`` derives its method and format choices from here,
+Importing this module registers the built-in codecs (``nvfp4``, ``nf4``, ``bf16``, ``mxfp4``,
+``fp8``); a codec registered later with ``codec.register`` (a format of one's own, one module)
+is found the same way. ``config.py`` derives its method and format choices from here,
 so a registered format is accepted by validation without touching any other file.
 """
 

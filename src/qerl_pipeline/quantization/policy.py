@@ -6,7 +6,8 @@
 
 * A ``PackedLinear`` keeps only the tensors its format's codec writes (``quantization/codec.py``:
   ``buffers`` names them; NVFP4: uint8 codes, FP8 block scales, FP32 global scale, 4.5 bits a
-  weight; NF4: uint8 codes and FP32 absmax, 4.5 bits a weight) and decodes through the
+  weight; NF4: uint8 codes and FP32 absmax, 4.5 bits a weight; MXFP4: uint8 codes and E8M0
+  exponents, 4.25; FP8: E4M3 codes and a bf16 scale per row, ~8) and decodes through the
   codec. Its forward runs a custom autograd function that decodes the dense weight,
   multiplies, and drops it; backward decodes again to compute ``grad_out @ W``. The base is
   frozen, so no weight gradient exists and nothing weight-sized is saved for backward: at

@@ -18,7 +18,8 @@ expensive to write and deterministic given its inputs, so it is written once and
   - only the quantize settings that change this format's bytes, as its codec declares them
     (``Codec.settings``): nvfp4 ``ignore`` and ``nvfp4_algorithm`` (+ for awq/gptq the
     calibration texts' sha256, their count, the truncation length ``max_seq_len`` and
-    llmcompressor's version); nf4 ``ignore``, ``nf4_blocksize``, ``nf4_double_quant``; bf16 none (every linear stays dense). So ``nf4_blocksize`` does not
+    llmcompressor's version); nf4 ``ignore``, ``nf4_blocksize``, ``nf4_double_quant``; mxfp4 and
+    fp8 ``ignore``; bf16 none (every linear stays dense). So ``nf4_blocksize`` does not
     invalidate an NVFP4 base, nor a moved calibration file with the same rows an AWQ one;
   - the codec's ``version``: bumped by hand whenever the code writes different bytes for the
     same inputs (a codec fix, a layout change), so old folders are rewritten, not reused.

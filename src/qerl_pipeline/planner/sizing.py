@@ -484,8 +484,8 @@ def plan(cfg: QerlConfig, shape: ModelShape, gpu_gib: float, *, micro_batch: int
         notes.append(f"rollout batch {n_rows} runs in waves: the KV cache holds {concurrent} sequences at once")
     codec = formats.get(fmt)
     if codec.cuda_needs is not None:
-        notes.append(f"{codec.label} served as {codec.served('cuda', {codec.cuda_needs}).tag} (needs vLLM's "
-                     f"{codec.cuda_needs} support{codec.cuda_needs_hint}); without it vLLM serves it dense")
+        notes.append(f"{codec.label} served as {codec.served('cuda', {codec.cuda_needs}).tag} through vLLM's "
+                     f"{codec.cuda_needs} support{codec.cuda_needs_hint}; without it vLLM serves it dense")
     return Plan(
         method=cfg.method, fmt=fmt, model=shape.name, gpu_bytes=gpu, micro_batch=mb, rollout_batch=n_rows, seq_len=L,
         completion_len=T, gradient_checkpointing=cfg.lora.gradient_checkpointing, sleep=sleep,

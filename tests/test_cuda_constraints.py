@@ -25,6 +25,7 @@ which CUDA behaviour it stands in for and reads it from torch's or vLLM's own co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -522,7 +523,7 @@ def test_every_engine_start_on_cuda_first_returns_the_trainers_cached_gpu_memory
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
     monkeypatch.setattr(gc, "collect", lambda *a: order.append("gc.collect") or 0)
     monkeypatch.setattr(serving, "RolloutEngine", lambda path, **kw: order.append("engine start") or "engine")
-    served = serving.ServedModel(tmp_path, "nvfp4", False, dict(serving.NVFP4_ENGINE_ARGS), "nvfp4", "cuda")
+    served = dataclasses.replace(serving.decide("nvfp4", "cuda"), path=tmp_path)
     monkeypatch.setattr(platform, "current_platform", lambda: "cuda")
     for _branch in ("qerl", "lora"):
         assert serving.open_engine(served, ModelConfig(dtype="bfloat16"), rollout=RolloutConfig(), lora_rank=8) == "engine"
@@ -618,17 +619,18 @@ def test_quantize_on_cuda_writes_no_dense_copy_and_the_cpu_engine_decodes_it_on_
     assert (on_cpu.path / "tokenizer.json").is_file() and not (on_cpu.path / store.STAMP).exists()
     dense = checkpoint.read_tensors(on_cpu.path)
     stored = checkpoint.read_tensors(folder)
+    suffixes = nvfp4.CODEC.suffixes + nf4.CODEC.suffixes
     expected = {}
     for name, tensor in stored.items():
         owner, _, leaf = name.rpartition(".")
         if leaf == "weight_packed":
-            codes = (stored[f"{owner}.{s}"] for s in checkpoint.NVFP4_SUFFIXES)
+            codes = (stored[f"{owner}.{s}"] for s in nvfp4.CODEC.suffixes)
             expected[f"{owner}.weight"] = nvfp4.decode(*codes, dtype=torch.float32)
         elif leaf == "weight_nf4":
             shape = tuple(dense[f"{owner}.weight"].shape)
             expected[f"{owner}.weight"] = nf4.decode(tensor, stored[f"{owner}.weight_absmax"], shape,
                                                      nf4.DEFAULT_BLOCKSIZE, dtype=torch.float32)
-        elif leaf not in checkpoint.NVFP4_SUFFIXES + checkpoint.NF4_SUFFIXES:
+        elif leaf not in suffixes:
             expected[name] = tensor.float()  # stored in bf16, the master precision
     assert sorted(dense) == sorted(expected)
     for name, want in expected.items():

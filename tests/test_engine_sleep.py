@@ -11,6 +11,7 @@ itself until ``rl/trainer.py`` builds an ``EngineSleeper``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from pathlib import Path
@@ -381,7 +382,7 @@ def test_open_engine_passes_tensor_parallel_size_and_refuses_it_on_cpu(tmp_path,
     built = []
     monkeypatch.setattr(serving, "RolloutEngine", lambda path, **kw: built.append((path, kw)) or "engine")
     mc = ModelConfig(dtype="bfloat16")
-    cuda = serving.ServedModel(tmp_path, "nvfp4", False, dict(serving.NVFP4_ENGINE_ARGS), "nvfp4", "cuda")
+    cuda = dataclasses.replace(serving.decide("nvfp4", "cuda"), path=tmp_path)
     rc = RolloutConfig(tensor_parallel_size=2)
     assert serving.open_engine(cuda, mc, rollout=rc, lora_rank=8, devices=(0, 1)) == "engine"
     kw = built[-1][1]

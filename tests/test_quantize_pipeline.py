@@ -91,7 +91,7 @@ def test_nvfp4_base_reloads_through_compressed_tensors(runs):
     owners = [k.removesuffix(".weight_packed") for k in ours if k.endswith(".weight_packed")]
     assert len(owners) == 2 * 7
     for owner in owners:
-        want = nvfp4.decode(*(ours[f"{owner}.{s}"] for s in checkpoint.NVFP4_SUFFIXES), dtype=torch.bfloat16)
+        want = nvfp4.decode(*(ours[f"{owner}.{s}"] for s in nvfp4.CODEC.suffixes), dtype=torch.bfloat16)
         assert torch.equal(theirs[f"{owner}.weight"], want), owner
     # the serving copy (written on first use, as a CPU engine start does) holds the same codes decoded in float32
     served = checkpoint.read_tensors(served_model(base, platform="cpu").path)
@@ -206,9 +206,9 @@ def test_calibrated_options_fail_clearly(tmp_path):
     from qerl_pipeline.pipelines.quantize.nodes import calibration_texts, method_format, quantize_base
 
     with pytest.raises(ValueError, match="awq or gptq"):
-        checkpoint.calibrated_nvfp4_base(None, None, tmp_path / "o", algorithm="rtn", texts=["x"], ignore=[])
+        checkpoint.calibrated_base(None, None, "nvfp4", tmp_path / "o", algorithm="rtn", texts=["x"], ignore=[])
     with pytest.raises(ValueError, match="calibration texts"):
-        checkpoint.calibrated_nvfp4_base(None, None, tmp_path / "o", algorithm="gptq", texts=[], ignore=[])
+        checkpoint.calibrated_base(None, None, "nvfp4", tmp_path / "o", algorithm="gptq", texts=[], ignore=[])
     with pytest.raises(FileNotFoundError, match="calibration_path"):
         calibration_texts(tmp_path / "none.jsonl", 4)
     bad = tmp_path / "bad.jsonl"

@@ -21,7 +21,7 @@ import torch
 
 from qerl_pipeline.atomic import staged_dir
 from qerl_pipeline.quantization import nf4
-from qerl_pipeline.quantization.checkpoint import BASE_DTYPE, BNB_SUBDIR, base_format, iter_codes, write_safetensors
+from qerl_pipeline.quantization.checkpoint import BASE_DTYPE, BNB_SUBDIR, base_format, iter_codes, linear_shapes, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
     Nothing is re-quantized: each linear's NF4 codes and absmax are the base's own bytes
     (``bnb_nf4_tensors``), every other tensor is copied as stored (bf16, the master
     precision), the weight shapes come from the model of the base's config.json
-    (``checkpoint.iter_codes``). The config is the
+    (``checkpoint.linear_shapes``). The config is the
     base's with ``qerl_quantization`` replaced by ``bnb_nf4_quantization_config``; tokenizer
     and generation files are copied. Built in a stage (``atomic.staged_dir``) that never
     replaces an existing ``out_dir``: one that another process finished meanwhile is kept,
@@ -99,10 +99,12 @@ def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
     """
     base_dir = Path(base_dir)
     out_dir = Path(out_dir) if out_dir is not None else bnb_dir(base_dir)
-    if base_format(base_dir) != "nf4":
+    if base_format(base_dir) != nf4.CODEC.name:
         raise ValueError(f"{base_dir}: not an NF4 base (format {base_format(base_dir)!r})")
     cfg = json.loads((base_dir / "config.json").read_text())
     meta = cfg.pop("qerl_quantization")
+    blocksize = int(meta.get("blocksize", nf4.DEFAULT_BLOCKSIZE))
+    shapes = linear_shapes(base_dir)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, value in iter_codes(base_dir):
@@ -112,7 +114,8 @@ def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
             if name == "lm_head" or name.endswith(".lm_head"):
                 raise ValueError(f"{base_dir}: {name} is NF4-quantized; bitsandbytes checkpoints (and vLLM's loader) "
                                  "keep the output head dense: quantize with lm_head in quantize.ignore")
-            yield from bnb_nf4_tensors(name, value).items()
+            code = nf4.NF4Weight(value["weight_nf4"], value["weight_absmax"], shapes[name], blocksize)
+            yield from bnb_nf4_tensors(name, code).items()
 
     try:
         with staged_dir(out_dir, replace=False) as stage:

@@ -13,15 +13,15 @@ write and deterministic given its inputs, so it is written once and reused:
     each weight file), so an edited local model is not reused; for a GGUF its file name and
     size; for ``source: random`` its ``random_init`` shape and seed, ``max_seq_len``
     (written as ``max_position_embeddings``) and the GGUF the tokenizer comes from;
-  - the dtypes of the folder (``checkpoint.BASE_DTYPE`` for the base, the serving dtype
-    ``models.resolve_dtype(model)`` its ``serving/`` copy is decoded in);
-  - only the quantize settings that change this format's bytes: nvfp4 ``ignore`` and
-    ``nvfp4_algorithm`` (+ for awq/gptq the calibration texts' sha256, their count, the
-    truncation length ``max_seq_len`` and llmcompressor's version); nf4 ``ignore``,
-    ``nf4_blocksize``, ``nf4_double_quant``; bf16 none (every linear stays dense). So
-    ``nf4_blocksize`` does not invalidate an NVFP4 base, nor a moved calibration file with
-    the same rows an AWQ one;
-  - ``CODEC_VERSION[fmt]``: bumped by hand whenever the code writes different bytes for the
+  - the dtypes the folder is written in (``checkpoint.BASE_DTYPE`` for the base, the
+    serving dtype ``models.resolve_dtype(model)`` its ``serving/`` copy is decoded in);
+  - only the quantize settings that change this format's bytes, as its codec declares them
+    (``Codec.settings``): nvfp4 ``ignore`` and ``nvfp4_algorithm`` (+ for awq/gptq the
+    calibration texts' sha256, their count, the truncation length ``max_seq_len`` and
+    llmcompressor's version); nf4 ``ignore``, ``nf4_blocksize``, ``nf4_double_quant``; mxfp4 and
+    fp8 ``ignore``; bf16 none (every linear stays dense). So ``nf4_blocksize`` does not
+    invalidate an NVFP4 base, nor a moved calibration file with the same rows an AWQ one;
+  - the codec's ``version``: bumped by hand whenever the code writes different bytes for the
     same inputs (a codec fix, a layout change), so old folders are rewritten, not reused.
 
   A Hub model without ``revision`` is identified by its name only (the Hub's default branch
@@ -75,14 +75,10 @@ import torch
 from qerl_pipeline.atomic import file_manifest, manifest_damage, sha256_file, staged_dir, write_atomic
 from qerl_pipeline.config import ModelConfig, QuantizeConfig, parse
 from qerl_pipeline.models import _gguf_file, load_base_model, resolve_dtype, resolve_source
-from qerl_pipeline.quantization import checkpoint
+from qerl_pipeline.quantization import checkpoint, formats
 
 log = logging.getLogger(__name__)
 
-#: Version of the bytes each format's writer produces for given inputs; bump on any change
-#: of ``checkpoint.write_base`` / ``calibrated_nvfp4_base`` / the nvfp4 and nf4 codecs that
-#: changes what is written, so stored bases of the old version are rewritten.
-CODEC_VERSION: dict[str, int] = {"nvfp4": 1, "nf4": 1, "bf16": 1}
 #: The fingerprint file inside a base folder (written last).
 STAMP = "qerl_base.json"
 #: The stamp of a ``serving/`` copy written on first use (inside it, written last).
@@ -123,11 +119,6 @@ def _typed(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[
     return mcfg, qcfg
 
 
-def _check_format(fmt: str) -> None:
-    if fmt not in checkpoint.FORMATS:
-        raise ValueError(f"base format {fmt!r} unknown; expected one of {', '.join(checkpoint.FORMATS)}")
-
-
 def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -166,14 +157,12 @@ def _model_identity(mcfg: ModelConfig) -> dict[str, Any]:
 
 
 def _quantize_identity(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str) -> dict[str, Any]:
-    if fmt == "bf16":
+    codec = formats.get(fmt)
+    if not codec.quantizes:
         return {}
-    ident: dict[str, Any] = {"ignore": sorted(set(qcfg.ignore))}
-    if fmt == "nf4":
-        ident.update(nf4_blocksize=qcfg.nf4_blocksize, nf4_double_quant=qcfg.nf4_double_quant)
-        return ident
-    ident["nvfp4_algorithm"] = qcfg.nvfp4_algorithm
-    if qcfg.nvfp4_algorithm != "rtn":
+    settings = qcfg.model_dump()
+    ident: dict[str, Any] = {f: sorted(set(settings[f])) if f == "ignore" else settings[f] for f in codec.settings}
+    if codec.algorithm(settings) != "rtn":
         from importlib.metadata import PackageNotFoundError, version
 
         texts = calibration_texts(qcfg.calibration_path, qcfg.calibration_samples)
@@ -195,11 +184,11 @@ def _digest(fingerprint: dict[str, Any]) -> str:
 
 def base_fingerprint(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str) -> dict[str, Any]:
     """Everything that decides the bytes of a ``fmt`` base of ``model`` under ``quantize``, + its ``digest``."""
-    _check_format(fmt)
+    codec = formats.get(fmt)
     mcfg, qcfg = _typed(model, quantize)
     fp = {
         "format": fmt,
-        "codec_version": CODEC_VERSION[fmt],
+        "codec_version": codec.version,
         "model": _model_identity(mcfg),
         "base_dtype": str(checkpoint.BASE_DTYPE).removeprefix("torch."),
         "serving_dtype": str(resolve_dtype(mcfg)).removeprefix("torch."),
@@ -352,18 +341,19 @@ def write_new_base(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str, out: Path)
     base, tokenizer = load_base_model(mcfg, dtype=checkpoint.BASE_DTYPE)
     t_load = time.perf_counter() - t0
     serving_dtype = resolve_dtype(mcfg)
+    settings = qcfg.model_dump()
+    algorithm = formats.get(fmt).algorithm(settings)
     t1 = time.perf_counter()
-    if fmt == "nvfp4" and qcfg.nvfp4_algorithm != "rtn":
+    if algorithm != "rtn":
         texts = calibration_texts(qcfg.calibration_path, qcfg.calibration_samples)
-        report = checkpoint.calibrated_nvfp4_base(
-            base, tokenizer, out, algorithm=qcfg.nvfp4_algorithm, texts=texts, ignore=list(qcfg.ignore),
+        report = checkpoint.calibrated_base(
+            base, tokenizer, fmt, out, algorithm=algorithm, texts=texts, ignore=list(qcfg.ignore),
             max_seq_len=mcfg.max_seq_len,
         )
     else:
-        report = checkpoint.write_base(base, tokenizer, fmt, out, ignore=qcfg.ignore, nf4_blocksize=qcfg.nf4_blocksize,
-                                       progress=True)
+        report = checkpoint.write_base(base, tokenizer, fmt, out, ignore=qcfg.ignore, settings=settings, progress=True)
     report.update(
-        algorithm=qcfg.nvfp4_algorithm if fmt == "nvfp4" else "rtn",
+        algorithm=algorithm,
         model=mcfg.name if mcfg.source != "random" else "random",
         load_seconds=t_load,
         quantize_seconds=time.perf_counter() - t1,
@@ -379,10 +369,9 @@ def ensure_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | 
     ``force`` (or ``quantize.force``) rewrites it regardless. The report is the stored one on
     reuse; it carries ``reused`` and ``fingerprint`` (the digest) either way.
     """
-    _check_format(fmt)
+    codec = formats.get(fmt)
     mcfg, qcfg = _typed(model, quantize)
-    if fmt == "nf4" and qcfg.nf4_double_quant:
-        raise ValueError("quantize.nf4_double_quant: double quantization is not implemented (see quantization/nf4.py)")
+    codec.check_settings(qcfg.model_dump())
     folder = Path(folder)
     decision = check_base(mcfg, qcfg, fmt, folder, force=force)
     digest = decision.fingerprint["digest"]

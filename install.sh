@@ -46,6 +46,27 @@ install=("${pip[@]}" install -q --no-warn-conflicts)
 #    the +cpu build; the plain 2.13.0 wheel is the CUDA build.
 "${install[@]}" "torch==2.13.0"
 
+# 1b. On a CUDA backend torch must be a CUDA build: a `+cpu` wheel satisfies `torch==2.13.0` too
+#     (PEP 440 ignores the local version) and wins wherever a find-links folder or a mirror offers
+#     it; vLLM's CUDA build then fails at import. Refused here, before anything else is installed.
+check_torch_build() {  # $1: the backend
+  local build version cuda
+  build=$(./.venv/bin/python -c 'import torch; print(torch.__version__, torch.version.cuda)')
+  read -r version cuda <<<"$build"
+  if [[ $1 == cuda && ( $cuda == None || $version == *+cpu* ) ]]; then
+    echo "[install] error: backend cuda, but the torch in .venv is $version, a build without CUDA" \
+      "(torch.version.cuda: $cuda); vLLM's CUDA build cannot run on it." >&2
+    echo "[install] fix: ./.venv/bin/python -m pip install --force-reinstall torch==2.13.0 --index-url" \
+      "https://download.pytorch.org/whl/cu130 (PyTorch's CUDA 13.0 wheels; the index for your driver's CUDA:" \
+      "https://pytorch.org/get-started/locally/), or drop the find-links folder or mirror that offers the +cpu" \
+      "wheel (PIP_FIND_LINKS, PIP_INDEX_URL, pip.conf); then run bash install.sh again." \
+      "QERL_BACKEND=cpu installs for CPU instead." >&2
+    return 1
+  fi
+  echo "[install] torch $version (CUDA $cuda)"
+}
+check_torch_build "$backend"
+
 # 2. the project with the vLLM build for this machine (brings compressed-tensors 0.17.0),
 #    plus the `bench` extra (TRL, the peer the benchmark pipeline times us against).
 "${install[@]}" -e ".[$backend,bench]"

@@ -39,6 +39,12 @@ The checks (JSON names):
   JSON is written to ``$OUT/gpu_check.json`` as before. PASS: it ran and its correctness
   figures are within ``triton_nvfp4.TOLERANCE`` of the dtype (losses; x5 for LoRA gradients
   through the stack). This replaces running gpu_check.py by hand and reading its JSON.
+* ``kernel_offsets``: the fused NVFP4 kernels (``triton_nvfp4.NVFP4Kernels``, one fixed block
+  configuration) at 120,000 tokens x Qwen2.5-7B's MLP (3,584 -> 18,944 and back): the forward
+  into the 18,944-wide output and the input gradient of ``down_proj`` have 2.27e9 elements, past
+  2^31, where 32-bit offsets address out of bounds; each against the torch path (decode, then
+  matmul), also on the rows past element 2^31. PASS: every relative error within
+  ``triton_nvfp4.TOLERANCE`` (bf16). Dry run: tiny shapes in Triton's interpreter.
 * ``collectives``: the trainer's real ``rl.ranks.Dist`` collectives in a process group
   of world size 1 (``Dist(always_collect=True)`` runs them with one rank): on CUDA the group
   of ``backend_for("cuda")`` (``cpu:gloo,cuda:nccl``), ``sum``, ``sum_tensor`` (CPU float64,
@@ -88,7 +94,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 STATUSES = ("PASS", "FAIL", "SKIP")
-CHECKS = ("trainer", "trainer_7b_layers", "collectives", "engine")
+CHECKS = ("trainer", "trainer_7b_layers", "kernel_offsets", "collectives", "engine")
 
 # Qwen2.5-0.5B's shape (its config.json), random weights; the dry-run's tiny Qwen2.
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -301,7 +307,7 @@ def check_trainer(dry: bool, device: torch.device, work: Path):
     bases = {}
     for fmt in ("nvfp4", "bf16"):
         bases[fmt] = work / f"qwen2-{fmt}"
-        checkpoint.write_base(model, None, fmt, bases[fmt], serving_dtype=torch.bfloat16)
+        checkpoint.write_base(model, None, fmt, bases[fmt])
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -404,6 +410,51 @@ def check_7b_layers(dry: bool, iters: int):
 
 
 # ----------------------------------------------------------------------------- (b) collectives
+# ------------------------------------------------------------------------ (c) kernel offsets
+#: Qwen2.5-7B's MLP (hidden 3,584, intermediate 18,944) at 120,000 tokens: the 18,944-wide products have
+#: 2.27e9 elements, past 2^31, where int32 offsets would address out of bounds; the dry run's tiny shapes.
+OFFSETS = {"gpu": dict(tokens=120_000, hidden=3584, mlp=18944), "dry": dict(tokens=40, hidden=32, mlp=64)}
+
+
+def check_kernel_offsets(dry: bool, device: torch.device):
+    """The fused NVFP4 kernels (forward and input gradient) on products past 2^31 elements, against the torch path."""
+    from qerl_pipeline.quantization import nvfp4
+    from qerl_pipeline.quantization import triton_nvfp4 as tn
+
+    if not tn.HAVE_TRITON:
+        return "SKIP", f"triton not importable ({tn.TRITON_IMPORT_ERROR})", {}
+    size = OFFSETS["dry" if dry else "gpu"]
+    m, h, inter = size["tokens"], size["hidden"], size["mlp"]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def weight(out_f: int, in_f: int) -> nvfp4.NVFP4Weight:
+        return nvfp4.encode(torch.randn(out_f, in_f, generator=gen, device=device) * 0.02)
+
+    gate, down = weight(inter, h), weight(h, inter)
+    kernels = tn.NVFP4Kernels(tune=False)  # one fixed configuration: this checks addressing, not speed
+    rows, worst = {}, 0.0
+    for name, op, w, width in (("fwd_gate", "fwd", gate, h), ("dx_down", "dx", down, h), ("fwd_down", "fwd", down, inter)):
+        a = torch.randn(m, width, generator=gen, device=device, dtype=torch.bfloat16)
+        fused = kernels.matmul(op, a, w)
+        ref = tn.torch_matmul(op, a, w)
+        past = (2**31) // fused.shape[1]  # the first row whose elements lie past 2^31
+        rows[name] = {"elements": fused.numel(), "rel_err": tn.rel_err(fused, ref),
+                      "rows_past_2_31": max(0, m - past),
+                      "rel_err_past_2_31": tn.rel_err(fused[past:], ref[past:]) if m > past else None}
+        if not dry:
+            rows[name]["fused_ms"] = tn.bench_ms(lambda: kernels.matmul(op, a, w), device, warmup=1, iters=3)
+            rows[name]["torch_ms"] = tn.bench_ms(lambda: tn.torch_matmul(op, a, w), device, warmup=1, iters=3)
+        worst = max(worst, rows[name]["rel_err"], rows[name]["rel_err_past_2_31"] or 0.0)
+        del a, fused, ref
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ok = worst <= tn.TOLERANCE[torch.bfloat16]
+    detail = (f"{m} tokens x {inter}: " + "; ".join(f"{k} {r['elements']:.3g} elements, rel err {r['rel_err']:.2g}"
+                                                    for k, r in rows.items())
+              + f"; worst {worst:.2g} (tolerance {tn.TOLERANCE[torch.bfloat16]:g})")
+    return ("PASS" if ok else "FAIL"), detail, {"products": rows, "worst_rel_err": worst}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -582,7 +633,7 @@ class EngineChecks:
         ok = info.get("cuda") is True and len(kids) >= 1 and self.engine.alive()
         detail = (f"VLLM_ENABLE_V1_MULTIPROCESSING=1: engine server pid {self.engine.pid} with {len(kids)} child "
                   f"process(es) (EngineCore), started in {start_s:.1f}s, served {self.served.served_format} "
-                  f"{info.get('dtype')} on cuda={info.get('cuda')}")
+                  f"{info.get('dtype')} on cuda={info.get('cuda')}, model runner {info.get('model_runner')}")
         if not ok:
             detail = "expected a CUDA engine with its EngineCore in a child process | " + detail
         return ("PASS" if ok else "FAIL"), detail, {"start_s": start_s, "children": len(kids), "child_cmdlines": names,
@@ -790,6 +841,8 @@ def main(argv=None) -> int:
         report.run("trainer", check_trainer, dry, device, work)
     if "trainer_7b_layers" in wanted:
         report.run("trainer_7b_layers", check_7b_layers, dry, args.iters)
+    if "kernel_offsets" in wanted:
+        report.run("kernel_offsets", check_kernel_offsets, dry, device)
     if "collectives" in wanted:
         report.run("collectives", check_collectives, not dry)
     if "engine" in wanted:

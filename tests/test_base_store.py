@@ -16,7 +16,7 @@ import pytest
 
 from qerl_pipeline.config import ModelConfig, QuantizeConfig
 from qerl_pipeline.datasets.hf_model_folder import HFModelFolderDataset
-from qerl_pipeline.quantization import store
+from qerl_pipeline.quantization import formats, store
 from tests.helpers.files import rewritten, snapshot
 
 LOGGER = "qerl_pipeline.quantization.store"
@@ -119,11 +119,11 @@ def test_half_written_or_damaged_folder_is_rewritten(model, tmp_path, caplog):
     assert rewritten(before, snapshot(folder))
     assert any("no fingerprint file (qerl_base.json)" in m for m in _messages(caplog))
     # a weight file cut short under a valid stamp
-    with (folder / "serving" / "model.safetensors").open("r+b") as fh:
+    with (folder / "model.safetensors").open("r+b") as fh:
         fh.truncate(100)
     caplog.clear()
     assert not store.ensure_base(model, QuantizeConfig(), "nf4", folder)[2]
-    assert any("damaged folder: serving/model.safetensors: size mismatch: 100 bytes" in m for m in _messages(caplog))
+    assert any("damaged folder: model.safetensors: size mismatch: 100 bytes" in m for m in _messages(caplog))
     assert store.ensure_base(model, QuantizeConfig(), "nf4", folder)[2]
     # a stamp that is not JSON
     (folder / store.STAMP).write_text("{not json")
@@ -152,7 +152,7 @@ def test_fingerprint_holds_only_what_the_format_depends_on(model, tmp_path):
     assert nvfp4 == store.base_fingerprint(model.model_dump(), q.model_dump(), "nvfp4")  # dicts or configs
     assert json.loads(json.dumps(nvfp4)) == nvfp4 and len(nvfp4["digest"]) == 64
     assert nvfp4["quantize"] == {"ignore": ["lm_head"], "nvfp4_algorithm": "rtn"}
-    assert nvfp4["codec_version"] == store.CODEC_VERSION["nvfp4"] and nvfp4["serving_dtype"] == "float32"
+    assert nvfp4["codec_version"] == formats.get("nvfp4").version and nvfp4["serving_dtype"] == "float32"
     assert nvfp4["model"]["resolved"] == "local" and "config.json" in nvfp4["model"]["files"]
     assert set(nvfp4["model"]["files"]["model.safetensors"]) == {"size"}  # weights: name and size, not read
     assert store.base_fingerprint(model, q, "bf16")["quantize"] == {}
@@ -163,8 +163,8 @@ def test_fingerprint_holds_only_what_the_format_depends_on(model, tmp_path):
     # serving dtype and the format change the digest
     assert store.base_fingerprint(model.model_copy(update={"dtype": "bfloat16"}), q, "nvfp4")["digest"] != nvfp4["digest"]
     assert store.base_fingerprint(model, q, "nf4")["digest"] != nvfp4["digest"]
-    with pytest.raises(ValueError, match="base format 'fp8' unknown"):
-        store.base_fingerprint(model, q, "fp8")
+    with pytest.raises(ValueError, match="unknown base format 'int4'; registered formats: .*nvfp4"):
+        store.base_fingerprint(model, q, "int4")
     with pytest.raises(ValueError, match="nf4_double_quant"):
         store.ensure_base(model, QuantizeConfig(nf4_double_quant=True), "nf4", tmp_path / "x")
 

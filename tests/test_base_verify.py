@@ -39,7 +39,7 @@ def _messages(caplog) -> str:
 
 @pytest.mark.parametrize(("name", "where"), [
     ("model.safetensors", "middle"),           # garbled weights: would train into NaN
-    ("serving/model.safetensors", "header"),   # garbled header: "invalid JSON in header", naming no file
+    ("model.safetensors", "header"),           # garbled header: "invalid JSON in header", naming no file
     ("config.json", "middle"),
 ])
 def test_a_base_garbled_at_the_same_size_is_requantized_naming_the_file(model, tmp_path, caplog, name, where):
@@ -65,12 +65,39 @@ def test_verify_fail_refuses_a_damaged_base_by_name_and_writes_nothing(model, tm
     with pytest.raises(store.BaseDamaged, match=rf"base_nf4 in {folder} is damaged: model\.safetensors: hash mismatch"):
         store.ensure_base(model, QuantizeConfig(verify="fail"), "nf4", folder)
     assert snapshot(folder) == before
-    (folder / "serving" / "config.json").unlink()
-    with pytest.raises(store.BaseDamaged, match=r"serving/config\.json: missing"):
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(store.BaseDamaged, match=r"tokenizer\.json: missing"):
         store.ensure_base(model, QuantizeConfig(verify="fail"), "nf4", folder)
     # quantize.force still rewrites it
     assert not store.ensure_base(model, QuantizeConfig(verify="fail", force=True), "nf4", folder)[2]
     assert store.ensure_base(model, QuantizeConfig(verify="fail"), "nf4", folder)[2]
+
+
+def test_a_damaged_serving_copy_is_removed_or_refused_by_name(model, tmp_path, caplog):
+    """The dense ``serving/`` copy is written on first use with its own stamp (``store.ensure_serving``) and verified
+    with the base: damage at the same size removes it under ``requantize`` (the base itself is reused, the copy is
+    decoded again on its next use) and names it under ``fail``; a copy cut short is rewritten by its next use."""
+    folder = tmp_path / "base_nf4"
+    store.ensure_base(model, QuantizeConfig(), "nf4", folder)
+    serving = store.ensure_serving(folder)
+    _garble(serving / "model.safetensors", 16)
+    with pytest.raises(store.BaseDamaged, match=r"damaged serving copy: serving/model\.safetensors: hash mismatch"):
+        store.ensure_base(model, QuantizeConfig(verify="fail"), "nf4", folder)
+    def base_files() -> dict:
+        return {k: v for k, v in snapshot(folder).items() if k not in (".", "serving") and not k.startswith("serving/")}
+
+    before = base_files()
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    assert store.ensure_base(model, QuantizeConfig(), "nf4", folder)[2]  # the base reused ...
+    assert "damaged serving copy removed (serving/model.safetensors: hash mismatch" in _messages(caplog)
+    assert not serving.exists() and base_files() == before  # ... only the copy removed
+    store.ensure_serving(folder)
+    with (serving / "model.safetensors").open("r+b") as fh:
+        fh.truncate(100)
+    caplog.clear()
+    assert store.ensure_serving(folder) == serving
+    assert "serving/model.safetensors: size mismatch: 100 bytes" in _messages(caplog)
+    assert store.check_base(model, QuantizeConfig(), "nf4", folder).serving_damage is None  # intact again
 
 
 def test_verify_sizes_does_not_hash(model, tmp_path):

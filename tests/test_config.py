@@ -49,7 +49,7 @@ def _base() -> dict:
         (lambda p: p["optim"]["lr"].update(qerl=-1e-5), "optim", "lr.qerl must be > 0"),
         (lambda p: p["grpo"].update(num_generations=1), "grpo.num_generations", "greater than or equal to 2"),
         (lambda p: p["aqn"].update(sigma_start=1e-4, sigma_end=1e-2), "aqn", "sigma_end"),
-        (lambda p: p.update(method="qat"), "method", "'qerl', 'qerl_noaqn', 'qlora', 'lora' or 'lora_aqn'"),
+        (lambda p: p.update(method="qat"), "method", "'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8'"),
         (lambda p: p["train"].update(steps="many"), "train.steps", "valid integer"),
         (lambda p: p["rollout"].update(temprature=0.7), "rollout.temprature", "Extra inputs are not permitted"),
         (lambda p: p["grpo"].update(loss_type="mean"), "grpo.loss_type", "registered: grpo, bnpo, dr_grpo, dapo, cispo"),

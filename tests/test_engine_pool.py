@@ -54,6 +54,7 @@ class Served:
     platform: str = "cpu"
     served_format: str = "bf16"
     engine_args: dict = None
+    activations_16bit: bool = False
 
 
 @pytest.fixture(autouse=True)

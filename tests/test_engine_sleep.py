@@ -11,7 +11,9 @@ itself until ``rl/run_setup.py`` builds an ``EngineSleeper``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from qerl_pipeline.config import ModelConfig, RolloutConfig
 from qerl_pipeline.rollout import engine, layout, serving
 from qerl_pipeline.rollout.engine import RolloutEngine, adapter_version
-from qerl_pipeline.rollout.sleep import EngineSleeper, SleepPlan, WakeCheckError, engine_platform, sleep_plan
+from qerl_pipeline.rollout.sleep import (EngineSleeper, Probe, SleepPlan, WakeCheckError, engine_platform, probe_agrees,
+                                         sleep_plan)
 from tests.helpers.engines import FakeEngine
 
 
@@ -167,6 +170,49 @@ def test_a_wake_that_breaks_the_model_raises_with_both_probes(tmp_path):
     sleeper.before_update(a, PROMPT)
     with pytest.raises(WakeCheckError, match=r"sleep level 2 .*before \[.*after \[.*sleep_between_steps: false"):
         sleeper.after_update(a)
+
+
+def test_greedy_near_ties_that_flip_with_no_sleep_never_stop_a_500_step_run(tmp_path):
+    """CUDA's LoRA shrink sums split-K partials with fp32 atomics in any order (rollout/sleep.py): a greedy probe's
+    near tie can go either way with no sleep at all. An engine that flips its last probe token at random (30% of
+    calls, seeded) and moves every log-prob by up to 1e-3, and never changes otherwise, runs 500 steps of
+    sleep/wake without a WakeCheckError and without a repair."""
+    engine = FakeEngine(near_tie=(0.3, 1234))
+    a = _adapter(tmp_path / "s0", 0.0)
+    sleeper = EngineSleeper(engine, SleepPlan(True, 1, "test"))
+    repairs = 0
+    for _ in range(500):
+        sleeper.before_update(a, PROMPT)
+        repairs += sleeper.after_update(a)["sleep/repairs"]
+    assert engine.flips > 200  # about 300 of the 1000 probes ended the other way
+    assert repairs == 0
+
+
+@pytest.mark.parametrize("fault", ["broken", "unsure"])
+def test_a_changed_model_still_raises_among_near_tie_flips(tmp_path, fault):
+    """What the tolerant check must still catch, with the same flips going on: other confident tokens from the
+    first position (the weights lost), or the same tokens with log-probs 2 nats lower (a lost adapter's
+    confidence)."""
+    engine = FakeEngine(fault=fault, near_tie=(0.3, 99))
+    a = _adapter(tmp_path / "s0", 0.0)
+    sleeper = EngineSleeper(engine, SleepPlan(True, 1, "test"))
+    sleeper.before_update(a, PROMPT)
+    with pytest.raises(WakeCheckError, match=r"another model .*before \[.*log-probs.*after dropping its adapters"):
+        sleeper.after_update(a)
+
+
+def test_probe_agreement_rules():
+    """``probe_agrees``: equal tokens within the tolerance; a first differing token only at a near tie."""
+    tie = math.log(0.5)
+    same = Probe([3, 4, 5], [-0.01, -0.02, tie])
+    assert probe_agrees(same, Probe([3, 4, 5], [-0.05, -0.1, tie - 0.1]))
+    assert probe_agrees(same, Probe([3, 4, 9], [-0.01, -0.02, tie + 0.05]))  # the tie went the other way
+    assert probe_agrees(same, Probe([3, 4, 9, 1], [-0.01, -0.02, tie, -0.3]))  # after the flip: another text
+    assert not probe_agrees(same, Probe([3, 4, 5, 1], [-0.01, -0.02, tie, -0.3]))  # the same text, one token longer
+    assert not probe_agrees(same, Probe([3, 4, 5], [-0.01, -0.5, tie]))  # a log-prob 0.48 nats off
+    assert not probe_agrees(same, Probe([3, 8, 9], [-0.01, -0.02, tie]))  # a confident token changed
+    assert not probe_agrees(Probe([3], [-2.0]), Probe([7], [-1.0]))  # unsure tokens, but not a tie: 1 nat apart
+    assert not probe_agrees(same, Probe([3, 4, 5], [float("nan"), -0.02, tie]))  # no log-prob: no agreement
 
 
 # ----------------------------------------------------------------------------- the client's ops
@@ -336,7 +382,7 @@ def test_open_engine_passes_tensor_parallel_size_and_refuses_it_on_cpu(tmp_path,
     built = []
     monkeypatch.setattr(serving, "RolloutEngine", lambda path, **kw: built.append((path, kw)) or "engine")
     mc = ModelConfig(dtype="bfloat16")
-    cuda = serving.ServedModel(tmp_path, "nvfp4", False, dict(serving.NVFP4_ENGINE_ARGS), "nvfp4", "cuda")
+    cuda = dataclasses.replace(serving.decide("nvfp4", "cuda"), path=tmp_path)
     rc = RolloutConfig(tensor_parallel_size=2)
     assert serving.open_engine(cuda, mc, rollout=rc, lora_rank=8, devices=(0, 1)) == "engine"
     kw = built[-1][1]

@@ -41,7 +41,7 @@ def test_dry_run_exits_0_and_prints_one_line_per_check_as_in_its_json(dry_run):
     assert report["mode"] == "dry-run" and report["torch"] and report["device"]
     assert [f"{c['status']} {c['name']}: {c['detail']}" for c in report["checks"]] == lines
     names = [c["name"] for c in report["checks"]]
-    assert names == ["trainer", "trainer_7b_layers", "collectives", "engine"]
+    assert names == ["trainer", "trainer_7b_layers", "kernel_offsets", "collectives", "engine"]
     assert all("\n" not in c["detail"] and c["detail"] for c in report["checks"])
 
 
@@ -60,6 +60,15 @@ def test_trainer_updates_both_formats(dry_run):
         assert not any(v for k, v in row["kernel_calls"].items() if k.endswith("_triton"))
     assert trainer["mem_ratio_nvfp4_over_bf16"] is None  # VmHWM on CPU: no per-update peak to compare
     assert trainer["peak_mem_kind"] == "process VmHWM"
+
+
+def test_kernel_offsets_check_runs_the_fused_kernels_against_the_torch_path(dry_run):
+    _, report = dry_run
+    row = {c["name"]: c for c in report["checks"]}["kernel_offsets"]
+    assert row["status"] == "PASS", row["detail"]
+    assert set(row["products"]) == {"fwd_gate", "dx_down", "fwd_down"}
+    for product in row["products"].values():  # tiny shapes in the interpreter: nothing past 2^31, errors small
+        assert product["rows_past_2_31"] == 0 and product["rel_err"] <= 2e-2
 
 
 def test_7b_layers_check_runs_gpu_check_on_its_dry_shapes(dry_run):

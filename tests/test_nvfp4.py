@@ -7,7 +7,7 @@ import torch
 
 from qerl_pipeline.quantization import checkpoint, nvfp4
 
-SUFFIXES = checkpoint.NVFP4_SUFFIXES
+SUFFIXES = nvfp4.CODEC.suffixes
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ def bases(tmp_path_factory):
         shape = sizing.ModelShape.from_config(model.config)
         for fmt in ("nvfp4", "nf4", "bf16"):
             folder = root / f"{kind}_{fmt}"
-            checkpoint.write_base(model, None, fmt, folder, nf4_blocksize=NF4_BLOCK)
+            checkpoint.write_base(model, None, fmt, folder, settings={"nf4_blocksize": NF4_BLOCK})
             out[kind, fmt] = (folder, shape)
     return out
 

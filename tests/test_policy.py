@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qerl_pipeline.config import LoraConfig
-from qerl_pipeline.quantization import checkpoint
+from qerl_pipeline.quantization import checkpoint, store
 from qerl_pipeline.quantization.policy import (
     DENSE_TRACKER,
     PackedLinear,
@@ -25,7 +25,8 @@ LAYERS = 2
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
-    """A small random Llama (GQA, untied lm_head) written in all three formats."""
+    """A small random Llama (GQA, untied lm_head) written in all three formats, each with its dense serving copy
+    (``store.ensure_serving``: what a CPU engine serves)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
@@ -39,6 +40,8 @@ def bases(tmp_path_factory):
                 p.uniform_(0.5, 1.5)
     root = tmp_path_factory.mktemp("bases")
     stats = {fmt: checkpoint.write_base(model, None, fmt, root / fmt) for fmt in FORMATS}
+    for fmt in FORMATS:
+        store.ensure_serving(root / fmt)
     return root, stats
 
 

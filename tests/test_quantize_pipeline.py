@@ -15,6 +15,7 @@ import torch
 
 from qerl_pipeline.datasets.hf_model_folder import HFModelFolderDataset
 from qerl_pipeline.quantization import checkpoint, nvfp4
+from qerl_pipeline.rollout.serving import served_model
 
 from tests.helpers.files import rewritten, snapshot
 from tests.helpers.project import project_copy, run_kedro, tracking_uri
@@ -70,8 +71,7 @@ def test_bases_written_for_each_method(runs):
         base = checkpoint.base_dir_for(models, method)
         assert base == models / f"base_{fmt}"
         assert checkpoint.base_format(base) == fmt
-        assert (base / "serving" / "config.json").is_file()
-        assert "quantization_config" not in json.loads((base / "serving" / "config.json").read_text())
+        assert not (base / "serving").exists()  # the dense copy is written by the first engine that serves it
         assert (base / "tokenizer_config.json").is_file()
     # no temporary folders left behind
     assert sorted(p.name for p in models.iterdir()) == ["base_bf16", "base_nf4", "base_nvfp4"]
@@ -91,10 +91,11 @@ def test_nvfp4_base_reloads_through_compressed_tensors(runs):
     owners = [k.removesuffix(".weight_packed") for k in ours if k.endswith(".weight_packed")]
     assert len(owners) == 2 * 7
     for owner in owners:
-        want = nvfp4.decode(*(ours[f"{owner}.{s}"] for s in checkpoint.NVFP4_SUFFIXES), dtype=torch.bfloat16)
+        want = nvfp4.decode(*(ours[f"{owner}.{s}"] for s in nvfp4.CODEC.suffixes), dtype=torch.bfloat16)
         assert torch.equal(theirs[f"{owner}.weight"], want), owner
-    # the serving copy holds the same codes decoded in float32
-    served = checkpoint.read_tensors(base / "serving")
+    # the serving copy (written on first use, as a CPU engine start does) holds the same codes decoded in float32
+    served = checkpoint.read_tensors(served_model(base, platform="cpu").path)
+    assert "quantization_config" not in json.loads((base / "serving" / "config.json").read_text())
     for owner in owners:
         assert torch.equal(served[f"{owner}.weight"].to(torch.bfloat16), theirs[f"{owner}.weight"])
 
@@ -205,9 +206,9 @@ def test_calibrated_options_fail_clearly(tmp_path):
     from qerl_pipeline.pipelines.quantize.nodes import calibration_texts, method_format, quantize_base
 
     with pytest.raises(ValueError, match="awq or gptq"):
-        checkpoint.calibrated_nvfp4_base(None, None, tmp_path / "o", algorithm="rtn", texts=["x"], ignore=[])
+        checkpoint.calibrated_base(None, None, "nvfp4", tmp_path / "o", algorithm="rtn", texts=["x"], ignore=[])
     with pytest.raises(ValueError, match="calibration texts"):
-        checkpoint.calibrated_nvfp4_base(None, None, tmp_path / "o", algorithm="gptq", texts=[], ignore=[])
+        checkpoint.calibrated_base(None, None, "nvfp4", tmp_path / "o", algorithm="gptq", texts=[], ignore=[])
     with pytest.raises(FileNotFoundError, match="calibration_path"):
         calibration_texts(tmp_path / "none.jsonl", 4)
     bad = tmp_path / "bad.jsonl"

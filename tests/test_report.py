@@ -172,8 +172,8 @@ def test_claims_by_hand(store):
     # one seed: every claim says the data cannot tell
     one = {c.id: c for c in report_claims.claims([r for r in runs if r.seed == 0])}
     assert all(c.verdict == "cannot tell" and "1 seed (no interval" in c.text for c in one.values())
-    # a method not run: the claim says which
-    no_aqn = {c.id: c for c in report_claims.claims([r for r in runs if r.method != "lora_aqn"])}
+    # a method chosen but not run: the claim says which (without a choice, the claims of the methods that ran)
+    no_aqn = {c.id: c for c in report_claims.claims([r for r in runs if r.method != "lora_aqn"], METHODS)}
     assert no_aqn["c_lora_aqn_ge_lora"].text == "cannot tell: no data for lora_aqn"
     # compare.methods without qlora and lora_aqn: their claims are not stated at all (nothing was meant to run),
     # the others' are the same; a chosen method without runs still reads "no data"

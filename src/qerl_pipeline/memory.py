@@ -17,12 +17,21 @@ each large tensor its own mapping, returned to the OS when freed (figures in
 docs/performance.md). ``malloc_trim(0)`` then returns what
 earlier work (the quantize node in the same ``kedro run``) left in the heap. glibc on
 Linux only; elsewhere nothing happens (and it says so).
+
+``release_trainer_cache``: PyTorch's caching allocator keeps what the trainer freed reserved
+on the GPU, invisible to any other process; a vLLM engine that starts or wakes on the same
+GPU checks the GPU's free memory and would find it gone. It is called before every engine
+wake (rollout/sleep.py) and every engine start (rollout/serving.py ``open_engine``: a
+compare's next branch starts its engine where the previous branch trained), on CUDA only;
+``collect`` first runs the garbage collector, so tensors held only by reference cycles (a
+finished branch's policy and optimizer) are freed too.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import resource
 import sys
@@ -49,6 +58,23 @@ def peak_memory_bytes() -> int:
                 return int(line.split()[1]) * 1024
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def release_trainer_cache(*, collect: bool = False) -> bool:
+    """``torch.cuda.empty_cache()`` where CUDA is (after ``gc.collect()`` with ``collect``); False elsewhere.
+
+    What the module docstring says: the trainer's cached GPU memory goes back before an engine takes its own
+    (planner/sizing.py counts on it)."""
+    from qerl_pipeline.platform import current_platform
+
+    if current_platform() != "cuda":
+        return False
+    import torch
+
+    if collect:
+        gc.collect()
+    torch.cuda.empty_cache()
+    return True
 
 
 def _vm_hwm(pid: int | str) -> int | None:

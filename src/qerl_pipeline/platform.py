@@ -6,17 +6,22 @@ follows the same rule: ``install.sh``). ``gpu_memory_bytes()`` is the memory of 
 GPU the process may use, as CUDA counts it, read through NVML, which creates no CUDA context:
 validation plans the run on it before any engine forks (hooks.py).
 
-The question is asked without initialising the CUDA driver (``cuda_present``):
+The question must not leave a process that vLLM then forks with an initialised CUDA driver
+(CUDA does not survive a fork: "Cannot re-initialize CUDA in forked subprocess").
 ``torch.cuda.is_available()`` calls ``cudaGetDeviceCount`` (which runs ``cuInit``) unless
-``PYTORCH_NVML_BASED_CUDA_CHECK=1``. vLLM sets that variable itself, but only when it is
-imported (vllm/env_override.py), and it switches its workers to spawn only when
-``torch.cuda.is_initialized()``, which ``is_available()`` does not set: asking torch first
-would make vLLM fork EngineCore from a process whose driver is initialised, and CUDA does
-not survive a fork. So the variable is set here, before the question (vLLM's own value);
-the alternative, forcing spawn (``VLLM_WORKER_MULTIPROC_METHOD=spawn``), would work too but
-re-imports vLLM and torch in every engine process and overrides vLLM's own choice. When NVML
-cannot answer, torch falls back to the runtime query (its documented weaker guarantee);
-vLLM's spawn rule still sees an uninitialised torch then.
+``PYTORCH_NVML_BASED_CUDA_CHECK=1``, and vLLM switches its EngineCore and workers to spawn
+only when ``torch.cuda.is_initialized()`` (vllm/utils/system_utils.py ``_maybe_force_spawn``),
+which that runtime query does not set. So ``cuda_present``:
+
+* sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` before asking (vLLM's own value, which vLLM sets
+  itself only when it is imported: vllm/env_override.py): torch counts the GPUs through NVML
+  and leaves the driver alone;
+* asks NVML's count first (``torch.cuda._device_count_nvml``): where NVML cannot count
+  (-1: ``CUDA_VISIBLE_DEVICES`` naming MIG slices, which torch does not parse, or NVML
+  failing to start), torch's check falls back to the runtime query and poisons fork; then
+  it sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` before the question, so every vLLM process
+  started from this one is spawned (a fresh interpreter, which re-imports vLLM and torch).
+  Where NVML counts, vLLM keeps its own choice (fork).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import re
 PLATFORMS = ("cuda", "cpu")
 #: torch's switch for asking NVML, not the CUDA runtime, whether a GPU is there (torch/cuda/__init__.py).
 NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+#: vLLM's start method for its EngineCore and worker processes (fork by default).
+VLLM_START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 def check(platform: str) -> str:
@@ -37,11 +44,21 @@ def check(platform: str) -> str:
     return platform
 
 
+def _nvml_cannot_count(cuda) -> bool:
+    """Whether torch's NVML-based check would fall back to the CUDA runtime query (``cuda``: ``torch.cuda``)."""
+    if not cuda._is_compiled() or cuda.is_initialized():
+        return False  # no CUDA build: nothing is queried; initialised already: vLLM spawns by itself
+    count_nvml = getattr(cuda, "_device_count_nvml", None)
+    return count_nvml is None or count_nvml() < 0
+
+
 def cuda_present(environ=os.environ) -> bool:
-    """Whether this process sees a CUDA GPU, asked without initialising the CUDA driver (module docstring)."""
+    """Whether this process sees a CUDA GPU, asked without leaving vLLM a driver to fork (module docstring)."""
     environ[NVML_CHECK_ENV] = "1"
     import torch  # here, not at the top: the Kedro CLI imports this module (hooks) and should not pay for torch
 
+    if _nvml_cannot_count(torch.cuda):
+        environ[VLLM_START_METHOD_ENV] = "spawn"
     return torch.cuda.is_available()
 
 

@@ -3,13 +3,16 @@
 It records its calls and answers what ``rl/trainer.py`` and ``rollout/sleep.py`` ask of a
 ``RolloutEngine``: deterministic completions (a hash of the prompt, its request's seed, the
 adapter's bytes and its state: a prompt's samples do not depend on the other prompts of the
-call, as vLLM's seeded requests), norm weights to update and read back, adapters to register, sleep and wake (with
-optional faults on wake).
+call, as vLLM's seeded requests) with the log-probs of confident tokens, norm weights to update
+and read back, adapters to register, sleep and wake (with optional faults on wake), and
+optionally the nondeterminism of CUDA kernels (``near_tie``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import random
 from pathlib import Path
 
 import torch
@@ -22,11 +25,23 @@ class FakeEngine:
 
     ``fault``: what a wake does: None (nothing), "drop" (vLLM forgets its adapters: none listed
     until re-registered after a reset), "drop_forever" (never lists one again), "corrupt"
-    (outputs change until its adapters are dropped), "broken" (outputs change for good).
+    (outputs change until its adapters are dropped), "broken" (outputs change for good),
+    "unsure" (the same tokens, every log-prob 2 nats lower, for good: a model that lost what
+    made it confident).
+
+    ``near_tie=(probability, seed)``: every greedy completion ends on a near tie (two tokens at
+    about log(1/2) each) that the engine resolves the other way with that probability per call,
+    and every log-prob moves by up to 1e-3 per call: what split-K fp32 atomics do on CUDA
+    (rollout/sleep.py), with no sleep involved.
     """
 
-    def __init__(self, fault: str | None = None, cuda: bool = True, norms: dict[str, torch.Tensor] | None = None):
+    def __init__(self, fault: str | None = None, cuda: bool = True, norms: dict[str, torch.Tensor] | None = None,
+                 near_tie: tuple[float, int] | None = None):
         self.fault = fault
+        self.flip = near_tie[0] if near_tie else 0.0
+        self.noise = random.Random(near_tie[1]) if near_tie else None
+        self.unsure = False
+        self.flips = 0  # greedy completions whose near tie went the other way
         self.info = {"cuda": cuda, "dtype": "float32", "startup_s": 0.0, "pid": 0}
         self.calls: list[tuple] = []
         self.asleep = False
@@ -73,7 +88,14 @@ class FakeEngine:
                 key = repr((list(prompt), i if temperature > 0 else 0, own, self.salt, self.stale)).encode() + content
                 digest = hashlib.sha256(key).digest()
                 ids = [1 + b % 200 for b in digest[:max_new_tokens]]
-                group.append(Sample(list(prompt), ids, "ab" * (1 + digest[0] % 4) + "1", [-1.0] * len(ids), "length"))
+                lps = [-(b % 8) / 100 - (2.0 if self.unsure else 0.0) for b in digest[:max_new_tokens]]
+                if self.noise is not None and temperature == 0 and ids:
+                    lps[-1] = math.log(0.5) - 0.001  # the last token nearly ties with another one
+                    if self.noise.random() < self.flip:
+                        ids[-1] = 1 + ids[-1] % 200  # the other one
+                        self.flips += 1
+                    lps = [min(0.0, x + self.noise.uniform(-1e-3, 1e-3)) for x in lps]
+                group.append(Sample(list(prompt), ids, "ab" * (1 + digest[0] % 4) + "1", lps, "length"))
             groups.append(group)
         tokens = sum(len(s.completion_ids) for g in groups for s in g)
         return GenerateResult(groups, 0.01, tokens, tokens / 0.01)
@@ -94,6 +116,8 @@ class FakeEngine:
             self.stale = True
         if was and self.fault == "broken":
             self.salt += 1
+        if was and self.fault == "unsure":
+            self.unsure = True
         return {"was_asleep": was, "level": None, "reloaded": False, "reapplied": []}
 
     def register_adapter(self, path):

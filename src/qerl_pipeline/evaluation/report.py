@@ -108,7 +108,7 @@ def report_artifacts(runs: Sequence[RunData], title: str = "QeRL comparison",
     """Every file of the report by name (``REPORT_FILES``): the figures as matplotlib ``Figure``s, the
     accuracy (per run and over seeds), curve-band, system and claims tables as ``DataFrame``s, the
     claims as a JSON-able list (NaN as null) and ``report.html`` as text. ``found``: the claims to state
-    (None: every claim, ``claims(runs)``)."""
+    (None: the claims about the methods of ``runs``, ``claims(runs)``)."""
     if not runs:
         raise ValueError("no runs to report on")
     found = claims(runs) if found is None else found

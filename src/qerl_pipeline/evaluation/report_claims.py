@@ -1,10 +1,12 @@
 """The paper's claims, stated with the measured seed-paired difference and its 95% interval.
 
-* (a) the policy entropy of each quantized method (qerl, qerl_noaqn, qlora) is above BF16
-  LoRA's in the first AQN stage (``first_aqn_stage_steps``: the steps of the first stage with
-  sigma > 0, read from the runs' ``aqn/stage`` and ``aqn/sigma`` curves);
+* (a) the policy entropy of each quantized method (qerl, qerl_noaqn, qlora, and the format
+  sweep's mxfp4, mxfp4_noaqn, fp8: every registered method whose format quantizes, so each
+  format is put to it) is above BF16 LoRA's in the first AQN stage (``first_aqn_stage_steps``:
+  the steps of the first stage with sigma > 0, read from the runs' ``aqn/stage`` and
+  ``aqn/sigma`` curves);
 * (b) reward growth, the area under the reward curve (``stats.curve_auc``), is ordered
-  qerl >= qerl_noaqn >= lora;
+  qerl >= qerl_noaqn >= lora; and, for AQN on MXFP4, mxfp4 >= mxfp4_noaqn;
 * (c) the same for AQN without quantization: lora_aqn >= lora.
 
 Where the interval contains 0, or there is one seed, the claim reads "cannot tell" with the
@@ -28,13 +30,17 @@ import pandas as pd
 from qerl_pipeline.config import METHOD_SPECS
 from qerl_pipeline.evaluation import stats
 from qerl_pipeline.evaluation.report_runs import RunData, by_method
+from qerl_pipeline.quantization import formats
 from qerl_pipeline.quantization.aqn import stage_of
 
-#: Claim (a): the quantized methods whose entropy the paper finds above BF16 LoRA's early in training.
-QUANTIZED = tuple(m for m, spec in METHOD_SPECS.items() if spec.quantized)
 #: Claims (b) and (c): (id, higher, lower) of "reward growth of higher >= lower".
 REWARD_ORDER = (("b_qerl_ge_qerl_noaqn", "qerl", "qerl_noaqn"), ("b_qerl_noaqn_ge_lora", "qerl_noaqn", "lora"),
-                ("c_lora_aqn_ge_lora", "lora_aqn", "lora"))
+                ("c_lora_aqn_ge_lora", "lora_aqn", "lora"), ("b_mxfp4_ge_mxfp4_noaqn", "mxfp4", "mxfp4_noaqn"))
+
+
+def quantized_methods() -> tuple[str, ...]:
+    """Claim (a)'s methods: every registered method on a format that quantizes, in the registry's order."""
+    return tuple(m for m, spec in METHOD_SPECS.items() if spec.quantized)
 
 
 def first_aqn_stage_steps(runs: Sequence[RunData]) -> list[int]:
@@ -72,23 +78,27 @@ def claims(runs: Sequence[RunData], methods: Sequence[str] | None = None) -> lis
     """The paper's claims (a), (b), (c) measured on ``runs`` (see the module docstring).
 
     ``methods``: the methods the comparison chose (``compare.methods``); a claim about a method outside it is
-    left out, as that method was never meant to run. None: every claim. A claim kept whose methods have no
-    runs (a chosen method that did not finish) reads "cannot tell: no data for ...".
+    left out, as that method was never meant to run. None: the methods of ``runs``. A claim kept whose
+    methods have no runs (a chosen method that did not finish) reads "cannot tell: no data for ...".
     """
-    def chosen(*names: str) -> bool:
-        return methods is None or all(n in methods for n in names)
-
     groups = by_method(runs)
+    methods = list(groups) if methods is None else methods
+
+    def chosen(*names: str) -> bool:
+        return all(n in methods for n in names)
+
     window = first_aqn_stage_steps(runs)
     out = []
     lora = groups.get("lora", [])
-    for m in QUANTIZED:
+    for m in quantized_methods():
         if not chosen(m, "lora"):
             continue
         stat = (f"mean policy entropy over steps {window[0]}-{window[-1]} (first AQN stage)" if window
                 else "mean policy entropy in the first AQN stage (no step found)")
+        fmt = formats.get(METHOD_SPECS[m].format).label
         out.append(stats.claim(
-            f"a_{m}_entropy_gt_lora", f"policy entropy of {m} above lora in the first AQN stage", m, "lora", stat,
+            f"a_{m}_entropy_gt_lora", f"policy entropy of {m} ({fmt}) above lora (BF16) in the first AQN stage", m, "lora",
+            stat,
             _per_seed(groups.get(m, []), lambda r: stats.window_mean(r.curve("entropy"), window)),
             _per_seed(lora, lambda r: stats.window_mean(r.curve("entropy"), window)),
         ))

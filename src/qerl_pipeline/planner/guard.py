@@ -124,7 +124,10 @@ def refusal(cfg: QerlConfig, methods: list[str], shape: ModelShape, gpu_gib: flo
             f"rollout.gpu_memory_utilization ({limits})")
     if not fitting:
         return f"{head}; no method fits it at these settings ({SEE})"
-    lo, hi = utilization_range(plans(cfg, fitting, shape, gpu_gib))
-    pick = pick_utilization(cfg, fitting, shape, gpu_gib)
-    where = f"at {lo:.2f}-{hi:.2f}, the planner picks {pick:.2f}" if pick is not None else "each at its own utilization"
-    return f"{head}; {', '.join(fitting)} fit {where} ({SEE})"
+    groups: dict[str, list[str]] = {}  # the methods that fit, by their own range and pick as said
+    for m in fitting:
+        pick = pick_utilization(cfg, [m], shape, gpu_gib)
+        said = f"{alone[m][0]:.2f}-{alone[m][1]:.2f}" + (f", the planner picks {pick:.2f}" if pick is not None else "")
+        groups.setdefault(said, []).append(m)
+    where = "; ".join(f"{', '.join(ms)} fit{'s' if len(ms) == 1 else ''} at {said}" for said, ms in groups.items())
+    return f"{head}; {where} ({SEE})"

@@ -33,12 +33,16 @@ k and v ``h -> n_kv d``, o ``n_h d -> h``, gate and up ``h -> I``, down ``I -> h
 Trainer, resident (what ``quantization/policy.py`` holds; tests/test_planner.py checks it to
 the byte on tiny models against the policy's parameters and buffers, ``PackedLinear.packed_bytes``):
 
-* quantized linear ``[out, in]`` (``PackedLinear`` buffers): NVFP4 ``out*in/2`` (E2M1 codes)
-  ``+ out*in/16`` (one FP8-E4M3 scale per 16) ``+ 4`` (FP32 global scale); NF4
-  ``ceil(out*in/2) + 4*ceil(out*in/B)`` (codes + FP32 absmax per block, ``B =
-  quantize.nf4_blocksize``). BF16 base: ``c*out*in`` (frozen ``nn.Linear``). Which linears are
-  quantized follows ``checkpoint.quantizable_linears``: all but ``quantize.ignore`` (default
-  ``lm_head``), a head tied to the embeddings, and (NVFP4) ``in % 16 != 0``, which stay dense.
+* quantized linear ``[out, in]`` (``PackedLinear`` buffers): the bytes of the tensors its
+  format's codec declares (``Codec.linear_bytes`` from ``Codec.tensor_specs``, checked against
+  ``encode`` when the codec registers): NVFP4 ``out*in/2`` (E2M1 codes) ``+ out*in/16`` (one
+  FP8-E4M3 scale per 16) ``+ 4`` (FP32 global scale); NF4 ``ceil(out*in/2) + 4*ceil(out*in/B)``
+  (codes + FP32 absmax per block, ``B = quantize.nf4_blocksize``); MXFP4 ``out*in/2 +
+  out*in/32`` (codes + one E8M0 byte per 32); FP8 ``out*in + 2*out`` (E4M3 codes + a bf16 scale
+  per row). BF16 base: ``c*out*in`` (frozen ``nn.Linear``). Which linears are quantized follows
+  ``checkpoint.quantizable_linears``: all but ``quantize.ignore`` (default ``lm_head``), a head
+  tied to the embeddings, and those the codec leaves dense (``Codec.skip_reason``: NVFP4 ``in %
+  16 != 0``, MXFP4 ``in % 32 != 0``).
 * biases (Qwen2's q/k/v, ``attention_bias``/``mlp_bias``): ``c`` bytes each.
 * embeddings ``c*V*h``; an untied, unquantized lm_head ``c*V*h`` (``load_base`` casts every
   non-quantized tensor to the compute dtype).
@@ -80,8 +84,9 @@ Transient working set (an estimate, not a bound): in backward the gradients of o
 saved tensors (taken as one layer's saved set again); the head's chunk buffers,
 ``chunk (2f + c) V`` with ``chunk = min(512, P)`` rows, plus the gradient of the hidden states ``c N h``
 (head and layers do not overlap: the larger counts); the decoded dense weight of the largest
-quantized linear on the torch decode path, ``13 out*in`` (uint8 codes, int64 indices, fp32
-values; zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen), or, where larger,
+quantized linear on the torch decode path, ``Codec.decode_bytes_per_weight * out*in`` (13 for the
+byte-table decodes of NVFP4, NF4 and MXFP4: uint8 codes, int64 indices, fp32 values; 8 for FP8;
+zero for BF16, and zero where the fused Triton NVFP4 kernel is chosen), or, where larger,
 the fused kernel's one-time ``auto`` check (NVFP4 with 16-bit compute: a random probe of the
 micro-batch's ``N`` tokens, the kernel's and the torch path's outputs and the torch decode,
 ``triton_nvfp4.check_bytes``, the largest linear and product; it runs inside the first step's
@@ -93,9 +98,10 @@ saved + transient. A no-grad reference forward (``grpo.log_kl_to_base``) keeps l
 
 Engine (vLLM, ``rollout/serving.py``: what CUDA serves):
 
-* served weights: NVFP4 packed (same bytes as the trainer's codes; qkv and gate/up fused share
-  one global scale per group), NF4 through bitsandbytes (``nf4-bnb``: the same codes and FP32
-  absmax; assumes ``vllm-bnb-plugin`` is installed, else it is served dense), BF16 dense;
+* served weights: the trainer's bytes (NVFP4, MXFP4 and FP8 packed through their
+  compressed-tensors schemes; qkv and gate/up fused share one NVFP4 global scale per group), NF4
+  through bitsandbytes (``nf4-bnb``: the same codes and FP32 absmax; assumes ``vllm-bnb-plugin``
+  is installed, else it is served dense), BF16 dense; a format without a vLLM scheme dense;
   embeddings, lm_head and biases in ``c``; norms fp32 (the project's vLLM plugin).
 * LoRA slots: ``max_loras = 1`` at ``max_lora_rank = rollout.serving.vllm_lora_rank(r)``, every
   one of the 7 projection types, ``c r_v (in + out)`` each (vLLM wraps all supported linears).
@@ -121,8 +127,8 @@ Deviations and assumptions, in one place:
   less what the driver reserves (``platform.gpu_memory_bytes``).
 * the Llama/Qwen2 layer layout above (no q/k norms, no MoE); ``source: random`` models are
   Llama with tied embeddings over the SmolLM2 tokenizer (V = 49152).
-* NF4 double quantization is refused by the project (``quantization/store.py``); the planner
-  refuses it too rather than plan a format the trainer cannot build.
+* settings a format refuses (``Codec.check_settings``: NF4 double quantization) are refused by
+  the planner too rather than plan a base the trainer cannot build.
 * ``optim.name: adamw_8bit`` is planned as bitsandbytes' AdamW8bit (what CUDA runs; on CPU the
   trainer falls back to torch AdamW).
 * engine workspace, CUDA graphs, contexts and the asleep residue are estimates; the
@@ -139,9 +145,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
-from qerl_pipeline.quantization import triton_nvfp4
+from qerl_pipeline.quantization import formats, nvfp4, triton_nvfp4
 from qerl_pipeline.quantization.checkpoint import is_ignored
-from qerl_pipeline.quantization.nvfp4 import DECODE_BYTES_PER_WEIGHT
 from qerl_pipeline.rollout.kv import dtype_bytes, kv_bytes_per_token
 from qerl_pipeline.rollout.serving import vllm_lora_rank
 
@@ -228,41 +233,41 @@ def _norm_bytes(cfg: QerlConfig) -> int:
     return F32 if cfg.model.norm_dtype == "float32" else _dtype_bytes(cfg)
 
 
-def quantized_linear_bytes(fmt: str, n_in: int, n_out: int, nf4_blocksize: int = 64) -> int:
-    """Bytes of one linear's codes and scales as ``PackedLinear`` holds them (``fmt`` nvfp4 | nf4)."""
-    n = n_in * n_out
-    if fmt == "nvfp4":
-        return n // 2 + n // 16 + F32
-    if fmt == "nf4":
-        return math.ceil(n / 2) + F32 * math.ceil(n / nf4_blocksize)
-    raise ValueError(f"not a packed format: {fmt!r}")
+def quantized_linear_bytes(fmt: str, n_in: int, n_out: int, settings: dict[str, Any] | None = None) -> int:
+    """Bytes of one linear's codes and scales as ``PackedLinear`` holds them (the codec's ``linear_bytes``;
+    ``settings``: the ``quantize`` section as a dict)."""
+    codec = formats.get(fmt)
+    if not codec.quantizes:
+        raise ValueError(f"not a packed format: {fmt!r}")
+    return codec.linear_bytes(n_out, n_in, codec.layout(settings or {}))
 
 
-def _quantized(fmt: str, name: str, n_in: int, ignore: list[str]) -> bool:
+def _quantized(fmt: str, name: str, n_in: int, n_out: int, ignore: list[str]) -> bool:
     """Whether ``checkpoint.quantizable_linears`` quantizes this linear (a tied head is handled by the caller)."""
-    if fmt == "bf16" or is_ignored(name, ignore):
+    codec = formats.get(fmt)
+    if not codec.quantizes or is_ignored(name, ignore):
         return False
-    return not (fmt == "nvfp4" and n_in % 16)
+    return codec.skip_reason(n_in, n_out) is None
 
 
 def weight_bytes(cfg: QerlConfig, shape: ModelShape) -> dict[str, int]:
     """The base as the trainer holds it: ``base_linears`` (packed codes+scales, or dense), ``biases``,
     ``embeddings``, ``lm_head``, ``norms``, ``rotary``."""
     fmt, c = METHOD_FORMAT[cfg.method], _dtype_bytes(cfg)
-    ignore, bs = list(cfg.quantize.ignore), cfg.quantize.nf4_blocksize
+    ignore, settings = list(cfg.quantize.ignore), cfg.quantize.model_dump()
     nb = _norm_bytes(cfg)
     out = {"base_linears": 0, "biases": 0}
     for i in range(shape.num_hidden_layers):
         for name, (n_in, n_out, bias) in shape.linears().items():
             full = f"model.layers.{i}.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}"
-            q = _quantized(fmt, full, n_in, ignore)
-            out["base_linears"] += quantized_linear_bytes(fmt, n_in, n_out, bs) if q else c * n_in * n_out
+            q = _quantized(fmt, full, n_in, n_out, ignore)
+            out["base_linears"] += quantized_linear_bytes(fmt, n_in, n_out, settings) if q else c * n_in * n_out
             out["biases"] += c * n_out if bias else 0
     out["embeddings"] = c * shape.vocab_size * shape.hidden_size
     if shape.tie_word_embeddings:
         out["lm_head"] = 0
-    elif _quantized(fmt, "lm_head", shape.hidden_size, ignore):
-        out["lm_head"] = quantized_linear_bytes(fmt, shape.hidden_size, shape.vocab_size, bs)
+    elif _quantized(fmt, "lm_head", shape.hidden_size, shape.vocab_size, ignore):
+        out["lm_head"] = quantized_linear_bytes(fmt, shape.hidden_size, shape.vocab_size, settings)
     else:
         out["lm_head"] = c * shape.vocab_size * shape.hidden_size
     out["norms"] = nb * (2 * shape.num_hidden_layers + 1) * shape.hidden_size
@@ -347,13 +352,13 @@ def activation_bytes(cfg: QerlConfig, shape: ModelShape, b: int, seq_len: int | 
         if one > left:
             break
         kept, left = kept + one, left - one
-    fmt = METHOD_FORMAT[cfg.method]
+    codec = formats.get(METHOD_FORMAT[cfg.method])
     biggest = max(n_in * n_out for n_in, n_out, _b in shape.linears().values())
-    decode = DECODE_BYTES_PER_WEIGHT * biggest if fmt != "bf16" else 0
+    decode = codec.decode_bytes_per_weight * biggest if codec.quantizes else 0
     decode = max(decode, kernel_check_bytes(cfg, shape, N))
-    if fmt != "bf16" and cfg.train.keep_decoded_weights is True:  # the dense base alive through the update
+    if codec.quantizes and cfg.train.keep_decoded_weights is True:  # the dense base alive through the update
         decode += c * shape.num_hidden_layers * sum(n_in * n_out for name, (n_in, n_out, _b) in shape.linears().items()
-                                                    if _quantized(fmt, name, n_in, cfg.quantize.ignore))
+                                                    if _quantized(codec.name, name, n_in, n_out, cfg.quantize.ignore))
     transient = max(head_work, layer) + decode
     return {"saved": saved, "recompute": recompute, "transient": transient + kept,
             "peak": saved + recompute + transient + kept, "per_layer": layer, "layer0": layer0, "head": head,
@@ -364,13 +369,13 @@ def kernel_check_bytes(cfg: QerlConfig, shape: ModelShape, tokens: int) -> int:
     """The fused NVFP4 kernel's one-time ``auto`` check at ``tokens`` rows: the largest over the
     quantized linears and both products (``triton_nvfp4.check_bytes``); 0 where ``auto`` never
     considers the kernel (other formats, float32 compute)."""
-    if METHOD_FORMAT[cfg.method] != "nvfp4" or _dtype_bytes(cfg) == F32:
+    if formats.get(METHOD_FORMAT[cfg.method]) is not nvfp4.CODEC or _dtype_bytes(cfg) == F32:  # as PackedLinear asks
         return 0
     c = _dtype_bytes(cfg)
     return max((triton_nvfp4.check_bytes(op, tokens, n_out, n_in, c)
                 for name, (n_in, n_out, _b) in shape.linears().items()
                 if _quantized("nvfp4", f"model.layers.0.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}", n_in,
-                              list(cfg.quantize.ignore))
+                              n_out, list(cfg.quantize.ignore))
                 for op in triton_nvfp4.OPS), default=0)
 
 
@@ -453,11 +458,9 @@ def plan(cfg: QerlConfig, shape: ModelShape, gpu_gib: float, *, micro_batch: int
     """
     if gpu_gib <= 0:
         raise ValueError(f"gpu size must be > 0 GiB, got {gpu_gib}")
-    if METHOD_FORMAT[cfg.method] == "nf4" and cfg.quantize.nf4_double_quant:
-        raise ValueError("quantize.nf4_double_quant: the project does not implement double quantization "
-                         "(quantization/nf4.py), so there is no such trainer to plan")
-    gpu = int(gpu_gib * GIB)
     fmt = METHOD_FORMAT[cfg.method]
+    formats.get(fmt).check_settings(cfg.quantize.model_dump())  # a base the trainer cannot build is not planned
+    gpu = int(gpu_gib * GIB)
     mb = micro_batch or cfg.train.micro_batch_size
     n_rows = cfg.train.prompts_per_step * cfg.grpo.num_generations
     L, T, G = cfg.model.max_seq_len, min(cfg.rollout.max_new_tokens, cfg.model.max_seq_len), cfg.grpo.num_generations
@@ -500,8 +503,10 @@ def plan(cfg: QerlConfig, shape: ModelShape, gpu_gib: float, *, micro_batch: int
                      f"(needs >= {min_util:.3f})")
     if starts and concurrent < n_rows:
         notes.append(f"rollout batch {n_rows} runs in waves: the KV cache holds {concurrent} sequences at once")
-    if fmt == "nf4":
-        notes.append("NF4 served through bitsandbytes (vllm-bnb-plugin installed); without it vLLM serves it dense")
+    codec = formats.get(fmt)
+    if codec.cuda_needs is not None:
+        notes.append(f"{codec.label} served as {codec.served('cuda', {codec.cuda_needs}).tag} through vLLM's "
+                     f"{codec.cuda_needs} support{codec.cuda_needs_hint}; without it vLLM serves it dense")
     return Plan(
         method=cfg.method, fmt=fmt, model=shape.name, gpu_bytes=gpu, micro_batch=mb, rollout_batch=n_rows, seq_len=L,
         completion_len=T, gradient_checkpointing=cfg.lora.gradient_checkpointing, sleep=sleep,

@@ -18,12 +18,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from qerl_pipeline.atomic import staged_dir
 from qerl_pipeline.quantization import nf4
-from qerl_pipeline.quantization.checkpoint import (BASE_DTYPE, BNB_SUBDIR, NF4_SUFFIXES, base_format, iter_tensors,
-                                                   safetensor_files, serving_dir, write_safetensors)
+from qerl_pipeline.quantization.checkpoint import BASE_DTYPE, BNB_SUBDIR, base_format, iter_codes, linear_shapes, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -87,22 +85,13 @@ def bnb_nf4_tensors(owner: str, code: nf4.NF4Weight, dtype: torch.dtype = BASE_D
     }
 
 
-def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor of an HF folder (headers only)."""
-    shapes = {}
-    for f in safetensor_files(folder):
-        with safe_open(str(f), framework="pt") as handle:
-            for key in handle.keys():
-                shapes[key] = tuple(handle.get_slice(key).get_shape())
-    return shapes
-
-
 def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
     """Write the bitsandbytes 4-bit layout of the NF4 base ``base_dir`` to ``out_dir`` (default ``<base>/bnb``).
 
     Nothing is re-quantized: each linear's NF4 codes and absmax are the base's own bytes
     (``bnb_nf4_tensors``), every other tensor is copied as stored (bf16, the master
-    precision), the weight shapes come from the base's ``serving/`` copy. The config is the
+    precision), the weight shapes come from the model of the base's config.json
+    (``checkpoint.linear_shapes``). The config is the
     base's with ``qerl_quantization`` replaced by ``bnb_nf4_quantization_config``; tokenizer
     and generation files are copied. Built in a stage (``atomic.staged_dir``) that never
     replaces an existing ``out_dir``: one that another process finished meanwhile is kept,
@@ -110,34 +99,23 @@ def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
     """
     base_dir = Path(base_dir)
     out_dir = Path(out_dir) if out_dir is not None else bnb_dir(base_dir)
-    if base_format(base_dir) != "nf4":
+    if base_format(base_dir) != nf4.CODEC.name:
         raise ValueError(f"{base_dir}: not an NF4 base (format {base_format(base_dir)!r})")
     cfg = json.loads((base_dir / "config.json").read_text())
     meta = cfg.pop("qerl_quantization")
     blocksize = int(meta.get("blocksize", nf4.DEFAULT_BLOCKSIZE))
-    shapes = _tensor_shapes(serving_dir(base_dir))
+    shapes = linear_shapes(base_dir)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in iter_tensors(base_dir):
-            owner, _, leaf = name.rpartition(".")
-            if leaf not in NF4_SUFFIXES:
-                yield name, tensor
+        for name, value in iter_codes(base_dir):
+            if isinstance(value, torch.Tensor):
+                yield name, value
                 continue
-            if owner == "lm_head" or owner.endswith(".lm_head"):
-                raise ValueError(f"{base_dir}: {owner} is NF4-quantized; bitsandbytes checkpoints (and vLLM's loader) "
+            if name == "lm_head" or name.endswith(".lm_head"):
+                raise ValueError(f"{base_dir}: {name} is NF4-quantized; bitsandbytes checkpoints (and vLLM's loader) "
                                  "keep the output head dense: quantize with lm_head in quantize.ignore")
-            parts = pending.setdefault(owner, {})
-            parts[leaf] = tensor
-            if len(parts) == len(NF4_SUFFIXES):
-                del pending[owner]
-                shape = shapes.get(f"{owner}.weight")
-                if shape is None:
-                    raise KeyError(f"{base_dir}: {owner}.weight missing from serving/ (shape unknown)")
-                code = nf4.NF4Weight(parts["weight_nf4"], parts["weight_absmax"], shape, blocksize)
-                yield from bnb_nf4_tensors(owner, code).items()
-        if pending:
-            raise ValueError(f"{base_dir}: incomplete NF4 tensors for {sorted(pending)[:5]}")
+            code = nf4.NF4Weight(value["weight_nf4"], value["weight_absmax"], shapes[name], blocksize)
+            yield from bnb_nf4_tensors(name, code).items()
 
     try:
         with staged_dir(out_dir, replace=False) as stage:

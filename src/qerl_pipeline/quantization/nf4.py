@@ -21,13 +21,23 @@ Double quantization of the absmax values (QLoRA's second level) is not implement
 blocksize 64 it saves 0.37 bits a weight, which only matters for the memory comparison, and
 its output would have to match bitsandbytes' 8-bit dynamic code to be comparable.
 ``quantize.nf4_double_quant: true`` is therefore rejected with a clear error.
+
+``CODEC`` is the format as the rest of the project sees it (``quantization/codec.py``): our own
+checkpoint layout (``<linear>.weight_nf4``, ``<linear>.weight_absmax``, ``qerl_quantization:
+{format: nf4, blocksize, ignore}`` in config.json), and on CUDA the same bytes re-laid out for
+bitsandbytes (``bnb/``, ``quantization/bnb.py``) where vLLM has bitsandbytes support
+(``vllm-bnb-plugin``), else the dense decoded copy with a warning.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
+
+from qerl_pipeline.quantization.codec import Codec, Served, register
 
 #: The 16 NF4 levels, as float32 (the QLoRA paper's table, as bitsandbytes stores it).
 NF4_LEVELS = torch.tensor(
@@ -150,3 +160,40 @@ def decode(
 def bits_per_weight(blocksize: int = DEFAULT_BLOCKSIZE) -> float:
     """4 bits + one float32 absmax per block."""
     return 4.0 + 32.0 / blocksize
+
+
+# ----------------------------------------------------------------------------- the codec
+class NF4Codec(Codec):
+    """NF4 as the project stores, trains on and serves it (module docstring)."""
+
+    name = "nf4"
+    label = "NF4"
+    suffixes = ("weight_nf4", "weight_absmax")
+    buffers = {"weight_nf4": "packed", "weight_absmax": "absmax_bits"}
+    settings = ("ignore", "nf4_blocksize", "nf4_double_quant")
+    max_rel_error = 0.15
+    cuda = Served("bnb", "nf4-bnb", False, {"quantization": "bitsandbytes", "load_format": "bitsandbytes"},
+                  scheme="bitsandbytes 4-bit NF4 (vllm-bnb-plugin)")
+    cuda_needs = "bitsandbytes"
+    cuda_needs_hint = " (vLLM >= 0.32 has none in-tree: `pip install vllm-bnb-plugin`)"
+
+    def encode(self, weight, settings):
+        return encode(weight, int(settings.get("nf4_blocksize", DEFAULT_BLOCKSIZE))).state_dict()
+
+    def decode(self, tensors, shape, dtype, params):
+        return decode(tensors["weight_nf4"], tensors["weight_absmax"], shape,
+                      int(params.get("blocksize", DEFAULT_BLOCKSIZE)), dtype=dtype)
+
+    def tensor_specs(self, n_out, n_in, params):
+        n, bs = n_out * n_in, int(params.get("blocksize", DEFAULT_BLOCKSIZE))
+        return {"weight_nf4": ((math.ceil(n / 2),), torch.uint8), "weight_absmax": ((math.ceil(n / bs),), torch.float32)}
+
+    def layout(self, settings):
+        return {"blocksize": int(settings.get("nf4_blocksize", DEFAULT_BLOCKSIZE))}
+
+    def check_settings(self, settings):
+        if settings.get("nf4_double_quant"):
+            raise ValueError("quantize.nf4_double_quant: double quantization is not implemented (see quantization/nf4.py)")
+
+
+CODEC = register(NF4Codec())

@@ -33,6 +33,13 @@ their dtype behaviour, so that our codes equal theirs bit for bit
 
 Everything is vectorised; no Triton, no CUDA needed. Nothing here is copied from
 compressed-tensors: the rules are re-derived from its behaviour and the NVFP4 definition.
+
+``CODEC`` is the format as the rest of the project sees it (``quantization/codec.py``): the
+compressed-tensors ``nvfp4-pack-quantized`` checkpoint (``weight_packed``, ``weight_scale``,
+``weight_global_scale`` per linear; a linear whose in_features is not a multiple of 16 stays
+dense and is listed in ``ignore``), the calibrated path through llmcompressor's ``NVFP4A16``
+preset (``quantize.nvfp4_algorithm: awq | gptq``), and on CUDA vLLM's
+``CompressedTensorsW4A4Fp4(use_a16=True)`` scheme (rollout/serving.py says which kernel).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from qerl_pipeline.quantization.codec import CompressedTensorsCodec, Served, register
 
 #: Magnitudes of the 8 E2M1 codes (index = low 3 bits of a nibble; bit 3 is the sign).
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
@@ -154,6 +163,14 @@ def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) 
     out, inp = weight.shape
     eff = effective_scale(scale, gs).unsqueeze(-1)  # [out, groups, 1]
     x = weight.unflatten(-1, (inp // GROUP_SIZE, GROUP_SIZE)).to(torch.float32) / eff
+    return e2m1_codes(x).reshape(out, inp)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8 in [0, 15], bit 3 = sign) of values already divided by their scale.
+
+    ``x`` is clamped to +-6 and rounded to the nearest E2M1 value, ties to the even mantissa
+    (rule 4 of the module docstring); the sign bit is set for ``x < 0``. MXFP4 codes the same way."""
     x = torch.clamp(x, -E2M1_MAX, E2M1_MAX)
     mag = x.abs()
     idx = torch.zeros_like(mag, dtype=torch.uint8)
@@ -162,7 +179,7 @@ def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) 
     for t in _UPPER_INCL.tolist():
         idx += (mag >= t).to(torch.uint8)
     sign = (x < 0).to(torch.uint8) << 3
-    return (idx | sign).reshape(out, inp)
+    return idx | sign
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -282,3 +299,50 @@ def relative_error(weight: torch.Tensor, dense: torch.Tensor) -> float:
     if denom == 0:
         return float(torch.linalg.vector_norm(d))
     return float(torch.linalg.vector_norm(w - d) / denom)
+
+
+# ----------------------------------------------------------------------------- the codec
+#: compressed-tensors' format name and weight arguments of NVFP4A16 (weights only, group 16, FP8 scales)
+CT_FORMAT = "nvfp4-pack-quantized"
+CT_WEIGHTS = {
+    "actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP_SIZE, "num_bits": 4,
+    "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
+    "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None,
+}
+
+
+class NVFP4Codec(CompressedTensorsCodec):
+    """NVFP4A16 as the project stores, trains on and serves it (module docstring)."""
+
+    name = "nvfp4"
+    label = "NVFP4"
+    suffixes = ("weight_packed", "weight_scale", "weight_global_scale")
+    group_size = GROUP_SIZE
+    buffers = {"weight_packed": "packed", "weight_scale": "scale_bits", "weight_global_scale": "gs_bits"}
+    settings = ("ignore", "nvfp4_algorithm")
+    max_rel_error = 0.15
+    decode_bytes_per_weight = DECODE_BYTES_PER_WEIGHT
+    calibration_scheme = "NVFP4A16"
+    ct_format, ct_weights = CT_FORMAT, CT_WEIGHTS
+    cuda = Served(".", "nvfp4", False, {"quantization": "compressed-tensors"}, activations_16bit=True,
+                  scheme="CompressedTensorsW4A4Fp4(use_a16=True)")
+
+    def encode(self, weight, settings):
+        return encode(weight).state_dict()
+
+    def encode_linears(self, weights, settings, progress=False):
+        return {n: code.state_dict() for n, code in encode_linears(weights, progress=progress).items()}
+
+    def decode(self, tensors, shape, dtype, params):
+        return decode(tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"], dtype=dtype)
+
+    def tensor_specs(self, n_out, n_in, params):
+        return {"weight_packed": ((n_out, n_in // 2), torch.uint8),
+                "weight_scale": ((n_out, n_in // GROUP_SIZE), torch.float8_e4m3fn),
+                "weight_global_scale": ((1,), torch.float32)}
+
+    def algorithm(self, settings):
+        return settings.get("nvfp4_algorithm", "rtn")
+
+
+CODEC = register(NVFP4Codec())

@@ -1,12 +1,14 @@
-"""The trainable policy: a packed (NVFP4 / NF4) or plain base with PEFT LoRA adapters.
+"""The trainable policy: a packed base (any registered format that quantizes) or a plain one, with PEFT LoRA adapters.
 
 ``build_policy(base_dir, fmt, lora, dtype=..., device=...)`` reads a base folder written by
 ``checkpoint.write_base`` and returns a ``PeftModel`` whose quantized linears are
 ``PackedLinear`` modules:
 
-* A ``PackedLinear`` keeps only the codes and scales (NVFP4: uint8 codes, FP8 block scales,
-  FP32 global scale, 4.5 bits a weight; NF4: uint8 codes and FP32 absmax, 4.5 bits a
-  weight). Its forward runs a custom autograd function that decodes the dense weight,
+* A ``PackedLinear`` keeps only the tensors its format's codec writes (``quantization/codec.py``:
+  ``buffers`` names them; NVFP4: uint8 codes, FP8 block scales, FP32 global scale, 4.5 bits a
+  weight; NF4: uint8 codes and FP32 absmax, 4.5 bits a weight; MXFP4: uint8 codes and E8M0
+  exponents, 4.25; FP8: E4M3 codes and a bf16 scale per row, ~8) and decodes through the
+  codec. Its forward runs a custom autograd function that decodes the dense weight,
   multiplies, and drops it; backward decodes again to compute ``grad_out @ W``. The base is
   frozen, so no weight gradient exists and nothing weight-sized is saved for backward: at
   any moment at most one layer's dense weight is alive (two with the fused LoRA below: W and
@@ -18,7 +20,7 @@
 * NF4 uses the same ``PackedLinear`` on CPU and CUDA (our codes are byte-identical to
   bitsandbytes'). bitsandbytes' ``Linear4bit`` kernel would be faster on CUDA but cannot be
   trained through on CPU, and one code path keeps the three methods comparable.
-* The ``bf16`` base keeps ordinary ``nn.Linear`` layers (weights in the compute dtype,
+* A base whose format quantizes nothing (``bf16``) keeps ordinary ``nn.Linear`` layers (weights in the compute dtype,
   frozen); PEFT wraps them natively.
 * LoRA comes from PEFT: ``PackedLinear`` is registered through ``LoraConfig``'s custom-module
   mapping with ``PackedLoraLinear`` (PEFT's LoRA ``Linear`` minus merging, which has no
@@ -42,22 +44,20 @@
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from qerl_pipeline.adapter import hf_name
 from qerl_pipeline.config import LoraConfig
-from qerl_pipeline.quantization import checkpoint, nf4, nvfp4, triton_nvfp4
+from qerl_pipeline.quantization import checkpoint, formats, nvfp4, triton_nvfp4
+from qerl_pipeline.quantization.codec import Codec, as_bits
 from qerl_pipeline.quantization.norms import keep_norm_weights_fp32
-
-Format = Literal["nvfp4", "nf4", "bf16"]
 
 
 class _DenseTracker:
@@ -120,9 +120,11 @@ class _PackedMatmul(torch.autograd.Function):
 
 
 class PackedLinear(nn.Module):
-    """A frozen linear layer stored as NVFP4 or NF4 codes, decoded on the fly.
+    """A frozen linear layer stored as its format's codes, decoded on the fly.
 
-    ``kernel`` picks how an NVFP4 layer multiplies (NF4 always uses the torch codec):
+    ``tensors``: the codec's tensors by suffix (as the checkpoint holds them); ``params``: its decode
+    parameters (``Codec.params`` of the base's config.json, e.g. NF4's block size).
+    ``kernel`` picks how an NVFP4 layer multiplies (other formats always use the torch codec):
     ``"torch"`` decodes with the torch codec; ``"triton"`` always runs the fused Triton
     kernels (CPU tensors: Triton's interpreter, for tests); ``"auto"`` (default) follows
     ``triton_nvfp4.kernel_mode()`` (``QERL_NVFP4_KERNEL`` / ``triton_nvfp4.force_kernel``),
@@ -132,30 +134,23 @@ class PackedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, fmt: str, tensors: dict[str, torch.Tensor], *,
                  compute_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
-                 blocksize: int = nf4.DEFAULT_BLOCKSIZE, kernel: str = "auto") -> None:
+                 params: dict[str, Any] | None = None, kernel: str = "auto") -> None:
         super().__init__()
         if kernel not in triton_nvfp4.MODES:
             raise ValueError(f"PackedLinear: kernel must be one of {triton_nvfp4.MODES}, got {kernel!r}")
+        codec = formats.get(fmt)
+        if not codec.quantizes:
+            raise ValueError(f"PackedLinear: format {fmt!r} quantizes nothing (its base keeps nn.Linear layers)")
         self.in_features, self.out_features = in_features, out_features
-        self.fmt = fmt
+        self.fmt, self.params = fmt, dict(params or {})
         self.kernel = kernel
         self.compute_dtype = compute_dtype
-        self.blocksize = blocksize
-        if fmt == "nvfp4":
-            packed, scale, gs = (tensors[s] for s in checkpoint.NVFP4_SUFFIXES)
-            if tuple(packed.shape) != (out_features, in_features // 2):
-                raise ValueError(f"weight_packed shape {tuple(packed.shape)} != {(out_features, in_features // 2)}")
-            self.register_buffer("packed", packed.contiguous())
-            self.register_buffer("scale_bits", scale.contiguous().view(torch.uint8))
-            self.register_buffer("gs_bits", gs.to(torch.float32).reshape(1).view(torch.int32))
-        elif fmt == "nf4":
-            packed, absmax = (tensors[s] for s in checkpoint.NF4_SUFFIXES)
-            if packed.numel() * 2 < in_features * out_features:
-                raise ValueError(f"weight_nf4 has {packed.numel()} bytes, too few for {out_features}x{in_features}")
-            self.register_buffer("packed", packed.reshape(-1).contiguous())
-            self.register_buffer("absmax_bits", absmax.to(torch.float32).reshape(-1).view(torch.int32))
-        else:
-            raise ValueError(f"PackedLinear: unknown format {fmt!r}")
+        codec.check_tensors(tensors, out_features, in_features, self.params)
+        self._dtypes: dict[str, torch.dtype] = {}  # buffer name -> the dtype its bits are read as
+        for suffix, name in codec.buffers.items():
+            t = tensors[suffix].contiguous()
+            self._dtypes[name] = t.dtype
+            self.register_buffer(name, as_bits(t))
         if bias is not None:
             self.register_buffer("bias", bias.detach().to(compute_dtype))
         else:
@@ -174,25 +169,29 @@ class PackedLinear(nn.Module):
             return w
         return self._decode(dtype, track=track)
 
+    @property
+    def codec(self) -> Codec:
+        """The layer's format (looked up by name, so a copied layer keeps the registry's codec)."""
+        return formats.get(self.fmt)
+
+    def code_tensors(self) -> dict[str, torch.Tensor]:
+        """The codec's tensors by suffix: views of the buffers in their own dtypes, no copy."""
+        return {s: getattr(self, n).view(self._dtypes[n]) for s, n in self.codec.buffers.items()}
+
     def _decode(self, dtype: torch.dtype, *, track: bool) -> torch.Tensor:
         with torch.no_grad():
-            if self.fmt == "nvfp4":
-                w = nvfp4.decode(self.packed, self.scale_bits.view(torch.float8_e4m3fn), self.gs_bits.view(torch.float32), dtype)
-            else:
-                w = nf4.decode(self.packed, self.absmax_bits.view(torch.float32), (self.out_features, self.in_features),
-                               self.blocksize, dtype)
+            w = self.codec.decode(self.code_tensors(), (self.out_features, self.in_features), dtype, self.params)
         return DENSE_TRACKER.track(w) if track else w
 
     def nvfp4_weight(self) -> nvfp4.NVFP4Weight:
         """Views of the NVFP4 buffers (codes, FP8 scales, FP32 global scale), no copy."""
-        if self.fmt != "nvfp4":
+        if self.codec is not nvfp4.CODEC:
             raise ValueError(f"nvfp4_weight: this layer holds {self.fmt!r} codes")
-        return nvfp4.NVFP4Weight(self.packed, self.scale_bits.view(torch.float8_e4m3fn),
-                                 self.gs_bits.view(torch.float32))
+        return nvfp4.NVFP4Weight(*(self.code_tensors()[s] for s in nvfp4.CODEC.suffixes))
 
     def uses_triton(self, op: str, a: torch.Tensor) -> bool:
-        """Whether the 2-D operand ``a`` goes through the fused kernel (``op``: "fwd" or "dx")."""
-        if self.fmt != "nvfp4" or a.dtype not in triton_nvfp4.DTYPES:
+        """Whether the 2-D operand ``a`` goes through the fused kernel (``op``: "fwd" or "dx"; NVFP4 only)."""
+        if self.codec is not nvfp4.CODEC or a.dtype not in triton_nvfp4.DTYPES:
             return False
         return triton_nvfp4.use_triton(op, a, self.nvfp4_weight(), self.kernel)
 
@@ -203,7 +202,7 @@ class PackedLinear(nn.Module):
     @property
     def qweight(self) -> torch.Tensor:
         """The packed codes; PEFT looks for ``qweight`` to find a quantized layer's device."""
-        return self.packed
+        return getattr(self, next(iter(self.codec.buffers.values())))
 
     def packed_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
@@ -223,7 +222,7 @@ def _packed_lora_class():
             return module.in_features, module.out_features
 
         def merge(self, *args, **kwargs):
-            raise NotImplementedError("cannot merge LoRA into packed NVFP4/NF4 codes; merge into dense_state_dict()")
+            raise NotImplementedError("cannot merge LoRA into packed codes; merge into dense_state_dict()")
 
         def get_delta_weight(self, adapter):  # used by merge/unmerge only
             raise NotImplementedError("packed base: use the adapters' lora_A/lora_B weights directly")
@@ -349,33 +348,26 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
 
 
-def load_base(base_dir: Path, fmt: Format, *, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+def load_base(base_dir: Path, fmt: str, *, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
     """The base model of ``base_dir`` with packed linears (no LoRA yet), frozen, on ``device``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     base_dir = Path(base_dir)
     actual = checkpoint.base_format(base_dir)
     if actual != fmt:
         raise ValueError(f"{base_dir} holds a {actual!r} base, not {fmt!r}")
-    if fmt == "bf16":
+    codec = formats.get(fmt)
+    if not codec.quantizes:
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
         model.requires_grad_(False)
         return model
-    from accelerate import init_empty_weights
-
-    raw = json.loads((base_dir / "config.json").read_text())
-    blocksize = raw.get("qerl_quantization", {}).get("blocksize", nf4.DEFAULT_BLOCKSIZE)
-    config = AutoConfig.from_pretrained(base_dir)
-    for attr in ("quantization_config", "qerl_quantization"):
-        if hasattr(config, attr):
-            delattr(config, attr)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    suffixes = checkpoint.NVFP4_SUFFIXES if fmt == "nvfp4" else checkpoint.NF4_SUFFIXES
+    params = codec.params(checkpoint.base_config(base_dir))
+    model = checkpoint.empty_model(base_dir, dtype)
+    owners = checkpoint.quantized_owners(checkpoint.tensor_names(base_dir), codec)
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in checkpoint.iter_tensors(base_dir):
         owner, _, leaf = name.rpartition(".")
-        if leaf in suffixes:
+        if owner in owners and leaf in codec.suffixes:
             groups.setdefault(owner, {})[leaf] = tensor.to(device)
         else:
             _set_tensor(model, name, tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor.to(device))
@@ -385,7 +377,7 @@ def load_base(base_dir: Path, fmt: Format, *, dtype: torch.dtype, device: str = 
             raise ValueError(f"{owner}: quantized tensors for a {type(lin).__name__}, expected Linear")
         bias = lin.bias if lin.bias is not None and lin.bias.device.type != "meta" else None
         packed = PackedLinear(lin.in_features, lin.out_features, fmt, tensors, compute_dtype=dtype, bias=bias,
-                              blocksize=blocksize)
+                              params=params)
         parent, _, leaf = owner.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, packed)
     if getattr(model.config, "tie_word_embeddings", False):
@@ -401,7 +393,7 @@ def _is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm")
 
 
-def build_policy(base_dir: Path, fmt: Format, lora: LoraConfig, *, dtype: torch.dtype, device: str = "cpu",
+def build_policy(base_dir: Path, fmt: str, lora: LoraConfig, *, dtype: torch.dtype, device: str = "cpu",
                  norm_dtype: str = "float32") -> nn.Module:
     """Base (packed per ``fmt``) + PEFT LoRA (+ trainable norms, gradient checkpointing).
 

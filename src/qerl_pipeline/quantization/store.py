@@ -1,7 +1,7 @@
 """The base store: the one home for "a base folder of format fmt for this model and these settings".
 
-A base folder (``quantization/checkpoint.py`` layout: config.json, weights, ``serving/``) is
-expensive to write and deterministic given its inputs, so it is written once and reused:
+A base folder (``quantization/checkpoint.py`` layout: config.json, weights) is expensive to
+write and deterministic given its inputs, so it is written once and reused:
 
 * ``base_fingerprint(model, quantize, fmt)``: a JSON-able description of everything that
   decides the folder's bytes, and a short ``digest`` (sha256 of its canonical JSON):
@@ -14,14 +14,14 @@ expensive to write and deterministic given its inputs, so it is written once and
     size; for ``source: random`` its ``random_init`` shape and seed, ``max_seq_len``
     (written as ``max_position_embeddings``) and the GGUF the tokenizer comes from;
   - the dtypes the folder is written in (``checkpoint.BASE_DTYPE`` for the base, the
-    serving dtype ``models.resolve_dtype(model)`` for ``serving/``);
-  - only the quantize settings that change this format's bytes: nvfp4 ``ignore`` and
-    ``nvfp4_algorithm`` (+ for awq/gptq the calibration texts' sha256, their count, the
-    truncation length ``max_seq_len`` and llmcompressor's version); nf4 ``ignore``,
-    ``nf4_blocksize``, ``nf4_double_quant``; bf16 none (every linear stays dense). So
-    ``nf4_blocksize`` does not invalidate an NVFP4 base, nor a moved calibration file with
-    the same rows an AWQ one;
-  - ``CODEC_VERSION[fmt]``: bumped by hand whenever the code writes different bytes for the
+    serving dtype ``models.resolve_dtype(model)`` its ``serving/`` copy is decoded in);
+  - only the quantize settings that change this format's bytes, as its codec declares them
+    (``Codec.settings``): nvfp4 ``ignore`` and ``nvfp4_algorithm`` (+ for awq/gptq the
+    calibration texts' sha256, their count, the truncation length ``max_seq_len`` and
+    llmcompressor's version); nf4 ``ignore``, ``nf4_blocksize``, ``nf4_double_quant``; mxfp4 and
+    fp8 ``ignore``; bf16 none (every linear stays dense). So ``nf4_blocksize`` does not
+    invalidate an NVFP4 base, nor a moved calibration file with the same rows an AWQ one;
+  - the codec's ``version``: bumped by hand whenever the code writes different bytes for the
     same inputs (a codec fix, a layout change), so old folders are rewritten, not reused.
 
   A Hub model without ``revision`` is identified by its name only (the Hub's default branch
@@ -37,7 +37,14 @@ expensive to write and deterministic given its inputs, so it is written once and
   in (``atomic.staged_dir``). Either way one INFO line says which and why (no base / no stamp
   / the differing fingerprint keys / damaged, naming the file and what differs /
   ``quantize.force``). Files added later by readers (``nf4/bnb/``, written on demand for
-  CUDA serving) are allowed: only the listed files are checked.
+  CUDA serving; ``serving/``, below) are allowed: only the listed files are checked.
+* ``ensure_serving(folder)``: the dense ``serving/`` copy (``checkpoint.write_serving``), written
+  on first use by the engines that serve it (rollout/serving.py: every format on CPU, NF4 on
+  CUDA without bitsandbytes), never where the base is served packed. It carries its own stamp
+  (``serving/qerl_serving.json``: the base's digest, the dtype, its files' sizes and sha256),
+  is staged and swapped in whole, and is reused while its stamp names this base and dtype and
+  its files have their sizes (a ``serving/`` without its own stamp, one the base's stamp lists
+  or one made by hand, is served as it is).
 
 Verification (``quantize.verify``). The sizes catch a truncated or missing file; the hashes
 catch damage at the same size (a garbled safetensors header, garbled weights that would
@@ -45,7 +52,9 @@ train to NaN). Hashing reads the whole base once per reuse at about 1 GB/s (0.5-
 CPU): a 135M-parameter model's NVFP4 base with its ``serving/`` copy is a few hundred MB, well
 under a second; a 7B one's ~10 GB, about ten seconds (``sizes`` skips it). ``requantize``
 (default): a damaged base is re-quantized, the log naming the file; ``fail``: ``BaseDamaged``
-names it and nothing is written (``quantize.force`` still re-quantizes). A stamp written before hashes were
+names it and nothing is written (``quantize.force`` still re-quantizes). A ``serving/`` copy
+with its own stamp is checked the same way; a damaged one is removed under ``requantize`` (it
+is decoded again from the base on its next use) and named by ``BaseDamaged`` under ``fail``. A stamp written before hashes were
 recorded (file sizes only) cannot prove its content, so under ``requantize`` and ``fail`` such a
 base is re-quantized once (the log says so); ``sizes`` reuses it by its sizes.
 """
@@ -55,24 +64,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qerl_pipeline.atomic import file_manifest, manifest_damage, sha256_file, staged_dir, write_atomic
 from qerl_pipeline.config import ModelConfig, QuantizeConfig, parse
 from qerl_pipeline.models import _gguf_file, load_base_model, resolve_dtype, resolve_source
-from qerl_pipeline.quantization import checkpoint
+from qerl_pipeline.quantization import checkpoint, formats
 
 log = logging.getLogger(__name__)
 
-#: Version of the bytes each format's writer produces for given inputs; bump on any change
-#: of ``checkpoint.write_base`` / ``calibrated_nvfp4_base`` / the nvfp4 and nf4 codecs that
-#: changes what is written, so stored bases of the old version are rewritten.
-CODEC_VERSION: dict[str, int] = {"nvfp4": 1, "nf4": 1, "bf16": 1}
 #: The fingerprint file inside a base folder (written last).
 STAMP = "qerl_base.json"
+#: The stamp of a ``serving/`` copy written on first use (inside it, written last).
+SERVING_STAMP = "qerl_serving.json"
 #: 2: ``files`` maps each file to its size and sha256 (1: to its size).
 STAMP_SCHEMA = 2
 #: Files of a local model folder identified by name and size (hashing them would cost a
@@ -107,11 +117,6 @@ def _typed(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[
     mcfg = model if isinstance(model, ModelConfig) else parse(ModelConfig, model, "model")
     qcfg = quantize if isinstance(quantize, QuantizeConfig) else parse(QuantizeConfig, quantize, "quantize")
     return mcfg, qcfg
-
-
-def _check_format(fmt: str) -> None:
-    if fmt not in checkpoint.FORMATS:
-        raise ValueError(f"base format {fmt!r} unknown; expected one of {', '.join(checkpoint.FORMATS)}")
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -152,14 +157,12 @@ def _model_identity(mcfg: ModelConfig) -> dict[str, Any]:
 
 
 def _quantize_identity(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str) -> dict[str, Any]:
-    if fmt == "bf16":
+    codec = formats.get(fmt)
+    if not codec.quantizes:
         return {}
-    ident: dict[str, Any] = {"ignore": sorted(set(qcfg.ignore))}
-    if fmt == "nf4":
-        ident.update(nf4_blocksize=qcfg.nf4_blocksize, nf4_double_quant=qcfg.nf4_double_quant)
-        return ident
-    ident["nvfp4_algorithm"] = qcfg.nvfp4_algorithm
-    if qcfg.nvfp4_algorithm != "rtn":
+    settings = qcfg.model_dump()
+    ident: dict[str, Any] = {f: sorted(set(settings[f])) if f == "ignore" else settings[f] for f in codec.settings}
+    if codec.algorithm(settings) != "rtn":
         from importlib.metadata import PackageNotFoundError, version
 
         texts = calibration_texts(qcfg.calibration_path, qcfg.calibration_samples)
@@ -181,11 +184,11 @@ def _digest(fingerprint: dict[str, Any]) -> str:
 
 def base_fingerprint(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str) -> dict[str, Any]:
     """Everything that decides the bytes of a ``fmt`` base of ``model`` under ``quantize``, + its ``digest``."""
-    _check_format(fmt)
+    codec = formats.get(fmt)
     mcfg, qcfg = _typed(model, quantize)
     fp = {
         "format": fmt,
-        "codec_version": CODEC_VERSION[fmt],
+        "codec_version": codec.version,
         "model": _model_identity(mcfg),
         "base_dtype": str(checkpoint.BASE_DTYPE).removeprefix("torch."),
         "serving_dtype": str(resolve_dtype(mcfg)).removeprefix("torch."),
@@ -248,9 +251,8 @@ def _stamp_problem(record: dict[str, Any]) -> str | None:
     files = record.get("files")
     if not isinstance(files, dict) or not files:
         return "its stamp lists no files"
-    for need in ("config.json", f"{checkpoint.SERVING_SUBDIR}/config.json"):
-        if need not in files:
-            return f"its stamp does not list {need}"
+    if "config.json" not in files:
+        return "its stamp does not list config.json"
     if not any(n.endswith(".safetensors") and "/" not in n for n in files):
         return "its stamp lists no weights"
     if not all(isinstance(v, (int, dict)) for v in files.values()):
@@ -273,12 +275,14 @@ def _damage(folder: Path, files: dict[str, Any], verify: str) -> str | None:
 class Decision:
     """What ``ensure_base`` will do with a folder: reuse it (``reason`` None) or write it (why).
 
-    ``damage``: the file that differs from the stamp and how (None when none does)."""
+    ``damage``: the file that differs from the stamp and how (None when none does);
+    ``serving_damage``: likewise for a ``serving/`` copy with its own stamp."""
 
     fingerprint: dict[str, Any]
     record: dict[str, Any] | None
     reason: str | None
     damage: str | None = None
+    serving_damage: str | None = None
 
     @property
     def reuse(self) -> bool:
@@ -299,9 +303,12 @@ def check_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | d
                    "re-quantizes it once, quantize.verify=sizes reuses it by its sizes)")
         elif (damage := _damage(Path(folder), files, qcfg.verify)) is not None:
             why = f"damaged folder: {damage}"
+    serving = None
+    if why is None:
+        serving = _serving_damage(Path(folder), hashes=qcfg.verify != "sizes")
     if force or qcfg.force:
         why = "quantize.force=true" if why is None else f"{why} (and quantize.force=true)"
-    return Decision(fp, record, why, damage)
+    return Decision(fp, record, why, damage, serving)
 
 
 def _why_not_reusable(folder: Path, fp: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
@@ -334,20 +341,19 @@ def write_new_base(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str, out: Path)
     base, tokenizer = load_base_model(mcfg, dtype=checkpoint.BASE_DTYPE)
     t_load = time.perf_counter() - t0
     serving_dtype = resolve_dtype(mcfg)
+    settings = qcfg.model_dump()
+    algorithm = formats.get(fmt).algorithm(settings)
     t1 = time.perf_counter()
-    if fmt == "nvfp4" and qcfg.nvfp4_algorithm != "rtn":
+    if algorithm != "rtn":
         texts = calibration_texts(qcfg.calibration_path, qcfg.calibration_samples)
-        report = checkpoint.calibrated_nvfp4_base(
-            base, tokenizer, out, algorithm=qcfg.nvfp4_algorithm, texts=texts, ignore=list(qcfg.ignore),
-            max_seq_len=mcfg.max_seq_len, serving_dtype=serving_dtype,
+        report = checkpoint.calibrated_base(
+            base, tokenizer, fmt, out, algorithm=algorithm, texts=texts, ignore=list(qcfg.ignore),
+            max_seq_len=mcfg.max_seq_len,
         )
     else:
-        report = checkpoint.write_base(
-            base, tokenizer, fmt, out, ignore=qcfg.ignore, nf4_blocksize=qcfg.nf4_blocksize,
-            serving_dtype=serving_dtype, progress=True,
-        )
+        report = checkpoint.write_base(base, tokenizer, fmt, out, ignore=qcfg.ignore, settings=settings, progress=True)
     report.update(
-        algorithm=qcfg.nvfp4_algorithm if fmt == "nvfp4" else "rtn",
+        algorithm=algorithm,
         model=mcfg.name if mcfg.source != "random" else "random",
         load_seconds=t_load,
         quantize_seconds=time.perf_counter() - t1,
@@ -363,10 +369,9 @@ def ensure_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | 
     ``force`` (or ``quantize.force``) rewrites it regardless. The report is the stored one on
     reuse; it carries ``reused`` and ``fingerprint`` (the digest) either way.
     """
-    _check_format(fmt)
+    codec = formats.get(fmt)
     mcfg, qcfg = _typed(model, quantize)
-    if fmt == "nf4" and qcfg.nf4_double_quant:
-        raise ValueError("quantize.nf4_double_quant: double quantization is not implemented (see quantization/nf4.py)")
+    codec.check_settings(qcfg.model_dump())
     folder = Path(folder)
     decision = check_base(mcfg, qcfg, fmt, folder, force=force)
     digest = decision.fingerprint["digest"]
@@ -374,6 +379,14 @@ def ensure_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | 
         raise BaseDamaged(f"base_{fmt} in {folder} is damaged: {decision.damage} (quantize.verify=fail: not re-quantized; "
                           "quantize.verify=requantize or quantize.force=true rewrites it)")
     if decision.reuse:
+        if decision.serving_damage is not None:
+            if qcfg.verify == "fail":
+                raise BaseDamaged(f"base_{fmt} in {folder} has a damaged serving copy: {decision.serving_damage} "
+                                  "(quantize.verify=fail: not removed; quantize.verify=requantize removes it, and it is "
+                                  "decoded again from the base on its next use)")
+            log.info("base_%s: damaged serving copy removed (%s); it is decoded again on its next use", fmt,
+                     decision.serving_damage)
+            shutil.rmtree(checkpoint.serving_dir(folder))
         log.info("base_%s reused: %s (fingerprint %s, same model and quantize settings; quantize.force=true redoes it)",
                  fmt, folder, digest[:12])
         return folder, {**decision.record["report"], "reused": True, "fingerprint": digest}, True
@@ -386,3 +399,63 @@ def ensure_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | 
     log.info("base_%s: %d linears, ratio %.4f vs bf16, mean rel. error %.4f, %.1f s", fmt, report["n_quantized_linears"],
              report["linear_bytes_ratio"], report["rel_error_mean"], report["quantize_seconds"])
     return folder, {**report, "reused": False, "fingerprint": digest}, False
+
+
+# ------------------------------------------------------------------------------ the serving copy
+def _serving_record(folder: Path) -> dict[str, Any] | None:
+    """The stamp of ``folder``'s ``serving/`` copy, or None (no copy, or one without its own stamp)."""
+    path = checkpoint.serving_dir(folder) / SERVING_STAMP
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, OSError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _serving_damage(folder: Path, *, hashes: bool) -> str | None:
+    """``serving/<file>: <what differs>`` for a ``serving/`` copy whose own stamp it no longer matches, else None."""
+    record = _serving_record(folder)
+    if record is None:
+        return None
+    files = record.get("files")
+    if not isinstance(files, dict) or not files:
+        return f"{checkpoint.SERVING_SUBDIR}/{SERVING_STAMP}: unreadable or lists no files"
+    found = manifest_damage(checkpoint.serving_dir(folder), files, hashes=hashes)
+    return None if found is None else f"{checkpoint.SERVING_SUBDIR}/{found[0]}: {found[1]}"
+
+
+def ensure_serving(folder: str | Path) -> Path:
+    """``<folder>/serving``, the dense copy of the base ``folder``, written first when it is not there or stale.
+
+    The dtype is the base stamp's ``serving_dtype`` (float32 for a folder without a stamp). Reused
+    when it has config.json and no stamp of its own (then the base's stamp lists it, or it was made
+    by hand), or when its stamp names this base's digest and dtype and every file has its size.
+    Written into a stage swapped in whole; a copy another process finished meanwhile is kept."""
+    folder = Path(folder)
+    out = checkpoint.serving_dir(folder)
+    base = read_stamp(folder)
+    fingerprint = (base or {}).get("fingerprint", {})
+    dtype = str(fingerprint.get("serving_dtype", "float32"))
+    want = {"base": fingerprint.get("digest"), "dtype": dtype}
+    record = _serving_record(folder)
+    if (out / "config.json").is_file():
+        if record is None:
+            return out
+        made = {k: record.get(k) for k in want}
+        why = f"decoded for {made}, this base is {want}" if made != want else _serving_damage(folder, hashes=False)
+        if why is None:
+            return out
+        log.info("serving copy %s: %s; decoding it again", out, why)
+    log.info("writing the dense serving copy of %s (%s) to %s", folder, dtype, out)
+    try:
+        with staged_dir(out, create=False, replace=out.exists(), what="serving copy") as stage:
+            checkpoint.write_serving(folder, stage, getattr(torch, dtype))
+            write_atomic(stage / SERVING_STAMP, {**want, "files": file_manifest(stage)}, as_json=True)
+    except FileExistsError:
+        if not (out / "config.json").is_file():
+            raise
+        log.info("%s: written meanwhile by another process; keeping it", out)
+    return out
+

@@ -34,7 +34,8 @@ no-op that returns False.
 No orphans: every process of an engine dies with the process that created it, SIGKILL
 included. The engine is a chain: owner (trainer, ``kedro run``) -> this server -> vLLM's
 EngineCore -> its Worker(s), all started with ``multiprocessing`` (spawn on CPU, where
-vLLM's CPU platform forces it; fork by default on CUDA, spawn once CUDA is initialized).
+vLLM's CPU platform forces it; fork by default on CUDA, spawn once CUDA is initialized or
+where NVML cannot count the GPUs: ``platform.cuda_present``).
 EngineCore does not watch its parent: vLLM relies on the server to shut it down (EOF from
 a dead owner does that), and when the server dies alone the owner's ``close()`` kills what
 is left of its process group. Killing the owner and the server together (as killing a run's
@@ -289,11 +290,13 @@ class Server:
         self.loras: dict[str, tuple[object, int]] = {}  # path -> (version key, lora id)
         self.next_lora_id = 1
         self.dtype = str(self.llm.llm_engine.model_config.dtype).replace("torch.", "")
+        self.model_runner = self.llm.collective_rpc("qerl_model_runner")[0]  # V1 or V2 (worker_ext.py)
         self.merged: str | None = None  # the adapter folder merged into the served linears (op_merge_adapter)
 
     # ------------------------------------------------------------------ ops
     def info(self) -> dict:
-        return {"startup_s": self.startup_s, "cuda": self.is_cuda, "dtype": self.dtype, "pid": os.getpid()}
+        return {"startup_s": self.startup_s, "cuda": self.is_cuda, "dtype": self.dtype, "pid": os.getpid(),
+                "model_runner": self.model_runner}
 
     def _awake(self) -> dict:
         out = {"was_asleep": self.asleep, "level": self.asleep_level, "reloaded": False, "reapplied": []}

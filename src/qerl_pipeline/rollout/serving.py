@@ -1,4 +1,4 @@
-"""What every vLLM engine start serves for a base: one decision, from the base format and the platform.
+"""What every vLLM engine start serves for a base: one decision, from the base format's codec and the platform.
 
 QeRL's rollout speed-up comes from vLLM decoding with the NVFP4 weights themselves: each
 decode step reads 4.5 bits a weight instead of 16 (decoding is memory-bound). Serving the
@@ -7,19 +7,26 @@ the QLoRA baseline's rollouts would likewise never pay what bitsandbytes NF4 cos
 trainer, the evaluation, the comparison and the benchmark all start their engines through
 ``served_model`` and nothing else.
 
-The table (``decide``; paths relative to the base folder ``<base>``)::
+Each row is the format's codec's (``Codec.served``, ``quantization/codec.py``); for the built-in
+formats (``decide``; paths relative to the base folder ``<base>``)::
 
     base   platform  served folder   served_format        dense  extra vllm.LLM args
     nvfp4  cuda      <base>          nvfp4                no     quantization="compressed-tensors"
+    mxfp4  cuda      <base>          mxfp4                no     quantization="compressed-tensors"
+    fp8    cuda      <base>          fp8                  no     quantization="compressed-tensors"
     nf4    cuda      <base>/bnb      nf4-bnb              no     quantization="bitsandbytes",
                                                                  load_format="bitsandbytes"
     nf4    cuda (*)  <base>/serving  dense-decoded-nf4    yes    -
     bf16   cuda      <base>          bf16                 yes    -
-    nvfp4  cpu       <base>/serving  dense-decoded-nvfp4  yes    -
-    nf4    cpu       <base>/serving  dense-decoded-nf4    yes    -
+    <fmt>  cpu       <base>/serving  dense-decoded-<fmt>  yes    -   (every quantized format)
     bf16   cpu       <base>/serving  bf16                 yes    -
 
     (*) when the installed vLLM cannot load bitsandbytes checkpoints (see below).
+
+``<base>/serving`` and ``<base>/bnb`` are written on first use (``store.ensure_serving``,
+``bnb.ensure_bnb_nf4``; ``DERIVED_FOLDERS``), each atomically, so a base served packed never gets
+a dense copy. A registered format without a vLLM scheme of its own (``Codec.cuda`` None) is
+served as the dense decoded copy on CUDA too.
 
 Why each row:
 
@@ -31,6 +38,13 @@ Why each row:
   ``init_nvfp4_linear_kernel``); on Blackwell FlashInfer's CuTe-DSL W4A16 kernel. Passing
   ``quantization="compressed-tensors"`` makes a config vLLM does not recognise an error
   instead of a silently different model.
+* MXFP4 on CUDA: FP4 weights in groups of 32 with uint8 (E8M0) scales parse into
+  ``CompressedTensorsW4A4Mxfp4``; its kernel (``init_mxfp4_linear_kernel``) is FlashInfer's
+  CUTLASS W4A4 on Blackwell with FlashInfer (activations quantized to MXFP4 too: a deviation
+  from the weight-only training, docs/gpu.md), else Marlin's weight-only FP4 (Hopper: W4A16).
+* FP8 on CUDA: float 8-bit weights with a channel scale and no activation quantization parse
+  into ``CompressedTensorsW8A16Fp8`` (``init_wfp8_a16_linear_kernel``: Humming or Marlin FP8,
+  16-bit activations).
 * NF4 on CUDA: our NF4 codes are byte-identical to bitsandbytes' (quantization/nf4.py), so
   ``quantization.bnb.ensure_bnb_nf4`` re-lays the same bytes out as a pre-quantized
   bitsandbytes checkpoint and vLLM runs the QLoRA baseline's rollouts through bitsandbytes'
@@ -52,8 +66,9 @@ adapters, ``rollout.sync: merge``) work; on a packed base only norms and other u
 tensors can be written, and adapters go to vLLM as ``LoRARequest``.
 
 Engine dtype (``engine_dtype``): ``model.dtype`` as ``models.resolve_dtype`` reads it
-(``auto``: float32 on CPU, bfloat16 on CUDA). vLLM's NVFP4 W4A16 kernels take 16-bit
-activations only, so a float32 engine on the packed NVFP4 base is refused here.
+(``auto``: float32 on CPU, bfloat16 on CUDA). vLLM's NVFP4 and MXFP4 W4A16 and FP8 W8A16 kernels
+take 16-bit activations only (``Served.activations_16bit``), so a float32 engine on such a
+packed base is refused here.
 
 How the trained policy reaches the engine each step (``resolve_sync``): ``rollout.sync:
 auto`` merges on CPU (``W + scale * B @ A`` written into the dense served linears by the
@@ -74,7 +89,8 @@ other engines (evaluation, compare's pool, the benchmark) get 2 GiB unless set. 
 
 Checked in tests/test_serving.py: the decision for every (format, platform), the
 bitsandbytes folder against transformers' own bitsandbytes save, vLLM-CPU on the NVFP4 folder
-reaching the W4A16 NVFP4 scheme. vLLM's CUDA kernels themselves are not exercised on CPU.
+reaching the W4A16 NVFP4 scheme (tests/test_mxfp4.py and tests/test_fp8.py: the MXFP4 and FP8
+folders reaching theirs). vLLM's CUDA kernels themselves are not exercised on CPU.
 """
 
 from __future__ import annotations
@@ -84,17 +100,20 @@ import importlib.util
 import json
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.config import METHOD_SPECS, ModelConfig, parse
+from qerl_pipeline.memory import release_trainer_cache
 from qerl_pipeline.models import resolve_dtype
 from qerl_pipeline.platform import check as check_platform
 from qerl_pipeline.platform import current_platform
-from qerl_pipeline.quantization import checkpoint
+from qerl_pipeline.quantization import checkpoint, formats
 from qerl_pipeline.quantization.bnb import ensure_bnb_nf4
 from qerl_pipeline.quantization.checkpoint import BNB_SUBDIR, SERVING_SUBDIR
+from qerl_pipeline.quantization.store import ensure_serving
 from qerl_pipeline.rollout.engine import RolloutEngine
 from qerl_pipeline.rollout.kv import kv_bytes_per_token
 from qerl_pipeline.rollout.layout import tensor_parallel_args
@@ -102,11 +121,8 @@ from qerl_pipeline.rollout.server import DEFAULT_CPU_KV_CACHE_BYTES
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("nvfp4", "nf4", "bf16")
-#: The vLLM plugin that registers bitsandbytes with vLLM >= 0.32 (in-tree support was removed).
-BNB_PLUGIN = "vllm-bnb-plugin"
-BNB_ENGINE_ARGS = {"quantization": "bitsandbytes", "load_format": "bitsandbytes"}
-NVFP4_ENGINE_ARGS = {"quantization": "compressed-tensors"}
+#: Folders a served row may name besides the base itself: written from the base on first use.
+DERIVED_FOLDERS = {BNB_SUBDIR: ensure_bnb_nf4, SERVING_SUBDIR: ensure_serving}
 
 
 @dataclass(frozen=True)
@@ -117,7 +133,8 @@ class ServedModel:
     ``decide`` returns, absolute from ``served_model``); ``served_format``: the tag logged
     as ``rollout.served_format``; ``dense``: plain dense linears (dense writes possible);
     ``engine_args``: extra ``vllm.LLM`` keyword arguments; ``base_format`` and
-    ``platform``: what the decision was made from.
+    ``platform``: what the decision was made from; ``activations_16bit``: the served kernel
+    takes 16-bit activations only; ``note``: a fallback said at WARNING when it is served.
     """
 
     path: Path
@@ -126,33 +143,21 @@ class ServedModel:
     engine_args: dict[str, Any] = field(default_factory=dict)
     base_format: str = ""
     platform: str = ""
+    activations_16bit: bool = False
+    note: str = ""
 
 
-def _check(fmt: str, platform: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown base format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    check_platform(platform)
+def decide(fmt: str, platform: str, *, vllm_features: Collection[str] = ()) -> ServedModel:
+    """The format's served row on ``platform`` (the table of the module docstring; pure; ``path`` relative to the base).
 
-
-def decide(fmt: str, platform: str, *, bitsandbytes_in_vllm: bool = False) -> ServedModel:
-    """The table of the module docstring (pure; ``path`` relative to the base folder).
-
-    ``bitsandbytes_in_vllm``: whether the vLLM that will serve can load bitsandbytes
-    checkpoints (``vllm_has_bitsandbytes()``); it only matters for NF4 on CUDA.
+    ``vllm_features``: the optional capabilities of the vLLM that will serve (``vllm_features()``:
+    ``bitsandbytes``, which only NF4 on CUDA needs).
     """
-
-    _check(fmt, platform)
-    serving = Path(SERVING_SUBDIR)
-    if platform == "cpu":
-        tag = "bf16" if fmt == "bf16" else f"dense-decoded-{fmt}"
-        return ServedModel(serving, tag, True, {}, fmt, platform)
-    if fmt == "nvfp4":
-        return ServedModel(Path("."), "nvfp4", False, dict(NVFP4_ENGINE_ARGS), fmt, platform)
-    if fmt == "nf4":
-        if bitsandbytes_in_vllm:
-            return ServedModel(Path(BNB_SUBDIR), "nf4-bnb", False, dict(BNB_ENGINE_ARGS), fmt, platform)
-        return ServedModel(serving, "dense-decoded-nf4", True, {}, fmt, platform)
-    return ServedModel(Path("."), "bf16", True, {}, fmt, platform)
+    codec = formats.get(fmt)
+    check_platform(platform)
+    row = codec.served(platform, vllm_features)
+    return ServedModel(Path(row.path), row.tag, row.dense, dict(row.engine_args), fmt, platform, row.activations_16bit,
+                       row.note)
 
 
 SYNC_MODES = ("auto", "adapter", "merge")
@@ -226,6 +231,11 @@ def vllm_has_bitsandbytes() -> bool:
     return any(ep.name == "bitsandbytes" for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
 
 
+def vllm_features() -> frozenset[str]:
+    """The optional vLLM capabilities a codec's CUDA row may need (``Codec.cuda_needs``), as installed here."""
+    return frozenset({"bitsandbytes"} if vllm_has_bitsandbytes() else ())
+
+
 def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
     method = next((m for m, spec in METHOD_SPECS.items() if spec.format == fmt), "<method>")  # the first on that format
     return FileNotFoundError(
@@ -236,10 +246,10 @@ def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
 def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | None = None) -> ServedModel:
     """What to serve for the base folder ``base_dir`` on ``platform`` (default: this machine's).
 
-    ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). For NF4 on
-    CUDA the bitsandbytes folder is written on first use (``bnb.ensure_bnb_nf4``,
-    atomically) for bases quantized before it existed. Raises ``FileNotFoundError``
-    naming the quantize command when the base or the served folder is missing.
+    ``fmt`` defaults to the folder's own format (``checkpoint.base_format``). A served folder
+    derived from the base (``DERIVED_FOLDERS``: the dense ``serving/`` copy, NF4's bitsandbytes
+    layout on CUDA) is written on first use (atomically), also for bases quantized before it
+    existed. Raises ``FileNotFoundError`` naming the quantize command when the base is missing.
     """
 
     base_dir = Path(base_dir)
@@ -249,19 +259,14 @@ def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | N
     if fmt is not None and fmt != actual:
         raise ValueError(f"{base_dir} holds a {actual!r} base, not {fmt!r}")
     platform = platform or current_platform()
-    bnb = actual == "nf4" and platform == "cuda" and vllm_has_bitsandbytes()
-    if actual == "nf4" and platform == "cuda" and not bnb:
-        log.warning(
-            "NF4 base served dense on CUDA (dense-decoded-nf4): this vLLM has no bitsandbytes support "
-            "(vLLM >= 0.32 needs `pip install %s`); QLoRA rollouts then run at BF16 speed", BNB_PLUGIN,
-        )
-    decision = decide(actual, platform, bitsandbytes_in_vllm=bnb)
-    if decision.served_format == "nf4-bnb":
-        if not (checkpoint.serving_dir(base_dir) / "config.json").is_file():
-            raise _missing(base_dir, actual, f"base {base_dir} has no serving/ folder (needed for the weight shapes)")
-        path = ensure_bnb_nf4(base_dir)
+    decision = decide(actual, platform, vllm_features=vllm_features() if platform == "cuda" else ())
+    if decision.note:
+        log.warning("%s", decision.note)
+    writer = DERIVED_FOLDERS.get(str(decision.path))
+    if writer is not None:
+        path = writer(base_dir)
     else:
-        path = (base_dir / decision.path) if decision.path != Path(".") else base_dir
+        path = base_dir
     if not (path / "config.json").is_file():
         raise _missing(base_dir, actual, f"base {base_dir} has no {decision.path}/ folder to serve ({decision.served_format})")
     return replace(decision, path=path.resolve())
@@ -270,30 +275,36 @@ def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | N
 def engine_dtype(model_cfg: Any, platform: str | None = None, served: ServedModel | None = None) -> str:
     """The engine's compute dtype, ``"float32"`` or ``"bfloat16"``, from ``model.dtype``.
 
-    ``model_cfg``: a ``ModelConfig`` or its dict. ``served`` (optional): refuse float32 on
-    the packed NVFP4 base (vLLM's W4A16 NVFP4 kernels take 16-bit activations only).
+    ``model_cfg``: a ``ModelConfig`` or its dict. ``served`` (optional): refuse float32 on a
+    base whose served kernel takes 16-bit activations only (``activations_16bit``: NVFP4, MXFP4 and
+    FP8 served packed on CUDA).
     """
     import torch
 
     cfg = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
     platform = platform or current_platform()
     name = "bfloat16" if resolve_dtype(cfg, device=platform) == torch.bfloat16 else "float32"
-    if served is not None and served.served_format == "nvfp4" and name == "float32":
+    if served is not None and served.activations_16bit and name == "float32":
         raise ValueError(
-            "model.dtype float32 with the NVFP4 base served packed on CUDA: vLLM's NVFP4 W4A16 kernels take "
-            "bfloat16/float16 activations only; use model.dtype auto or bfloat16"
+            f"model.dtype float32 with the {served.base_format} base served packed on {served.platform} "
+            f"({served.served_format}): vLLM's kernels for it take bfloat16/float16 activations only; use model.dtype "
+            "auto or bfloat16"
         )
     return name
 
 
 def served_tags(served: ServedModel, engine: Any) -> dict[str, str]:
-    """MLflow tags of an engine start: ``rollout.served_format`` and ``rollout.served_dtype``.
+    """MLflow tags of an engine start: ``rollout.served_format``, ``rollout.served_dtype`` and, where the engine
+    reports it, ``rollout.model_runner`` (vLLM's runner class: V1 on vLLM-CPU, V2 by default on CUDA).
 
     The dtype is the one vLLM actually uses (``engine.info["dtype"]``, reported by the engine
     process), not the one asked for.
     """
     info = getattr(engine, "info", None) or {}
-    return {"rollout.served_format": served.served_format, "rollout.served_dtype": str(info.get("dtype", "unknown"))}
+    tags = {"rollout.served_format": served.served_format, "rollout.served_dtype": str(info.get("dtype", "unknown"))}
+    if info.get("model_runner"):
+        tags["rollout.model_runner"] = str(info["model_runner"])
+    return tags
 
 
 #: vLLM accepts only these max_lora_rank values; a smaller adapter rank fits under the next one.
@@ -327,7 +338,9 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
     engine is started (the caller closes it, or uses it as a context manager). ``kv_need``:
     ``(sequences, tokens per sequence)`` a CPU engine's KV cache must hold at once (the
     trainer's step); without it, or with ``rollout.cpu_kv_cache_gib`` set, that many GiB
-    (default ``DEFAULT_CPU_KV_CACHE_GIB``). CUDA: ``rollout.gpu_memory_utilization`` decides.
+    (default ``DEFAULT_CPU_KV_CACHE_GIB``). CUDA: ``rollout.gpu_memory_utilization`` decides, and this process's
+    cached GPU memory is released first (``memory.release_trainer_cache``: vLLM's start checks the GPU's free
+    memory, which a previous compare branch's trainer would otherwise still hold).
     """
 
     mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
@@ -343,6 +356,7 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
             config = json.loads((Path(served.path) / "config.json").read_text())
             extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, dtype, sequences=kv_need[0],
                                                                 tokens_per_sequence=kv_need[1], max_model_len=length)
+    release_trainer_cache(collect=True)  # a no-op off CUDA
     return RolloutEngine(
         served.path, max_model_len=length, max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else None,
         dtype=dtype, seed=seed if seed is not None else getattr(rollout, "seed", 0),

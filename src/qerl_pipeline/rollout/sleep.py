@@ -34,11 +34,30 @@ Guards against known vLLM bugs (why ``after_update`` checks, not trusts, the wak
   Marlin, TP=2: after ``wake_up`` the adapter "silently stops applying" and fixed-seed
   outputs diverge, no error). Check: before the sleep a greedy probe (a few tokens of one
   prompt of the step, reversed so it misses the prefix cache, with the adapter the rollout
-  just used) is recorded; after the wake the same probe must give the same tokens. Then the
-  next adapter is registered (``register_adapter``: loaded now under the id the next rollout
-  uses) and must appear in vLLM's ``list_loras``. Repair: drop every adapter
-  (``reset_adapters``; the next request reloads the folder under a new id) and check again;
-  if it still fails, ``WakeCheckError`` says what differed and how to turn sleep off.
+  just used) is recorded with its log-probs; after the wake the same probe must agree with it
+  (``probe_agrees``, below). Then the next adapter is registered (``register_adapter``: loaded
+  now under the id the next rollout uses) and must appear in vLLM's ``list_loras``. Repair:
+  drop every adapter (``reset_adapters``; the next request reloads the folder under a new id)
+  and probe again; if it still disagrees, ``WakeCheckError`` says what differed and how to
+  turn sleep off.
+
+Why agreement, not equal tokens: the same greedy probe can give other tokens with no sleep at
+all. vLLM's CUDA LoRA shrink (``vllm/lora/ops/triton_ops/lora_shrink_op.py``, configured by
+``get_lora_op_configs`` in ``utils.py``) splits the hidden dimension into 64 partial sums below
+128 tokens (8 above) and adds them with fp32 ``tl.atomic_add`` (``kernel_utils.py``), in
+whatever order the blocks finish, unless vLLM's batch-invariant mode is on; the sums differ in
+their last bits run to run, the bf16 logits by a rounding step, and where two tokens nearly tie
+for the top the greedy choice flips. A 500-step run would meet such a flip. ``probe_agrees``
+compares position by position: where the tokens are equal their log-probs must agree within
+``PROBE_LOGPROB_TOLERANCE``; at the first position where they differ, both chosen tokens must
+be a near tie (their log-probs within the tolerance of each other, and neither above
+``log(1/2)`` + tolerance: of two tokens that tie, neither can hold more than half the mass);
+what follows a flip is another text and is not compared. A model that lost its adapter or its
+weights moves the log-probs by whole nats, or changes a confident token, and is caught. The
+tolerance (0.2 nats) is a few bf16 rounding steps of logits of typical size (one step of a
+logit near 20 is 0.125), chosen, not measured on a GPU; an adapter whose effect on the probe
+is smaller than it is not told from a lost one (the check then passes, as it would for a
+harmless difference).
 * Level 2 needs the weights reloaded: vLLM's own docs (level 2 "discards" the weights, for
   "a different model or update the model"), ms-swift #7017 ("sleep_level 2 causes gibberish
   outputs", fixed by a weight sync after wake), verl #3461 (LoRA + level 2: base weights not
@@ -62,18 +81,46 @@ inactive plan returns ``{}`` (no sleep metrics).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from qerl_pipeline import tracking
-from qerl_pipeline.platform import current_platform
+from qerl_pipeline.memory import release_trainer_cache
 
 log = logging.getLogger(__name__)
 
 #: Greedy tokens of the wake probe (and the prompt tokens it keeps): enough to see a changed model.
 PROBE_TOKENS = 8
 PROBE_PROMPT_TOKENS = 64
+#: Nats by which a probe token's log-prob may move across a wake (module docstring, "Why agreement").
+PROBE_LOGPROB_TOLERANCE = 0.2
+#: The highest log-prob a token can have while another token ties with it: log(1/2).
+_TIE_LOGPROB = math.log(0.5)
+
+
+class Probe(NamedTuple):
+    """A greedy probe's answer: the tokens and each one's log-prob."""
+
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def probe_agrees(before: Probe, after: Probe, tolerance: float = PROBE_LOGPROB_TOLERANCE) -> bool:
+    """Whether ``after`` is ``before`` up to the nondeterminism of the engine's kernels (module docstring).
+
+    Equal tokens need log-probs within ``tolerance``; at the first differing token both choices
+    must be a near tie; the rest is not compared. A missing (NaN) log-prob agrees with nothing.
+    """
+    for tok_b, lp_b, tok_a, lp_a in zip(before.tokens, before.logprobs, after.tokens, after.logprobs):
+        close = abs(lp_b - lp_a) <= tolerance  # False for NaN
+        if tok_b == tok_a:
+            if not close:
+                return False
+            continue
+        return close and max(lp_b, lp_a) <= _TIE_LOGPROB + tolerance
+    return len(before.tokens) == len(after.tokens)
 
 
 class WakeCheckError(RuntimeError):
@@ -116,17 +163,6 @@ def engine_platform(engine: Any, default: str) -> str:
     return "cuda" if info["cuda"] else "cpu"
 
 
-def release_trainer_cache() -> bool:
-    """``torch.cuda.empty_cache()`` where CUDA is: PyTorch's caching allocator would otherwise keep the update's
-    activation peak reserved in the trainer, and the waking engine could not have it (planner/sizing.py counts this)."""
-    import torch
-
-    if current_platform() != "cuda":
-        return False
-    torch.cuda.empty_cache()
-    return True
-
-
 class EngineSleeper:
     """Sleeps ``engine`` around each update as ``plan`` says, and checks it when it wakes.
 
@@ -140,7 +176,7 @@ class EngineSleeper:
         self.engine = engine
         self.plan = plan
         self.probe_tokens = int(probe_tokens)
-        self._probe: tuple[list[int], str, list[int]] | None = None  # (prompt, adapter folder, tokens)
+        self._probe: tuple[list[int], str | None, Probe] | None = None  # (prompt, adapter folder, its answer)
         self._sleep_s = 0.0
         self._check_s = 0.0
         self._asleep = False
@@ -149,10 +185,11 @@ class EngineSleeper:
     def enabled(self) -> bool:
         return self.plan.enabled
 
-    def _run_probe(self, prompt: list[int], adapter: str | None) -> list[int]:
+    def _run_probe(self, prompt: list[int], adapter: str | None) -> Probe:
         res = self.engine.generate([prompt], n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.probe_tokens,
                                    seed=0, lora_path=adapter)
-        return list(res.samples[0][0].completion_ids)
+        sample = res.samples[0][0]
+        return Probe(list(sample.completion_ids), [float(x) for x in sample.logprobs])
 
     def before_update(self, adapter_dir: str | Path | None = None, prompt_ids: list[int] | None = None) -> dict:
         """Record the probe (the rollout's adapter ``adapter_dir``, a prompt of the step) and sleep."""
@@ -200,18 +237,19 @@ class EngineSleeper:
     def _check_probe(self, woke: Any) -> int:
         prompt, adapter, before = self._probe
         after = self._run_probe(prompt, adapter)
-        if after == before:
+        if probe_agrees(before, after):
             return 0
         log.warning("engine output changed across sleep/wake (level %s; %s): before %s after %s; dropping its adapters "
-                    "(vLLM #53888) and probing again", self.plan.level, woke, before, after)
+                    "(vLLM #53888) and probing again", self.plan.level, woke, _shown(before), _shown(after))
         self.engine.reset_adapters()
         again = self._run_probe(prompt, adapter)
-        if again != before:
+        if not probe_agrees(before, again):
             raise WakeCheckError(
-                f"after waking from sleep level {self.plan.level} the engine serves other tokens than before it "
-                f"(greedy probe with adapter {adapter}: before {before}, after {after}, after dropping its adapters "
-                f"{again}): its weights did not come back as they were (vLLM #53888; for level 2 a failed reload). "
-                "Set rollout.sleep_between_steps: false (or rollout.sleep_level: 1)"
+                f"after waking from sleep level {self.plan.level} the engine serves another model than before it "
+                f"(greedy probe with adapter {adapter}: before {_shown(before)}, after {_shown(after)}, after dropping "
+                f"its adapters {_shown(again)}; tokens may differ only at a near tie and log-probs by "
+                f"{PROBE_LOGPROB_TOLERANCE} nats): its weights did not come back as they were (vLLM #53888; for level 2 "
+                "a failed reload). Set rollout.sleep_between_steps: false (or rollout.sleep_level: 1)"
             )
         return 1
 
@@ -230,3 +268,8 @@ class EngineSleeper:
                 "run without it. Set rollout.sleep_between_steps: false"
             )
         return 1
+
+
+def _shown(probe: Probe) -> str:
+    """A probe for a message: its tokens, then its log-probs to 3 decimals."""
+    return f"{probe.tokens} (log-probs {[round(x, 3) for x in probe.logprobs]})"

@@ -46,6 +46,17 @@ Design choices:
   refusal; vLLM renames the checkpoint's ``weight_packed`` to ``weight`` and its kernel
   (Marlin on CUDA) repacks it at load, so the served bytes are not the checkpoint's and a
   read of them is refused too.
+* Model runners: vLLM 0.32 on CUDA builds Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``)
+  unless ``VLLM_USE_V2_MODEL_RUNNER=0`` or a feature V2 lacks (``VllmConfig.use_v2_model_runner``);
+  vLLM-CPU without a Triton CPU backend builds the V1 ``CPUModelRunner``
+  (``vllm/v1/worker/cpu_model_runner.py``, a subclass of V1's ``GPUModelRunner``). This class
+  asks the runner for one thing, ``get_model()``: V1 unwraps its CUDA-graph wrapper there, V2
+  returns its ``model`` as built (its CUDA graphs are captured beside the model, never around
+  it); with LoRA both hold the model that ``LoRAModelRunnerMixin.load_lora_model`` wrapped
+  (``base_layer``), and both runners' ``reload_weights`` end in the mixin's
+  ``reset_lora_state``, which is why a level-2 wake drops the adapters (rollout/server.py).
+  Norm writes copy into the live parameter's storage on CUDA, so graphs captured by either
+  runner read the new values.
 * Tensor parallelism: vLLM replicates RMSNorm weights on every tensor-parallel worker and
   shards the linears and the embedding. ``collective_rpc`` runs each method on every worker,
   so a norm write (AQN noise, trained norms) is the same whole write on each, and norm reads
@@ -110,7 +121,13 @@ class QerlWorkerExtension:
 
     # ------------------------------------------------------------------ index
     def _qerl_model(self) -> torch.nn.Module:
+        """The served ``nn.Module``: ``get_model()`` of either model runner (module docstring, "Model runners")."""
         return self.model_runner.get_model()
+
+    def qerl_model_runner(self) -> str:
+        """The worker's model runner class as ``module.Class`` (which of vLLM's runners serves: V1 or V2)."""
+        cls = type(self.model_runner)
+        return f"{cls.__module__}.{cls.__qualname__}"
 
     def _qerl_index(self) -> dict[str, _Target]:
         index = getattr(self, "_qerl_index_cache", None)
@@ -253,15 +270,16 @@ class QerlWorkerExtension:
         unknown = sorted(set(tensors) - set(index))
         if unknown:
             raise KeyError(f"unknown parameter name(s) {unknown[:5]}; the served model has e.g. {sorted(index)[:3]}")
+        # all refusals before the first write (nothing half-applied); the layer's kind before the shape: a packed
+        # layer's parameter has the kernel's shape, so a dense tensor never matches it and the shape says nothing
+        for name in tensors:
+            _refuse_unservable(name, index[name], "write")
         by_module: dict[tuple[int, str], list[tuple[_Target, torch.Tensor]]] = {}
         for name, value in tensors.items():
             target = index[name]
             if tuple(value.shape) != target.shape:
                 raise ValueError(f"{name}: shape {tuple(value.shape)} does not match served {target.shape}")
             by_module.setdefault((id(target.module), target.param), []).append((target, value))
-        for items in by_module.values():  # all refusals before the first write: nothing half-applied
-            target = items[0][0]
-            _refuse_unservable(target.fused_names[0], target, "write")
         is_cpu = current_platform.is_cpu()
         with torch.no_grad():
             for items in by_module.values():

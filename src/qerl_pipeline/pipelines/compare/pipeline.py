@@ -57,7 +57,7 @@ import warnings
 
 from kedro.pipeline import Node, Pipeline, pipeline
 
-from qerl_pipeline.config import METHOD_FORMAT, METHODS
+from qerl_pipeline.config import COMPARE_METHODS, METHOD_FORMAT
 from qerl_pipeline.evaluation.report import REPORT_FILES
 from qerl_pipeline.pipelines.compare.nodes import build_report, open_compare
 from qerl_pipeline.pipelines.data_prep.pipeline import create_pipeline as data_prep
@@ -97,10 +97,10 @@ def branch(method: str) -> Pipeline:
 
 def create_pipeline(**kwargs) -> Pipeline:
     """data_prep + the compare run + a base per format + a branch per method + the report."""
-    bases = format_nodes(sorted({METHOD_FORMAT[m] for m in METHODS}))
-    branches = sum((branch(m) for m in METHODS), Pipeline([]))
+    bases = format_nodes(sorted({METHOD_FORMAT[m] for m in COMPARE_METHODS}))
+    branches = sum((branch(m) for m in COMPARE_METHODS), Pipeline([]))
     report_inputs = {"compare_group": "compare_group", "compare": "params:compare"}
-    for m in METHODS:
+    for m in COMPARE_METHODS:
         report_inputs[f"{m}_summary"] = f"{namespace(m)}.train_summary"
         report_inputs[f"{m}_accuracy"] = f"{namespace(m)}.eval_accuracy"
     with warnings.catch_warnings():  # the branches' dataset names are namespaced (dotted) by design

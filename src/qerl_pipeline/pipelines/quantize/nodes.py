@@ -1,4 +1,8 @@
-"""quantize nodes: base model -> the method's base folder (NVFP4 / NF4 / BF16 + serving copy) -> MLflow.
+"""quantize nodes: base model -> the method's base folder (NVFP4 / NF4 / BF16) -> MLflow.
+
+The dense ``serving/`` copy a CPU engine serves is not written here: the first engine start that
+serves it writes it (``quantization.store.ensure_serving``), so a base served packed on CUDA never
+gets one.
 
 ``params:method`` picks the format (``config.METHOD_FORMAT``: qerl, qerl_noaqn -> nvfp4;
 qlora -> nf4; lora -> bf16). The base is made, or reused, by ``quantization.store.ensure_base``

@@ -27,13 +27,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from qerl_pipeline.atomic import staged_dir
 from qerl_pipeline.config import ModelConfig, RandomModelConfig
+from qerl_pipeline.hub import offline_reason
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,14 @@ def _gguf_file(cfg: ModelConfig) -> Path:
     return bundled_gguf_path() if cfg.gguf_file == "bundled" else Path(cfg.gguf_file)
 
 
-@functools.lru_cache(maxsize=16)
 def _hub_reachable(name: str, revision: str | None = None) -> bool:
-    """Whether ``name`` (at ``revision``) can be had from the Hub now (asked once per process)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
+    """Whether ``name`` (at ``revision``) can be had from the Hub now: never when the Hub is offline
+    (``hub.offline_reason``, settled once per process), else asked once per model."""
+    return offline_reason() is None and _model_on_hub(name, revision)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_on_hub(name: str, revision: str | None) -> bool:
     try:
         from huggingface_hub import model_info
 

@@ -33,6 +33,7 @@ from qerl_pipeline.data.sources import (
     _level,
     _question,
     finish_rows,
+    hub_failure,
     load_hub_rows,
     number_text,
     read_jsonl,
@@ -104,9 +105,8 @@ def read_user_rows(cfg: UserSetConfig) -> tuple[list[dict[str, Any]], str, str]:
             rows = load_hub_rows(cfg.hub_id, cfg.hub_config, cfg.split)
         except Exception as err:  # noqa: BLE001 - offline, unknown id, missing split: all mean "unavailable"
             raise SourceUnavailable(
-                f"loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) from the Hub failed: "
-                f"{type(err).__name__}: {str(err)[:300]} (save it with datasets' save_to_disk where the Hub is reachable "
-                "and give that folder as path)"
+                f"loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) {hub_failure(err)} (save it with "
+                "datasets' save_to_disk where the Hub is reachable and give that folder as path)"
             ) from err
         origin = f"hub:{cfg.hub_id}{'/' + cfg.hub_config if cfg.hub_config else ''}:{cfg.split}"
         return [{**row, "__line__": n} for n, row in enumerate(rows, start=1)], origin, "row"

@@ -201,10 +201,16 @@ def _question(value: Any) -> str | None:
     return _text(value)
 
 
-def _gsm8k_gold(answer: Any) -> str | None:
-    if answer is None or "####" not in str(answer):
+#: What ends a GSM8K worked solution and precedes its final answer ("... #### 72").
+GSM8K_MARKER = "####"
+
+
+def gsm8k_gold(answer: Any) -> str | None:
+    """The gold of a GSM8K-style solution: the text after its last ``####``, commas and ``$`` removed; None
+    without the marker or with nothing after it (the built-in gsm8k source and the user's ``answer_format: gsm8k``)."""
+    if answer is None or GSM8K_MARKER not in str(answer):
         return None
-    return str(answer).split("####")[-1].strip().replace(",", "").replace("$", "").strip() or None
+    return str(answer).split(GSM8K_MARKER)[-1].strip().replace(",", "").replace("$", "").strip() or None
 
 
 def _level(value: Any) -> int | None:
@@ -223,7 +229,7 @@ def normalise_row(kind: str, name: str, split: str, index: int, row: dict[str, A
                 "error": row["__error__"]}
     try:
         if kind == "gsm8k":
-            question, gold, level = _question(row.get("question")), _gsm8k_gold(row.get("answer")), None
+            question, gold, level = _question(row.get("question")), gsm8k_gold(row.get("answer")), None
         elif kind == "math500":
             question, gold, level = _question(row.get("problem")), _text(row.get("answer")), _level(row.get("level"))
         elif kind in ("aime", "amc"):

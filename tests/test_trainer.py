@@ -2,7 +2,7 @@
 
 One module, few runs, shared between assertions (each run starts a vLLM engine, ~45 s):
 
-1. ``reference``: an uninterrupted ``kedro run --pipeline=train --env smoke``.
+1. ``reference``: an uninterrupted ``kedro run --pipelines=train --env smoke``.
 2. ``resumed``: the same run in another output dir that holds a copy of the reference's
    finished run, started fresh (``train.resume=false``: that earlier run is moved aside),
    SIGKILLed right after its first checkpoint, then started again: it resumes and must end
@@ -71,8 +71,9 @@ def test_reward_hook_from_import_path_or_callable():
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    """One project copy for the module's Kedro runs (each with its own output folder)."""
-    return project_copy(tmp_path_factory.mktemp("trainer") / "project")
+    """One project copy for the module's Kedro runs (each with its own output folder), with the offline copy of
+    the smoke env's eval set beside it, as a checkout has it."""
+    return project_copy(tmp_path_factory.mktemp("trainer") / "project", shared=["gsm8k/test.jsonl"])
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def _start(project: Path, out: Path, resume: bool = True) -> subprocess.Popen:
     listens (a Hub call would show in the log as its client's retries)."""
     params = PARAMS.format(steps=STEPS, out=out) + ("" if resume else ",train.resume=false")
     no_hub = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_ENDPOINT": closed_port_url()}
-    return start_kedro(project, "run", "--pipeline=train", "--env", "smoke", "--params", params, log=_log(out), env=no_hub)
+    return start_kedro(project, "run", "--pipelines=train", "--env", "smoke", "--params", params, log=_log(out), env=no_hub)
 
 
 def _log(out: Path) -> Path:

@@ -433,13 +433,15 @@ class TrainingRun:
     checkpoint's run and tags the active one ``qerl.resumed_run_id`` (named ``RESUME_NAME``, role
     ``resume``), so the whole training stays one run. The training's run is named ``name`` (role
     ``train``) as it starts, so it carries that one name while it runs, if it is stopped, and
-    after a resume. In a compare branch (``parent``: the compare run's id): a fresh training is a new child
-    run of ``parent`` named ``name`` (tagged ``method``, ``params`` logged); a resumed one keeps
-    its run, re-nested under ``parent``. ``tags`` are set on the run used, whichever it is.
+    after a resume. In a compare branch (``parent``: the compare run's id): a fresh training is
+    a new child run of ``parent`` named ``name`` (tagged ``method``, ``params`` logged); a
+    resumed one keeps its run, re-nested under ``parent``. ``tags`` are set on the run used,
+    whichever it is.
 
     ``finish`` closes what kedro-mlflow does not: a branch's own run, or the original run a
-    resume logged into (``reopen``: RUNNING again while it trains). ``fail`` ends such a run when the training raised before its loop could (the loop
-    tags and closes its run itself, ``rl/trainer.py``).
+    resume logged into (``reopen``: RUNNING again while it trains). ``fail`` ends such a run
+    when the training raised before its loop could (the loop tags and closes its run itself,
+    ``rl/trainer.py``).
     """
 
     def __init__(self, name: str, method: str, params: dict[str, Any], parent: str | None = None,

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 BUNDLED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_said_bundled: set[str] = set()
 
 
 def bundled_gguf_path() -> Path:
@@ -113,7 +114,9 @@ def resolve_source(cfg: ModelConfig) -> tuple[str, str]:
     if _hub_reachable(cfg.name, cfg.revision):
         return "hub", cfg.name
     if cfg.name == BUNDLED_MODEL:
-        log.warning("Hub unreachable: using the bundled GGUF of %s (Q4_1 weights, dequantized)", cfg.name)
+        if cfg.name not in _said_bundled:  # once per process: a run resolves its base several times
+            _said_bundled.add(cfg.name)
+            log.warning("Hub unreachable: using the bundled GGUF of %s (Q4_1 weights, dequantized)", cfg.name)
         return "gguf", str(_gguf_file(cfg))
     raise FileNotFoundError(
         f"model.name {cfg.name!r}: not a local folder and the Hub is unreachable; "

@@ -360,8 +360,11 @@ def _check_folder(uri: str, folder: Path) -> None:
 # ------------------------------------------------------------------ run names, groups
 #: Tag of a compare run's children: the id of the compare run (``evaluation/report_runs.py`` reads it).
 GROUP_TAG = "qerl.compare_group"
-#: Tag saying what a run is: train, evaluate, compare, quantize, benchmark.
+#: Tag saying what a run is: train, evaluate, compare, quantize, benchmark; resume (a ``kedro run`` whose
+#: training went on in the run it resumed, ``TrainingRun``).
 ROLE_TAG = "qerl.role"
+#: The name of a ``kedro run`` that resumed the training ``name`` (the training's metrics stay in its own run).
+RESUME_NAME = "{name} · resume"
 
 
 def model_label(model: dict[str, Any] | Any) -> str:
@@ -427,15 +430,18 @@ class TrainingRun:
     run id of the checkpoint it resumes (None for a fresh training). Standalone (``parent`` None):
     the active run (the one kedro-mlflow opened for this ``kedro run``, or ``active_run_id``, the
     run of the ``kedro run`` that launched a distributed training's ranks); a resume logs into the
-    checkpoint's run and tags the active one ``qerl.resumed_run_id``, so the whole training stays
-    one run. In a compare branch (``parent``: the compare run's id): a fresh training is a new child
-    run of ``parent`` named ``name`` (tagged ``method``, ``params`` logged); a resumed one keeps
-    its run, re-nested under ``parent``. ``tags`` are set on the run used, whichever it is.
+    checkpoint's run and tags the active one ``qerl.resumed_run_id`` (named ``RESUME_NAME``, role
+    ``resume``), so the whole training stays one run. The training's run is named ``name`` (role
+    ``train``) as it starts, so it carries that one name while it runs, if it is stopped, and
+    after a resume. In a compare branch (``parent``: the compare run's id): a fresh training is
+    a new child run of ``parent`` named ``name`` (tagged ``method``, ``params`` logged); a
+    resumed one keeps its run, re-nested under ``parent``. ``tags`` are set on the run used,
+    whichever it is.
 
     ``finish`` closes what kedro-mlflow does not: a branch's own run, or the original run a
-    resume logged into (``reopen``: RUNNING again while it trains); a fresh standalone run gets
-    its name. ``fail`` ends such a run when the training raised before its loop could (the loop
-    tags and closes its run itself, ``rl/trainer.py``).
+    resume logged into (``reopen``: RUNNING again while it trains). ``fail`` ends such a run
+    when the training raised before its loop could (the loop tags and closes its run itself,
+    ``rl/trainer.py``).
     """
 
     def __init__(self, name: str, method: str, params: dict[str, Any], parent: str | None = None,
@@ -455,17 +461,19 @@ class TrainingRun:
     def _standalone(self, run_id: str | None) -> MlflowLogger:
         logger = MlflowLogger(self.active_run_id)  # the active run (kedro-mlflow's), or a new one outside Kedro
         self.active_run_id = logger.run_id
-        if not run_id or run_id == logger.run_id:
-            return logger
-        logger.set_tags({"qerl.resumed_run_id": run_id})
-        try:
-            logger.client.get_run(run_id)
-        except Exception:  # noqa: BLE001 - e.g. a different tracking store: keep the new run
-            log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
-            return logger
-        resumed = MlflowLogger(run_id=run_id)
-        reopen(resumed)
-        return resumed
+        if run_id and run_id != logger.run_id:
+            logger.set_tags({"qerl.resumed_run_id": run_id})
+            try:
+                logger.client.get_run(run_id)
+            except Exception:  # noqa: BLE001 - e.g. a different tracking store: keep the new run
+                log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
+            else:
+                name_run(logger.run_id, RESUME_NAME.format(name=self.name), "resume", client=logger.client)
+                resumed = MlflowLogger(run_id=run_id)
+                reopen(resumed)
+                logger = resumed
+        name_run(logger.run_id, self.name, "train", client=logger.client)  # its name from the start, kept by a resume
+        return logger
 
     def _branch(self, run_id: str | None) -> MlflowLogger:
         if run_id:
@@ -508,12 +516,10 @@ class TrainingRun:
             return
         mark_ended(run, exc, last_step=max(steps, default=0))
 
-    def finish(self, run_id: str | None, resumed: bool) -> None:
-        """After the training: close the run kedro-mlflow does not own; name a fresh standalone run."""
+    def finish(self) -> None:
+        """After the training: close the run kedro-mlflow does not own (a branch's, or the one a resume reopened)."""
         if self.run is not None and (self.parent or self.run.run_id != self.active_run_id):
             self.run.client.set_terminated(self.run.run_id, status="FINISHED")
-        if run_id and not self.parent and not resumed:
-            name_run(run_id, self.name, "train")
 
 
 # --------------------------------------------------------------------------- metric names

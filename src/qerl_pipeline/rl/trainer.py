@@ -98,6 +98,7 @@ from qerl_pipeline.rl.step import (
 from qerl_pipeline.rollout.layout import engine_plan
 from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
 from qerl_pipeline.rollout.sleep import EngineSleeper, engine_platform, sleep_plan
+from qerl_pipeline.terminal import TrainProgress
 from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, git_commit, scalar_metrics
 
 log = logging.getLogger(__name__)
@@ -354,7 +355,7 @@ def train(
     logger.log_metrics({"data/prompts": len(items), "data/dropped_prompts": dropped, "dist/world_size": d.world_size},
                        step=start_step)
 
-    bar = _progress(progress and d.is_main, tc.steps, start_step)
+    bar = TrainProgress(tc.steps, start_step) if progress and d.is_main else None
     try:
         for step in range(start_step, tc.steps):
             t0 = time.perf_counter()
@@ -546,30 +547,3 @@ def _tokenizer(base_dir: Path, cfg: QerlConfig):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
-
-class _Bar:
-    """A rich progress bar: step, reward, entropy, sigma, tokens/s and ETA."""
-
-    def __init__(self, total: int, done: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        )
-        self.task = self.progress.add_task("train", total=total, completed=done, info="")
-        self.progress.start()
-
-    def advance(self, m: dict) -> None:
-        info = (
-            f"reward {m[T.REWARD_MEAN]:.3f} acc {m[T.TRAIN_ACCURACY]:.2f} ent {m[T.POLICY_ENTROPY]:.2f} "
-            f"sigma {m[T.AQN_SIGMA]:.1e} {m[T.ROLLOUT_TOKENS_PER_S]:.0f} tok/s"
-        )
-        self.progress.update(self.task, advance=1, info=info)
-
-    def close(self) -> None:
-        self.progress.stop()
-
-
-def _progress(enabled: bool, total: int, done: int) -> _Bar | None:
-    return _Bar(total, done) if enabled else None

@@ -177,11 +177,14 @@ def test_missing_eval_source_skipped_or_fails(tmp_path, local, caplog):
 
 
 def test_hub_unreachable_is_unavailable(monkeypatch, tmp_path):
+    """Offline (HF_HUB_OFFLINE, as in these tests), a set the cache does not hold is unavailable, saying why;
+    tests/test_hub.py: the same when the Hub is found unreachable, and a reachable Hub's error."""
     def offline(hub_id, hub_config, split):
-        raise ConnectionError("Hub unreachable")
+        raise ConnectionError("Couldn't reach 'math-ai/aime25' on the Hub (OfflineModeIsEnabled)")
 
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(sources, "load_hub_rows", offline)
-    with pytest.raises(SourceUnavailable, match="Hub failed: ConnectionError"):
+    with pytest.raises(SourceUnavailable, match=r"not in the local cache and the Hub is offline \(HF_HUB_OFFLINE is set\)"):
         read_raw("aime25", SourceConfig(hub_id="math-ai/aime25", split="test", local_path=str(tmp_path / "absent")))
 
 

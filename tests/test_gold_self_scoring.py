@@ -1,4 +1,4 @@
-"""A right answer always scores: every gold of the four benchmark sets, written as a model
+"""A right answer always scores: every gold of the five benchmark sets, written as a model
 would write it, scores 1 against itself; near misses and wrong numbers score 0.
 
 The golds come from the offline copies in ../shared/data (skipped when absent), read
@@ -39,7 +39,7 @@ def _misses(golds: list[str], form: str) -> list[str]:
 
 
 def test_set_sizes(golds):
-    assert {k: len(v) for k, v in golds.items()} == {"gsm8k": 1319, "math500": 500, "aime24": 30, "amc23": 40}
+    assert {k: len(v) for k, v in golds.items()} == {"gsm8k": 1319, "math500": 500, "aime24": 30, "aime25": 30, "amc23": 40}
 
 
 @pytest.mark.parametrize("form", ["boxed", "tagged"])
@@ -49,7 +49,7 @@ def test_every_gold_scores_itself(golds, form):
 
 
 def test_plain_answer_form(golds):
-    for name in ("gsm8k", "aime24", "amc23"):
+    for name in ("gsm8k", "aime24", "aime25", "amc23"):
         assert _misses(golds[name], "plain") == [], name
     misses = _misses(golds["math500"], "plain")
     # the floor measured 2026-12-01 after the fix: 500 of 500 (391 before); every miss that

@@ -74,3 +74,16 @@ def test_replace_dir_swaps_whole_folder(tmp_path):
     assert sorted(p.name for p in dst.iterdir()) == ["new.txt"]
     assert not src.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_the_bundled_fallback_is_said_once_per_process(monkeypatch, caplog):
+    """A run resolves its base several times (tokenizer, model, fingerprint): the fallback's warning comes once."""
+    from qerl_pipeline import models
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(models, "_said_bundled", set())
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert resolve_source(ModelConfig(name=BUNDLED_MODEL, source="auto"))[0] == "gguf"
+    assert [r.getMessage() for r in caplog.records if r.name == models.__name__] == [
+        f"Hub unreachable: using the bundled GGUF of {BUNDLED_MODEL} (Q4_1 weights, dequantized)"]

@@ -95,7 +95,7 @@ def test_a_killed_run_resumed_runs_again_and_finishes_with_its_earlier_end_kept(
         assert resumed.info.status == "RUNNING"
         assert not set(tracking.END_TAGS) & set(resumed.data.tags)
         assert resumed.data.tags[tracking.PREVIOUS_END_TAG] == "KILLED; killed_by=SIGINT; last_completed_step=2"
-        run.finish(original.run_id, resumed=True)
+        run.finish()
     assert client.get_run(original.run_id).info.status == "FINISHED"
 
 

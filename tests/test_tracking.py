@@ -55,16 +55,38 @@ def test_training_run_standalone_resume_logs_into_the_checkpoints_run(sqlite_sto
     with mlflow.start_run() as active:  # the resuming kedro run's
         run = TrainingRun("train qerl · random · seed 0", "qerl", {})
         assert run.logger(original.run_id).run_id == original.run_id
-        run.finish(original.run_id, resumed=True)
+        run.finish()
     assert client.get_run(active.info.run_id).data.tags["qerl.resumed_run_id"] == original.run_id
     assert client.get_run(original.run_id).info.status == "FINISHED"
     with mlflow.start_run() as fresh:  # a fresh training logs into the active run and names it
         run = TrainingRun("train qerl · random · seed 0", "qerl", {})
         assert run.logger(None).run_id == fresh.info.run_id
-        run.finish(fresh.info.run_id, resumed=False)
+        run.finish()
         assert client.get_run(fresh.info.run_id).info.status == "RUNNING"  # kedro-mlflow closes its own run
     tags = client.get_run(fresh.info.run_id).data.tags
     assert tags["mlflow.runName"] == "train qerl · random · seed 0" and tags[ROLE_TAG] == "train"
+
+
+def test_a_training_run_has_its_name_from_its_start_through_a_kill_and_resume(sqlite_store):
+    """The training's run is named as it starts (not as it finishes), so a stopped run carries the same name as a
+    finished one, and the resume that finishes it keeps that name; the resuming kedro run is named as a resume."""
+    client = mlflow.tracking.MlflowClient()
+    name = "train qerl · random · seed 0"
+    mlflow.set_experiment("t")
+    with mlflow.start_run(run_name="train") as first:  # kedro-mlflow names its run after the pipeline
+        run = TrainingRun(name, "qerl", {})
+        assert run.logger(None).run_id == first.info.run_id
+        tags = client.get_run(first.info.run_id).data.tags
+        assert tags["mlflow.runName"] == name and tags[ROLE_TAG] == "train"  # while it runs
+    # killed here: never finished, its name stays
+    with mlflow.start_run(run_name="train") as second:  # the kedro run that resumes it
+        run = TrainingRun(name, "qerl", {})
+        assert run.logger(first.info.run_id).run_id == first.info.run_id
+        run.finish()
+    kept, resume = client.get_run(first.info.run_id), client.get_run(second.info.run_id)
+    assert kept.info.run_name == name and kept.data.tags[ROLE_TAG] == "train" and kept.info.status == "FINISHED"
+    assert resume.info.run_name == f"{name} · resume" and resume.data.tags[ROLE_TAG] == "resume"
+    assert resume.data.tags["qerl.resumed_run_id"] == first.info.run_id
 
 
 def test_training_run_in_a_branch_is_a_child_of_the_compare_run(sqlite_store):
@@ -72,7 +94,7 @@ def test_training_run_in_a_branch_is_a_child_of_the_compare_run(sqlite_store):
     parent = label_run("compare · random", "compare", run_id=MlflowLogger(experiment="t").run_id)
     run = TrainingRun("train qlora · random · seed 1", "qlora", {"lora.rank": 4}, parent, tags={"seed": "1"})
     child = run.logger(None).run_id
-    run.finish(child, resumed=False)
+    run.finish()
     got = client.get_run(child)
     assert got.info.status == "FINISHED" and got.data.params == {"lora.rank": "4"}
     assert {k: got.data.tags[k] for k in (GROUP_TAG, "mlflow.parentRunId", "method", "seed", ROLE_TAG)} == {

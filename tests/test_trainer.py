@@ -2,7 +2,7 @@
 
 One module, few runs, shared between assertions (each run starts a vLLM engine, ~45 s):
 
-1. ``reference``: an uninterrupted ``kedro run --pipeline=train --env smoke``.
+1. ``reference``: an uninterrupted ``kedro run --pipelines=train --env smoke``.
 2. ``resumed``: the same run in another output dir that holds a copy of the reference's
    finished run, started fresh (``train.resume=false``: that earlier run is moved aside),
    SIGKILLed right after its first checkpoint, then started again: it resumes and must end
@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.hub import closed_port_url
 from tests.helpers.project import project_copy, start_kedro, stop_kedro, tracking_uri, wait_kedro
 from tests.helpers.rewards import letter_fraction
 
@@ -70,8 +71,9 @@ def test_reward_hook_from_import_path_or_callable():
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    """One project copy for the module's Kedro runs (each with its own output folder)."""
-    return project_copy(tmp_path_factory.mktemp("trainer") / "project")
+    """One project copy for the module's Kedro runs (each with its own output folder), with the offline copy of
+    the smoke env's eval set beside it, as a checkout has it."""
+    return project_copy(tmp_path_factory.mktemp("trainer") / "project", shared=["gsm8k/test.jsonl"])
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +82,11 @@ def tracking(project) -> str:
 
 
 def _start(project: Path, out: Path, resume: bool = True) -> subprocess.Popen:
+    """The smoke training as on a machine without the Hub: ``HF_HUB_OFFLINE`` not set, ``HF_ENDPOINT`` where nothing
+    listens (a Hub call would show in the log as its client's retries)."""
     params = PARAMS.format(steps=STEPS, out=out) + ("" if resume else ",train.resume=false")
-    return start_kedro(project, "run", "--pipeline=train", "--env", "smoke", "--params", params, log=_log(out))
+    no_hub = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_ENDPOINT": closed_port_url()}
+    return start_kedro(project, "run", "--pipelines=train", "--env", "smoke", "--params", params, log=_log(out), env=no_hub)
 
 
 def _log(out: Path) -> Path:
@@ -110,11 +115,13 @@ def reference(project, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def resumed(project, reference, tmp_path_factory) -> tuple[Path, bool, str, str]:
+def resumed(project, reference, tracking, tmp_path_factory) -> tuple[Path, bool, str, str, str]:
     """A fresh run (``train.resume=false``) over a copy of the reference's finished run folder,
     SIGKILLed right after its step-2 checkpoint, then started again (``resume: true``) over a
     newer checkpoint damaged on disk (``DAMAGED``): (its output dir, killed before the end, the
-    run id the killed process used, the log)."""
+    run id the killed process used, the log, the killed run's MLflow name)."""
+    from mlflow.tracking import MlflowClient
+
     from qerl_pipeline.rl import checkpoint as ckpt
 
     out = tmp_path_factory.mktemp("resume") / "out"
@@ -130,12 +137,13 @@ def resumed(project, reference, tmp_path_factory) -> tuple[Path, bool, str, str]
     stop_kedro(proc)  # SIGKILL to kedro and its children in that group
     killed_mid_run = not (run_dir / "final_adapter").exists()
     killed_run_id = ckpt.peek_state(ckpt.find_latest(run_dir))["run_id"]
+    killed_name = MlflowClient(tracking).get_run(killed_run_id).info.run_name
     # a newer checkpoint damaged on disk (step 3 is never saved here: checkpoint_every=2): the resume must skip it
     shutil.copytree(first.parent, DAMAGED.format(run_dir=run_dir))
     with (Path(DAMAGED.format(run_dir=run_dir)) / "state.pt").open("r+b") as fh:
         fh.truncate(100)
     log = wait_kedro(_start(project, out), _log(out), timeout=420).stdout
-    return out, killed_mid_run, killed_run_id, log
+    return out, killed_mid_run, killed_run_id, log, killed_name
 
 
 def _tree(folder: Path) -> dict[str, str]:
@@ -203,7 +211,7 @@ def test_reference_run_trains_and_logs(reference, tracking):
 def test_resume_after_sigkill_continues_the_same_mlflow_run(reference, resumed, tracking):
     from mlflow.tracking import MlflowClient
 
-    out, killed_mid_run, killed_run_id, _ = resumed
+    out, killed_mid_run, killed_run_id, _, killed_name = resumed
     assert killed_mid_run, "the run finished before it could be killed"
     assert (out / "qerl" / "final_adapter").is_dir()
     client = MlflowClient(tracking)
@@ -218,12 +226,30 @@ def test_resume_after_sigkill_continues_the_same_mlflow_run(reference, resumed, 
     assert run.info.status == "FINISHED"
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean"))
     assert steps == list(range(1, STEPS + 1))  # one run: steps before and after the kill
+    # one name from its start: while it ran and when killed, and after the resume finished it
+    assert killed_name == run.info.run_name == "train qerl · random · seed 0" and run.data.tags["qerl.role"] == "train"
+    (resuming,) = client.search_runs([run.info.experiment_id], f"tags.`qerl.resumed_run_id` = '{run.info.run_id}'")
+    assert resuming.info.run_name == "train qerl · random · seed 0 · resume" and resuming.data.tags["qerl.role"] == "resume"
     # the curves of the resumed run are drawn from the whole MLflow history, not only the steps after the resume
     from qerl_pipeline.rl.trainer import _full_history
     from qerl_pipeline.tracking import MlflowLogger
 
     assert [h["step"] for h in _full_history(MlflowLogger(run_id=run.info.run_id, tracking_uri=tracking))] == list(range(1, STEPS + 1))
     assert (out / "qerl" / "train_curves.png").stat().st_size > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.kedro_run
+def test_the_runs_log_on_a_machine_without_the_hub_says_only_what_matters(reference):
+    """The smoke training's whole log (kedro's, the trainer's, rich's progress line): no Hub call and so no retry,
+    no warning of the kinds the project knows to be harmless, no warning at all; the progress line is whole."""
+    log = _log(reference).read_text()
+    assert "Pipeline execution completed successfully" in log, log[-3000:]
+    for text in ("WARNING", "Warning", "Retrying", "Name or service not known", "Replacing dataset",
+                 "gemm_4bit_forward", "…"):
+        assert text not in log, f"{text!r} in the log:\n{log}"
+    (line,) = [line for line in log.splitlines() if line.startswith("train ━")]
+    assert re.fullmatch(rf"train ━+ +{STEPS}/{STEPS} reward \d\.\d{{3}} acc \d\.\d\d \d+ tok/s ETA 0:00:00", line.rstrip()), line
 
 
 def _completions(client, run_id: str, step: int, dest: Path) -> list[str]:
@@ -249,7 +275,7 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking
     """
     from mlflow.tracking import MlflowClient
 
-    out, _, _, _ = resumed
+    out, _, _, _, _ = resumed
     client = MlflowClient(tracking)
     ref_run, res_run = _run_for(client, reference).info.run_id, _run_for(client, out).info.run_id
     for step in range(1, STEPS + 1):  # smoke logs the completions of every step
@@ -275,7 +301,7 @@ def test_a_fresh_run_over_an_earlier_run_moves_it_aside_intact(reference, resume
 
     from qerl_pipeline.rl import checkpoint as ckpt
 
-    out, _, new_id, log = resumed
+    out, _, new_id, log, _ = resumed
     ref_dir, run_dir = reference / "qerl", out / "qerl"
     ref_id = ckpt.peek_state(ckpt.find_latest(ref_dir))["run_id"]
     assert "moved aside" not in _log(reference).read_text()  # the reference started in an empty folder
@@ -395,7 +421,7 @@ def test_a_second_train_run_leaves_the_base_untouched_and_says_so(project, refer
     ended = (reference / "qerl" / "final_adapter" / "adapter_model.safetensors").stat().st_mtime_ns
     files = [p for p in base.rglob("*") if p.is_file()]
     assert files and all(p.stat().st_mtime_ns < ended for p in files)
-    out, _, _, log = resumed
+    out, _, _, log, _ = resumed
     assert "base_nvfp4 reused: " in log and "base_nvfp4 quantized into" not in log
     assert "base_nvfp4 reused: " in _log(out).read_text()  # both runs of the fixture
     assert _log(out).read_text().count("base_nvfp4 reused: ") == 2

@@ -220,6 +220,90 @@ def test_ids_levels_and_limit(tmp_path):
     assert again == records  # the seeded shuffle: the same subset each time
 
 
+def _gsm8k_rows(shared_data: Path, n: int) -> list[dict]:
+    """The first ``n`` rows of GSM8K's train split as published: ``question``, ``answer`` = a worked solution ending
+    in ``#### N``."""
+    with open(shared_data / "gsm8k" / "train.jsonl") as fh:
+        rows = [json.loads(next(fh)) for _ in range(n)]
+    assert set(rows[0]) == {"question", "answer"} and all("\n#### " in r["answer"] for r in rows)
+    return rows
+
+
+def _after_marker(answer: str) -> str:
+    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def test_gsm8k_rows_as_published_train_as_they_are(tmp_path, shared_data):
+    """A JSONL of GSM8K's rows with no preprocessing: each gold is the number after ``####`` (auto finds the
+    marker), every row is kept, and the report counts the form; read plain, the worked solutions do not parse."""
+    from qerl_pipeline.pipelines.data_prep.nodes import MalformedRows, data_metrics
+
+    raw = _gsm8k_rows(shared_data, 200)
+    path = _jsonl(tmp_path / "gsm8k_train.jsonl", raw)
+    data = DataConfig(train_source="file", train_file=UserSetConfig(path=str(path)), eval_sources=["generator"])
+    records, summary = prepare_train_prompts(data.model_dump())
+    assert summary["kept"] == 200 and summary["dropped"] == 0 and summary["answer_forms"] == {"gsm8k": 200}
+    by_question = {r["question"]: r["gold"] for r in records}
+    assert all(by_question[r["question"].strip()] == _after_marker(r["answer"]) for r in raw)
+    report = build_data_report(summary, prepare_eval_prompts(data.model_dump())[1], data.model_dump())
+    assert data_metrics(report)["train.answer_forms.gsm8k"]["value"] == 200.0
+    first = _jsonl(tmp_path / "first40.jsonl", raw[:40])  # read plain, the whole worked solution is the gold
+    plain = data.model_copy(update={"train_file": UserSetConfig(path=str(first), answer_format="plain")})
+    with pytest.raises(MalformedRows, match=rf"\d+ malformed row\(s\).*\n.*{first} line \d+\): gold answer math-verify cannot"):
+        prepare_train_prompts(plain.model_dump())
+
+
+def test_a_boxed_solution_column_gives_the_boxed_answer(tmp_path, shared_data):
+    """MATH-500's problems with the full solution as the answer column: each gold is the solution's last
+    ``\\boxed{}`` and equals the set's own ``answer`` (math-verify), as a CSV too (text levels kept)."""
+    from qerl_pipeline.rewards.extraction import parse_gold
+    from math_verify import verify
+
+    raw = [json.loads(line) for line in (shared_data / "math500" / "test.jsonl").read_text().splitlines()[:120]]
+    rows = [{"problem": r["problem"], "solution": r["solution"], "level": f"Level {r['level']}", "uid": r["unique_id"]}
+            for r in raw]
+    answers = {f"mine-{r['unique_id']}": r["answer"] for r in raw}
+    for path in (_jsonl(tmp_path / "math.jsonl", rows), _csv(tmp_path / "math.csv", rows)):
+        cfg = UserSetConfig(path=str(path), question="problem", answer="solution", id="uid", level="level")
+        data = DataConfig(eval_sources=[], eval_files={"mine": cfg})
+        evals, summary = prepare_eval_prompts(data.model_dump())
+        got = evals["mine"]
+        assert len(got) == 120 and summary["sources"]["mine"]["answer_forms"] == {"boxed": 120}
+        for rec in got:
+            assert verify(list(parse_gold(answers[rec["id"]])), list(parse_gold(rec["gold"])), timeout_seconds=None), rec
+            assert "\\boxed" not in rec["gold"] and rec["level"] in {1, 2, 3, 4, 5}
+        assert sum(rec["gold"] == answers[rec["id"]] for rec in got) >= 119  # the box holds the answer as written
+
+
+def test_answer_formats_row_by_row_and_malformed_markers_named_by_line(tmp_path):
+    rows = [
+        {"q": "a", "a": "4 + 5 = 9\n#### 9"},               # auto: gsm8k
+        {"q": "b", "a": "So $x = \\boxed{\\frac{1}{2}}$."},  # auto: boxed
+        {"q": "c", "a": 7.0},                                # auto: plain ("7")
+        {"q": "d", "a": "Work.\n#### ???"},                 # the marker holds nothing math-verify parses
+        {"q": "e", "a": "Work.\n####"},                     # nothing after the marker
+        {"q": "f", "a": "then \\boxed{3"},                   # a box never closed
+        {"q": "g", "a": "$\\boxed{1}$ and $\\boxed{2}$"},     # several boxes read together, as the reward reads them
+    ]
+    path = _jsonl(tmp_path / "mixed.jsonl", rows)
+    cfg = UserSetConfig(path=str(path), question="q", answer="a")
+    data = DataConfig(train_source="file", train_file=cfg, on_bad_row="drop")
+    records, summary = prepare_train_prompts(data.model_dump())
+    assert {r["question"]: r["gold"] for r in records} == {"a": "9", "b": "\\frac{1}{2}", "c": "7", "g": "1,2"}
+    assert summary["answer_forms"] == {"boxed": 2, "gsm8k": 2, "plain": 1}  # read in a form; e, f failed to
+    reasons = {b["where"]: b["reason"] for b in summary["bad_rows"]}
+    assert reasons[f"{path} line 4"] == "gold answer math-verify cannot parse: '???'"
+    assert reasons[f"{path} line 5"].startswith("answer: nothing after '####' marker (answer_format gsm8k)")
+    assert reasons[f"{path} line 6"].startswith("answer: no complete \\boxed{...} (answer_format boxed)")
+    # a named format reads every row so: a row without its marker is malformed
+    for fmt, line, reason in (("gsm8k", 2, "answer: no '####' marker"), ("boxed", 1, "answer: no \\boxed{...}")):
+        only = data.model_copy(update={"train_file": cfg.model_copy(update={"answer_format": fmt})})
+        _, summary = prepare_train_prompts(only.model_dump())
+        assert {b["where"]: b["reason"] for b in summary["bad_rows"]}[f"{path} line {line}"].startswith(reason), fmt
+    with pytest.raises(ConfigError, match=r"data.train_file.answer_format: Input should be 'auto', 'plain', 'gsm8k' or"):
+        validate({"data": {"train_source": "file", "train_file": {"path": str(path), "answer_format": "latex"}}}, QerlConfig)
+
+
 @pytest.mark.parametrize(
     "data, field, expected",
     [

@@ -243,8 +243,9 @@ class UserSetConfig(Section):
 
     Where it comes from: ``path`` (a JSONL, CSV or Parquet file, or a folder written by
     ``datasets.Dataset.save_to_disk``) or ``hub_id`` (``datasets.load_dataset``). Which columns
-    hold what: ``question`` (text) or ``prompt`` (chat messages), ``answer``, optional ``id`` and
-    ``level``. Rows are validated as the built-in sets' are (``data.on_bad_row``; a bad row is
+    hold what: ``question`` (text) or ``prompt`` (chat messages), ``answer`` (its gold read per
+    ``answer_format``: as it is, after GSM8K's ``####``, or from the last ``\\boxed{}``), optional
+    ``id`` and ``level``. Rows are validated as the built-in sets' are (``data.on_bad_row``; a bad row is
     named by file and 1-based line, or row for Parquet, folders and the Hub).
     """
 
@@ -271,8 +272,16 @@ class UserSetConfig(Section):
         "(a JSON string in a CSV cell), sent as it is (TRL's conversational prompt): data.system_prompt and "
         "prompt_style do not apply; its last message must be the user's.",
     )
-    answer: str = Field("answer", description="Column of the gold answer; math-verify must parse it (else the row is "
-                        "malformed: never trained on or scored).")
+    answer: str = Field("answer", description="Column of the gold answer, read per `answer_format`; math-verify must "
+                        "parse the gold read (else the row is malformed: never trained on or scored).")
+    answer_format: Literal["auto", "plain", "gsm8k", "boxed"] = Field(
+        "auto", description="How the gold is read from the answer column. plain: the cell as it is. gsm8k: the text "
+        "after its last `####` (GSM8K's worked solutions; commas and `$` removed). boxed: its last `\\boxed{...}` (a "
+        "MATH-style solution; boxes math-verify reads together with the last one, such as `\\boxed{1}, \\boxed{2}`, "
+        "are one answer, as the reward reads a completion's). auto: gsm8k when the cell holds `####`, else boxed when "
+        "it holds `\\boxed`, else plain, row by row. A row whose marker is missing (gsm8k, boxed) or holds nothing "
+        "math-verify can parse is malformed. The data report counts the rows read in each form (`answer_forms`).",
+    )
     id: str | None = Field(None, description="Column of a row id (unique); None = `<name>-line<N>` / `<name>-row<N>`.")
     level: str | None = Field(None, description="Column of a difficulty level (an integer, or text such as 'Level 3').")
     levels: list[int] | None = Field(None, description="Keep only rows of these levels (needs `level`); None = all.")

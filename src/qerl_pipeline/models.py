@@ -27,18 +27,19 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from qerl_pipeline.atomic import staged_dir
 from qerl_pipeline.config import ModelConfig, RandomModelConfig
+from qerl_pipeline.hub import offline_reason
 
 log = logging.getLogger(__name__)
 
 BUNDLED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_said_bundled: set[str] = set()
 
 
 def bundled_gguf_path() -> Path:
@@ -72,11 +73,14 @@ def _gguf_file(cfg: ModelConfig) -> Path:
     return bundled_gguf_path() if cfg.gguf_file == "bundled" else Path(cfg.gguf_file)
 
 
-@functools.lru_cache(maxsize=16)
 def _hub_reachable(name: str, revision: str | None = None) -> bool:
-    """Whether ``name`` (at ``revision``) can be had from the Hub now (asked once per process)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
+    """Whether ``name`` (at ``revision``) can be had from the Hub now: never when the Hub is offline
+    (``hub.offline_reason``, settled once per process), else asked once per model."""
+    return offline_reason() is None and _model_on_hub(name, revision)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_on_hub(name: str, revision: str | None) -> bool:
     try:
         from huggingface_hub import model_info
 
@@ -110,7 +114,9 @@ def resolve_source(cfg: ModelConfig) -> tuple[str, str]:
     if _hub_reachable(cfg.name, cfg.revision):
         return "hub", cfg.name
     if cfg.name == BUNDLED_MODEL:
-        log.warning("Hub unreachable: using the bundled GGUF of %s (Q4_1 weights, dequantized)", cfg.name)
+        if cfg.name not in _said_bundled:  # once per process: a run resolves its base several times
+            _said_bundled.add(cfg.name)
+            log.warning("Hub unreachable: using the bundled GGUF of %s (Q4_1 weights, dequantized)", cfg.name)
         return "gguf", str(_gguf_file(cfg))
     raise FileNotFoundError(
         f"model.name {cfg.name!r}: not a local folder and the Hub is unreachable; "

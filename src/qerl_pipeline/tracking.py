@@ -360,8 +360,11 @@ def _check_folder(uri: str, folder: Path) -> None:
 # ------------------------------------------------------------------ run names, groups
 #: Tag of a compare run's children: the id of the compare run (``evaluation/report_runs.py`` reads it).
 GROUP_TAG = "qerl.compare_group"
-#: Tag saying what a run is: train, evaluate, compare, quantize, benchmark.
+#: Tag saying what a run is: train, evaluate, compare, quantize, benchmark; resume (a ``kedro run`` whose
+#: training went on in the run it resumed, ``TrainingRun``).
 ROLE_TAG = "qerl.role"
+#: The name of a ``kedro run`` that resumed the training ``name`` (the training's metrics stay in its own run).
+RESUME_NAME = "{name} · resume"
 
 
 def model_label(model: dict[str, Any] | Any) -> str:
@@ -427,15 +430,18 @@ class TrainingRun:
     run id of the checkpoint it resumes (None for a fresh training). Standalone (``parent`` None):
     the active run (the one kedro-mlflow opened for this ``kedro run``, or ``active_run_id``, the
     run of the ``kedro run`` that launched a distributed training's ranks); a resume logs into the
-    checkpoint's run and tags the active one ``qerl.resumed_run_id``, so the whole training stays
-    one run. In a compare branch (``parent``: the compare run's id): a fresh training is a new child
-    run of ``parent`` named ``name`` (tagged ``method``, ``params`` logged); a resumed one keeps
-    its run, re-nested under ``parent``. ``tags`` are set on the run used, whichever it is.
+    checkpoint's run and tags the active one ``qerl.resumed_run_id`` (named ``RESUME_NAME``, role
+    ``resume``), so the whole training stays one run. The training's run is named ``name`` (role
+    ``train``) as it starts, so it carries that one name while it runs, if it is stopped, and
+    after a resume. In a compare branch (``parent``: the compare run's id): a fresh training is
+    a new child run of ``parent`` named ``name`` (tagged ``method``, ``params`` logged); a
+    resumed one keeps its run, re-nested under ``parent``. ``tags`` are set on the run used,
+    whichever it is.
 
     ``finish`` closes what kedro-mlflow does not: a branch's own run, or the original run a
-    resume logged into (``reopen``: RUNNING again while it trains); a fresh standalone run gets
-    its name. ``fail`` ends such a run when the training raised before its loop could (the loop
-    tags and closes its run itself, ``rl/trainer.py``).
+    resume logged into (``reopen``: RUNNING again while it trains). ``fail`` ends such a run
+    when the training raised before its loop could (the loop tags and closes its run itself,
+    ``rl/trainer.py``).
     """
 
     def __init__(self, name: str, method: str, params: dict[str, Any], parent: str | None = None,
@@ -455,17 +461,19 @@ class TrainingRun:
     def _standalone(self, run_id: str | None) -> MlflowLogger:
         logger = MlflowLogger(self.active_run_id)  # the active run (kedro-mlflow's), or a new one outside Kedro
         self.active_run_id = logger.run_id
-        if not run_id or run_id == logger.run_id:
-            return logger
-        logger.set_tags({"qerl.resumed_run_id": run_id})
-        try:
-            logger.client.get_run(run_id)
-        except Exception:  # noqa: BLE001 - e.g. a different tracking store: keep the new run
-            log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
-            return logger
-        resumed = MlflowLogger(run_id=run_id)
-        reopen(resumed)
-        return resumed
+        if run_id and run_id != logger.run_id:
+            logger.set_tags({"qerl.resumed_run_id": run_id})
+            try:
+                logger.client.get_run(run_id)
+            except Exception:  # noqa: BLE001 - e.g. a different tracking store: keep the new run
+                log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
+            else:
+                name_run(logger.run_id, RESUME_NAME.format(name=self.name), "resume", client=logger.client)
+                resumed = MlflowLogger(run_id=run_id)
+                reopen(resumed)
+                logger = resumed
+        name_run(logger.run_id, self.name, "train", client=logger.client)  # its name from the start, kept by a resume
+        return logger
 
     def _branch(self, run_id: str | None) -> MlflowLogger:
         if run_id:
@@ -508,23 +516,19 @@ class TrainingRun:
             return
         mark_ended(run, exc, last_step=max(steps, default=0))
 
-    def finish(self, run_id: str | None, resumed: bool) -> None:
-        """After the training: close the run kedro-mlflow does not own; name a fresh standalone run."""
+    def finish(self) -> None:
+        """After the training: close the run kedro-mlflow does not own (a branch's, or the one a resume reopened)."""
         if self.run is not None and (self.parent or self.run.run_id != self.active_run_id):
             self.run.client.set_terminated(self.run.run_id, status="FINISHED")
-        if run_id and not self.parent and not resumed:
-            name_run(run_id, self.name, "train")
 
 
 # --------------------------------------------------------------------------- metric names
-# Every metric a training writes, by name (rl/records.py maps each field of a step's records to its name);
-# the console bar and log line, the curves the trainer plots and returns, the compare report and the GPU
-# acceptance check read them under the same names.
+# Every metric a training writes (rl/records.py names a step's fields with these); the console, the curves,
+# the compare report and the GPU acceptance check read them under the same names.
 #: every sampled group's completions (before DAPO's filter): the curves that compare across methods
 REWARD_MEAN = "reward/mean"
 REWARD_ACCURACY = "reward/accuracy"
-#: the sampled completions' mean accuracy, as the console shows it (the same value as ``REWARD_ACCURACY``)
-TRAIN_ACCURACY = "accuracy"
+TRAIN_ACCURACY = "accuracy"  # the same value as REWARD_ACCURACY, as the console shows it
 REWARD_FORMAT = "reward/format"
 #: the kept groups the update trains on (equal to the above without dynamic sampling)
 REWARD_KEPT_MEAN = "reward/kept_mean"
@@ -547,8 +551,7 @@ REWARD_TIME_S = "time/reward_s"
 STEP_TIME_S = "time/step_s"
 SYNC_TIME_S = "time/sync_s"
 UPDATE_TIME_S = "time/update_s"
-#: the engine processes' CPU seconds while the trainer updated (~0: the engine leaves the cores to the update)
-ENGINE_CPU_DURING_UPDATE_S = "time/engine_cpu_during_update_s"
+ENGINE_CPU_DURING_UPDATE_S = "time/engine_cpu_during_update_s"  # ~0: the engine leaves the cores to the update
 #: the update's loss (summed over its micro-batches, mean over its updates) and gradient norm before clipping
 LOSS = "loss"
 GRAD_NORM = "optim/grad_norm"
@@ -560,8 +563,7 @@ CLIP_HIGH_FRACTION = "policy/clip_high_fraction"
 SELECTED_TOKEN_FRACTION = "policy/selected_token_fraction"
 ENTROPY_THRESHOLD = "policy/entropy_threshold"
 KL_TO_BASE = "policy/kl_to_base"
-#: the rollout's (vLLM's) log-probs against the trainer's: their KL, the importance weights' mean, the raw
-#: ratios' min/mean/max and the fraction the mode masked or clipped (``grpo.ISStats``)
+#: vLLM's log-probs against the trainer's: the KL, the importance weights and raw ratios (``grpo.ISStats``)
 MISMATCH_KL = "mismatch/kl"
 IS_WEIGHT_MEAN = "mismatch/is_weight_mean"
 IS_RATIO_MIN = "mismatch/is_ratio_min"
@@ -569,8 +571,7 @@ IS_RATIO_MEAN = "mismatch/is_ratio_mean"
 IS_RATIO_MAX = "mismatch/is_ratio_max"
 IS_MASKED_FRACTION = "mismatch/is_masked_fraction"
 IS_CLIPPED_FRACTION = "mismatch/is_clipped_fraction"
-#: the engine's sleep during the update (``rollout/sleep.py``): the sleep call, the wake, the probes and the
-#: adapter's registration, the adapter resets the step needed
+#: the engine's sleep during the update (``rollout/sleep.py``)
 SLEEP_TIME_S = "time/sleep_s"
 WAKE_TIME_S = "time/wake_s"
 WAKE_CHECK_TIME_S = "time/wake_check_s"

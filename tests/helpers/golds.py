@@ -1,4 +1,4 @@
-"""The golds of the four benchmark sets, read from the offline copies in ../shared/data through
+"""The golds of the five benchmark sets, read from the offline copies in ../shared/data through
 ``data.sources.normalise_row``: exactly the golds training and evaluation score against."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ SETS = {
     "gsm8k": ("gsm8k", "gsm8k", "test"),
     "math500": ("math500", "math500", "test"),
     "aime24": ("aime24", "aime", "test"),
+    "aime25": ("aime25", "aime", "test"),
     "amc23": ("amc23", "amc", "test"),
 }
 

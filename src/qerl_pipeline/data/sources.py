@@ -7,7 +7,9 @@ directory, the project root under ``kedro run``), else the Hub through
 replaces any Hub set by a config override, with no code change. When neither can be had
 (no folder, no ``hub_id``, or the Hub load fails: offline, unknown id) ``load_source``
 raises ``SourceUnavailable`` with the reason; the data_prep nodes decide (training
-source: fail; eval sources: ``data.on_missing_source``).
+source: fail; eval sources: ``data.on_missing_source``). Whether the Hub can be reached is
+decided once, before the first Hub load (``hub.offline_reason``): offline, a Hub set comes
+from ``datasets``' local cache or not at all, with no retries.
 
 How rows are normalised (``kind``, found from the Hub id, else from the source name):
 
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.config import SourceConfig
+from qerl_pipeline.hub import offline_reason
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def load_hub_rows(hub_id: str, hub_config: str | None, split: str) -> list[dict[str, Any]]:
-    """Rows of a Hub dataset split (``datasets.load_dataset``); raises on any failure."""
+    """Rows of a Hub dataset split (``datasets.load_dataset``); raises on any failure.
+
+    Whether the Hub can be reached is settled first (``hub.offline_reason``): offline, ``datasets``
+    reads its local cache only, without retrying the Hub.
+    """
+    offline_reason()
     import datasets
 
     ds = datasets.load_dataset(hub_id, hub_config, split=split)
@@ -141,11 +149,19 @@ def read_raw(name: str, cfg: SourceConfig) -> tuple[list[dict[str, Any]], str]:
         rows = load_hub_rows(cfg.hub_id, cfg.hub_config, cfg.split)
     except Exception as err:  # noqa: BLE001 - offline, unknown id, missing config: all mean "unavailable"
         raise SourceUnavailable(
-            f"source {name!r}: {where}, and loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) from the "
-            f"Hub failed: {type(err).__name__}: {str(err)[:300]} (a local copy: set data.sources.{name}.local_path to a "
-            f"folder with {cfg.local_split or cfg.split}.jsonl; offline: HF_HUB_OFFLINE=1 skips the Hub's retries)"
+            f"source {name!r}: {where}, and loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) "
+            f"{hub_failure(err)} (a local copy: set data.sources.{name}.local_path to a folder with "
+            f"{cfg.local_split or cfg.split}.jsonl)"
         ) from err
     return rows, f"hub:{cfg.hub_id}{'/' + cfg.hub_config if cfg.hub_config else ''}:{cfg.split}"
+
+
+def hub_failure(err: BaseException) -> str:
+    """Why a Hub load failed, for a ``SourceUnavailable`` message: the Hub is offline (and why), or the error."""
+    offline = offline_reason()
+    if offline is not None:
+        return f"is not in the local cache and the Hub is offline ({offline})"
+    return f"from the Hub failed: {type(err).__name__}: {str(err)[:300]}"
 
 
 # -------------------------------------------------------------------- normalising
@@ -185,10 +201,16 @@ def _question(value: Any) -> str | None:
     return _text(value)
 
 
-def _gsm8k_gold(answer: Any) -> str | None:
-    if answer is None or "####" not in str(answer):
+#: What ends a GSM8K worked solution and precedes its final answer ("... #### 72").
+GSM8K_MARKER = "####"
+
+
+def gsm8k_gold(answer: Any) -> str | None:
+    """The gold of a GSM8K-style solution: the text after its last ``####``, commas and ``$`` removed; None
+    without the marker or with nothing after it (the built-in gsm8k source and the user's ``answer_format: gsm8k``)."""
+    if answer is None or GSM8K_MARKER not in str(answer):
         return None
-    return str(answer).split("####")[-1].strip().replace(",", "").replace("$", "").strip() or None
+    return str(answer).split(GSM8K_MARKER)[-1].strip().replace(",", "").replace("$", "").strip() or None
 
 
 def _level(value: Any) -> int | None:
@@ -207,7 +229,7 @@ def normalise_row(kind: str, name: str, split: str, index: int, row: dict[str, A
                 "error": row["__error__"]}
     try:
         if kind == "gsm8k":
-            question, gold, level = _question(row.get("question")), _gsm8k_gold(row.get("answer")), None
+            question, gold, level = _question(row.get("question")), gsm8k_gold(row.get("answer")), None
         elif kind == "math500":
             question, gold, level = _question(row.get("problem")), _text(row.get("answer")), _level(row.get("level"))
         elif kind in ("aime", "amc"):

@@ -8,15 +8,24 @@ config (``question`` or ``prompt``, ``answer``, optional ``id`` and ``level``):
 the parameter (``data.train_file.question``) and the columns the set has; the run's start
 calls it (hooks.py) for every file and folder, and the loader again for every source.
 
-Each row becomes ``{id, question, gold, level, where}`` (plus ``messages`` for a chat-format
-prompt, plus ``error`` when it cannot be read), the built-in sources' shape, so validation
+Each row becomes ``{id, question, gold, level, where, answer_form}`` (plus ``messages`` for a
+chat-format prompt, plus ``error`` when it cannot be read), the built-in sources' shape, so validation
 (``prompts.split_valid``: question, gold, math-verify can parse the gold), ``data.on_bad_row``
 and the data report treat both alike. ``where`` names the row for the user: ``<file> line N``
 (1-based; JSONL, CSV: the line the record starts on) or ``<file|hub id> row N`` (Parquet,
 folders, the Hub). Ids: the ``id`` column as ``<name>-<value>``, else ``<name>-line<N>`` /
-``<name>-row<N>``. Golds are normalised as the generic built-in kind's (``number_text``:
-"025" -> "25", 3.0 -> "3"). Then duplicate ids, ``levels`` and the seeded shuffle as for
-every source (``sources.finish_rows``).
+``<name>-row<N>``.
+
+Golds: sets are published with the gold in one of a few forms, so the answer column is read
+per ``answer_format`` (``read_gold``): as it is (plain), after GSM8K's ``####`` (gsm8k: the
+built-in gsm8k source's reading, ``sources.gsm8k_gold``), or from the last ``\\boxed{}`` of a
+solution (boxed: the reward's reading of boxes, ``rewards.extraction.box_group``); ``auto``
+picks per row the marker form whose marker the cell holds, else plain (``answer_form``). Each
+row keeps the form it was read in (``answer_form``), which the data report counts. A marker
+form without its marker is a malformed row; what the marker holds is checked as every gold is
+(math-verify must parse it). The gold is then normalised as the generic built-in kind's
+(``number_text``: "025" -> "25", 3.0 -> "3"). Then duplicate ids, ``levels`` and the seeded
+shuffle as for every source (``sources.finish_rows``).
 """
 
 from __future__ import annotations
@@ -29,17 +38,22 @@ from typing import Any
 
 from qerl_pipeline.config import DataConfig, UserSetConfig
 from qerl_pipeline.data.sources import (
+    GSM8K_MARKER,
     SourceUnavailable,
     _level,
     _question,
     finish_rows,
+    gsm8k_gold,
+    hub_failure,
     load_hub_rows,
     number_text,
     read_jsonl,
 )
+from qerl_pipeline.rewards.extraction import box_group
 
 log = logging.getLogger(__name__)
 
+BOXED = "\\boxed"
 #: Rows of a JSONL file looked at for its columns (``columns``).
 JSONL_HEAD_ROWS = 100
 _ROLES = ("system", "user", "assistant")
@@ -104,9 +118,8 @@ def read_user_rows(cfg: UserSetConfig) -> tuple[list[dict[str, Any]], str, str]:
             rows = load_hub_rows(cfg.hub_id, cfg.hub_config, cfg.split)
         except Exception as err:  # noqa: BLE001 - offline, unknown id, missing split: all mean "unavailable"
             raise SourceUnavailable(
-                f"loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) from the Hub failed: "
-                f"{type(err).__name__}: {str(err)[:300]} (save it with datasets' save_to_disk where the Hub is reachable "
-                "and give that folder as path)"
+                f"loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) {hub_failure(err)} (save it with "
+                "datasets' save_to_disk where the Hub is reachable and give that folder as path)"
             ) from err
         origin = f"hub:{cfg.hub_id}{'/' + cfg.hub_config if cfg.hub_config else ''}:{cfg.split}"
         return [{**row, "__line__": n} for n, row in enumerate(rows, start=1)], origin, "row"
@@ -188,14 +201,43 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def _gold(value: Any) -> str | None:
+def answer_form(value: Any, answer_format: str) -> str:
+    """The form an answer cell is read in: ``answer_format``, or for ``auto`` the marker form when
+    the cell holds its marker (``####``: gsm8k, ``\\boxed``: boxed), else plain."""
+    if answer_format != "auto":
+        return answer_format
+    text = str(value)
+    return "gsm8k" if GSM8K_MARKER in text else "boxed" if BOXED in text else "plain"
+
+
+def read_gold(value: Any, form: str) -> str | None:
+    """The gold of an answer cell read in ``form`` (``answer_form``), normalised as ``number_text``.
+
+    gsm8k: ``sources.gsm8k_gold`` (the built-in gsm8k source's reading); boxed: the last box with
+    the boxes read together with it (``rewards.extraction.box_group``, the reward's reading of a
+    completion). TypeError for a cell that is not text or a number; ValueError for a marker form
+    whose marker is missing or empty.
+    """
     if value is not None and not isinstance(value, (str, int, float)):
         raise TypeError(f"answer: expected text or a number, got {type(value).__name__} {value!r:.40}")
-    return number_text(value)
+    if value is None or form == "plain":
+        return number_text(value)
+    text = str(value)
+    if form == "gsm8k":
+        gold = gsm8k_gold(text)
+        if gold is None:
+            where = "nothing after" if GSM8K_MARKER in text else "no"
+            raise ValueError(f"answer: {where} {GSM8K_MARKER!r} marker (answer_format gsm8k): {text[-80:]!r}")
+        return number_text(gold)
+    boxes = box_group(text)
+    if boxes is None or not boxes[0].strip():
+        what = "an empty" if boxes is not None else "no complete" if BOXED in text else "no"
+        raise ValueError(f"answer: {what} \\boxed{{...}} (answer_format boxed): {text[-80:]!r}")
+    return number_text(boxes[0])
 
 
 def normalise_user_row(name: str, cfg: UserSetConfig, row: dict[str, Any], where: str, unit: str) -> dict[str, Any]:
-    """One raw row -> ``{id, question, gold, level, where}`` (+ ``messages``, + ``error``: module docstring)."""
+    """One raw row -> ``{id, question, gold, level, where, answer_form}`` (+ ``messages``, + ``error``: module docstring)."""
     n = row.get("__line__")
     raw_id = row.get(cfg.id) if cfg.id else None
     rid = f"{name}-{raw_id}" if raw_id is not None and str(raw_id).strip() else f"{name}-{unit}{n}"
@@ -208,10 +250,16 @@ def normalise_user_row(name: str, cfg: UserSetConfig, row: dict[str, Any], where
             out.update(messages=messages, question=messages[-1]["content"].strip())
         else:
             out["question"] = _question(row.get(cfg.columns()["question"]))
-        out["gold"] = _gold(row.get(cfg.answer))
+        value = row.get(cfg.answer)
+        form = answer_form(value, cfg.answer_format) if value is not None else None
+        out["gold"] = read_gold(value, form or "plain")
+        if form is not None:
+            out["answer_form"] = form
         out["level"] = _level(row.get(cfg.level)) if cfg.level else None
     except TypeError as err:
         return {**out, "error": f"unreadable field: {err}"}
+    except ValueError as err:  # a marker form without its marker
+        return {**out, "error": str(err)}
     return out
 
 

@@ -83,6 +83,7 @@ from qerl_pipeline.rl.ranks import SINGLE
 from qerl_pipeline.rl.records import Batch, Rollout, RolloutStats, StepStats
 from qerl_pipeline.rl.run_setup import Reporting, Run, RunFolder, _save_step_adapter, setup
 from qerl_pipeline.rl.update import policy_update
+from qerl_pipeline.terminal import TrainProgress
 from qerl_pipeline.tracking import MetricsLogger
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ def train(cfg: QerlConfig, base_dir: str | Path, records: list[dict], *, output_
     run = setup(cfg, Path(base_dir), records, folder, reporting, engine=engine,
                 engine_factory=engine_factory, reward_fn=reward_fn, dist=d)
     logger, history = folder.logger, []
-    bar = _progress(reporting.progress and d.is_main, tc.steps, run.start_step)
+    bar = TrainProgress(tc.steps, run.start_step) if reporting.progress and d.is_main else None
     try:
         for step in range(run.start_step, tc.steps):
             rollout, stats = _train_step(run, step)
@@ -385,31 +386,3 @@ def _full_history(logger: MetricsLogger) -> list[dict]:
             if step and step > 0:
                 rows.setdefault(step, {"step": step})[name] = value
     return [rows[s] for s in sorted(rows)]
-
-
-class _Bar:
-    """A rich progress bar: step, reward, entropy, sigma, tokens/s and ETA."""
-
-    def __init__(self, total: int, done: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        )
-        self.task = self.progress.add_task("train", total=total, completed=done, info="")
-        self.progress.start()
-
-    def advance(self, m: dict) -> None:
-        info = (
-            f"reward {m[tracking.REWARD_MEAN]:.3f} acc {m[tracking.TRAIN_ACCURACY]:.2f} ent {m[tracking.POLICY_ENTROPY]:.2f} "
-            f"sigma {m[tracking.AQN_SIGMA]:.1e} {m[tracking.ROLLOUT_TOKENS_PER_S]:.0f} tok/s"
-        )
-        self.progress.update(self.task, advance=1, info=info)
-
-    def close(self) -> None:
-        self.progress.stop()
-
-
-def _progress(enabled: bool, total: int, done: int) -> _Bar | None:
-    return _Bar(total, done) if enabled else None

@@ -61,6 +61,9 @@ def _records(
         "unparsable_golds": sum(b.reason.startswith(UNPARSABLE_GOLD) for b in bad),
         "levels": {str(k): v for k, v in sorted(Counter(r["level"] for r in records).items(), key=lambda kv: str(kv[0]))},
     }
+    forms = Counter(r["answer_form"] for r in rows if r.get("answer_form"))  # the user's sets: how each gold was read
+    if forms:
+        summary["answer_forms"] = dict(sorted(forms.items()))
     return records, bad, summary
 
 
@@ -173,7 +176,8 @@ def prepare_eval_prompts(data: dict[str, Any]) -> tuple[dict[str, list[dict[str,
 
 def build_data_report(train_summary: dict[str, Any], eval_summary: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     """The data report: per-set counts (rows read, kept, dropped, of those with a gold math-verify cannot
-    parse), dropped rows (id, source, reason; file and line for the user's sets), skipped sources, settings."""
+    parse; for the user's sets the rows read in each answer form, ``answer_forms``), dropped rows (id, source,
+    reason; file and line for the user's sets), skipped sources, settings."""
     cfg: DataConfig = parse(DataConfig, data, "data")
     dropped = train_summary["dropped"] + sum(s["dropped"] for s in eval_summary["sources"].values())
     return {
@@ -203,8 +207,11 @@ def data_metrics(report: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Counts from the report as MLflow metrics (``{name: {"value", "step"}}``).
 
     kedro-mlflow prefixes them with the dataset name: ``data_prep_metrics.train_prompts``,
-    ``data_prep_metrics.eval.gsm8k.kept``, ...
+    ``data_prep_metrics.eval.gsm8k.kept``, ... and for the user's sets the rows read in each
+    answer form, ``data_prep_metrics.train.answer_forms.gsm8k``, ``...eval.<name>.answer_forms.boxed``.
     """
     metrics = dict(report["totals"])
     metrics.update({f"eval.{name}.kept": s["kept"] for name, s in report["eval"].items()})
+    for where, s in [("train", report["train"]), *((f"eval.{n}", s) for n, s in report["eval"].items())]:
+        metrics.update({f"{where}.answer_forms.{form}": count for form, count in s.get("answer_forms", {}).items()})
     return {k: {"value": float(v), "step": 0} for k, v in metrics.items()}

@@ -129,7 +129,7 @@ def _train_seed(cfg: QerlConfig, train_prompts: list[dict], base_model: Any, dat
         except BaseException as exc:  # a branch's or a resumed run the training opened never stays RUNNING
             run.fail(exc)
             raise
-    run.finish(result.run_id, resumed=bool(result.resumed_from))
+    run.finish()
     summary = train_summary(cfg, base_dir, result)
     if parent:
         summary["seed"] = seed

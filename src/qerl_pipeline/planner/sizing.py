@@ -3,7 +3,7 @@
 ``plan(cfg, shape, gpu_gib)`` is the library call; ``planner/inputs.py`` builds its inputs
 and ``planner/cli.py`` prints it. The model, and what it takes from the code:
 
-One GPU holds two processes: the trainer (``rl/trainer.py`` builds the policy on the GPU
+One GPU holds two processes: the trainer (``rl/run_setup.py`` builds the policy on the GPU
 before it starts the engine) and the vLLM engine (``rollout/server.py``), which co-reside for
 the whole run. Two phases alternate:
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +75,12 @@ def _check_base(adapter: Path, base_dir: Path) -> None:
 
 
 def _stage(adapter: Path) -> Path:
-    """Where an export is built before the catalog moves it: ``<run_dir>/export`` of its training (same filesystem)."""
+    """Where an export is built before the catalog moves it away: ``<run_dir>/export`` of its training, else
+    ``.<adapter>.export`` beside the adapter (the same filesystem as the datasets, so the move is a rename)."""
     run_dir = adapter_meta(adapter).get("run_dir")
     if run_dir and Path(run_dir).is_dir():
         return Path(run_dir) / "export"
-    return Path(tempfile.mkdtemp(prefix=f".qerl-export-{adapter.name}-", dir=adapter.parent)) / "export"
+    return adapter.parent / f".{adapter.name}.export"
 
 
 def export_policy(trained_adapters: Any, base: Any, method: str, export: dict[str, Any], train: dict[str, Any],
@@ -177,8 +177,15 @@ def report_exports(export_eval_result: dict[str, Any], exports: Any, trained_ada
               "evaluated": bool(records), "cost_4bit": rows, "cost_4bit_text": [cost_sentence(r) for r in rows],
               "accuracy": accuracy_rows(records) if records else [], "skipped": export_eval_result.get("skipped", [])}
     if not compare_group:
-        seed = entries[0]["seed"] if entries else None
-        run_id = entries[0]["training_run_id"] if entries else None
-        label_run(run_name("export", method, model, seed), "export",
-                  {"method": method, **({"qerl.trained_run_id": run_id} if run_id else {})})
+        _label_export_run(method, model, entries[0] if entries else {})
     return report
+
+
+def _label_export_run(method: str, model: dict[str, Any], entry: dict[str, Any]) -> None:
+    """Name and tag the ``kedro run``'s own MLflow run as an export's, unless it is the training's run itself
+    (``--pipelines=train,export`` in one run: it stays the training's)."""
+    run_id = entry.get("training_run_id")
+    if run_id and MlflowLogger().run_id == run_id:
+        return
+    label_run(run_name("export", method, model, entry.get("seed")), "export",
+              {"method": method, **({"qerl.trained_run_id": run_id} if run_id else {})})

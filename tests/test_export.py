@@ -30,6 +30,7 @@ from qerl_pipeline.export import folders as F
 from qerl_pipeline.export.quantized import decode_folder, packed_format
 from qerl_pipeline.export.serve import served_export
 from qerl_pipeline.quantization import checkpoint, nf4, nvfp4
+from tests.helpers.models import tiny_llama
 
 FORMATS = ("nvfp4", "nf4", "bf16")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -42,18 +43,9 @@ def _ids(seed=0, shape=(2, 11)):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """``{fmt: (base folder, adapter folder, the training policy)}`` for every base format."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from qerl_pipeline.quantization.policy import build_policy
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    model = tiny_llama()
     root = tmp_path_factory.mktemp("export")
     out = {}
     for fmt in FORMATS:
@@ -178,6 +170,14 @@ def test_merged_nf4_is_the_bitsandbytes_layout_of_merged(exported):
     name = "model.layers.1.mlp.down_proj.weight"
     assert torch.equal(dense[name], nf4.encode(merged[name].to(torch.bfloat16), 64).decode(torch.float32))
     assert torch.equal(dense["lm_head.weight"], merged["lm_head.weight"].to(torch.bfloat16).float())
+    # transformers + bitsandbytes load it as 4-bit layers holding those codes (bitsandbytes computes in bf16)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder / "merged_nf4").eval()
+    assert type(model.model.layers[1].mlp.down_proj).__name__ == "Linear4bit"
+    decoded = AutoModelForCausalLM.from_pretrained(folder.parent / "nf4_dense", dtype=torch.float32).eval()
+    want = _logits(decoded, _ids(3))
+    assert (_logits(model, _ids(3)) - want).abs().max() < 0.02 * want.abs().max()
 
 
 def test_default_dtype_is_bf16_and_the_4bit_folder_encodes_what_merged_holds(trained, tmp_path):
@@ -263,3 +263,28 @@ def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, t
         assert (folder / F.MERGED / "config.json").is_file() and (folder / "merged_nvfp4" / "config.json").is_file()
     with pytest.raises(ExportInputError, match=r"seed 2 .*--namespaces=compare\.qerl"):
         export_policy(root, base, "qerl", on, {}, {}, compare_group=group, seeds=[0, 2])
+
+
+def test_a_version_registered_by_reference_generates_from_the_folder(tiny_model_dir, sqlite_store):
+    """``export.log_weights: false``: the run holds a small pyfunc model (no weights) that generates with the
+    folder where it lies; ``mlflow.pyfunc.load_model("models:/...")`` needs nothing of this project."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from qerl_pipeline.export.registry import register_export
+
+    mlflow.set_experiment("export")
+    run = mlflow.start_run()
+    mlflow.end_run()
+    got = register_export(tiny_model_dir, run.info.run_id, "random-qerl", {"method": "qerl", "seed": 0}, log_weights=False)
+    assert got["model_uri"] == "models:/random-qerl/1" and not got["log_weights"]
+    client = MlflowClient()
+    version = client.get_model_version("random-qerl", "1")
+    assert version.run_id == run.info.run_id and version.tags == {"method": "qerl", "seed": "0"}
+    local = Path(mlflow.artifacts.download_artifacts(got["source"]))
+    files = [p.name for p in local.rglob("*") if p.is_file()]
+    assert "MLmodel" in files and not any(f.endswith(".safetensors") for f in files)
+    texts = mlflow.pyfunc.load_model(got["model_uri"]).predict(["What is 3 + 4?", "Half of 9?"], params=None)
+    assert len(texts) == 2 and all(isinstance(t, str) and t for t in texts)
+    again = register_export(tiny_model_dir, run.info.run_id, "random-qerl", {"method": "qerl"}, log_weights=False)
+    assert again["version"] == 2 and again["source"] != got["source"]  # each export its own artifact: v1 unchanged

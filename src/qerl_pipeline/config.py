@@ -889,7 +889,8 @@ class EvaluateConfig(Section):
         None, description="An exported model folder (the export pipeline's merged/ or merged_nvfp4/, or any Hugging Face "
         "folder: dense, or compressed-tensors NVFP4) to score instead of base + adapter: the same benchmarks, problems, "
         "samples and seeds, as the policy named after the folder (eval/<folder name>/...). The method's base and adapter "
-        "are not read. On CPU a compressed folder is served from a dense copy decoded from its codes (export/serve.py).",
+        "are not read (compare branches ignore it). On CPU a compressed folder is served from a dense copy decoded from its "
+        "codes (export/serve.py).",
     )
 
 

@@ -11,9 +11,9 @@
 
 ``cost_rows`` states the result per benchmark and metric (``report_tables.paired_rows``, which the
 compare report uses too): each policy's mean with its 95% interval over seeds and problems, and
-the paired difference ``merged_nvfp4 - trained`` per problem and seed with its interval: the 4-bit cost. ``log_cost`` puts the
-``merged_nvfp4`` metrics (``eval/merged_nvfp4/<benchmark>/<name>``, the names the compare report
-reads) and records (``export/result.json``) into each training's run.
+the paired difference ``merged_nvfp4 - trained`` per problem and seed with its interval: the
+4-bit cost. ``log_cost`` puts the ``merged_nvfp4`` metrics (``eval/merged_nvfp4/<benchmark>/<name>``,
+the names the compare report reads) and records (``export/result.json``) into each training's run.
 """
 
 from __future__ import annotations

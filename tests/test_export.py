@@ -10,7 +10,7 @@ random LoRA B and moved norms, ``save_adapter``), exported in float32 so the che
 * ``merged_nvfp4/`` decodes, by our decoder and compressed-tensors' own, to the same tensors, and
   is the NVFP4 encoding of ``merged/``'s bf16 weights; ``merged_nf4/`` (qlora) is bitsandbytes' layout;
 * an interrupted export leaves the earlier one intact and no stage behind; a missing training is one
-  ``ExportInputError`` naming the command.
+  ``MissingTraining`` line naming the command (evaluate's too), a missing base an ``ExportInputError``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qerl_pipeline.adapter import NORMS_FILE, save_adapter
+from qerl_pipeline.adapter import NORMS_FILE, MissingTraining, save_adapter, trained_adapter
 from qerl_pipeline.config import LoraConfig
 from qerl_pipeline.export import ExportInputError
 from qerl_pipeline.export import folders as F
@@ -229,19 +229,24 @@ def test_an_interrupted_export_leaves_the_earlier_one_intact_and_no_stage(traine
 
 def test_a_missing_training_names_what_is_missing_and_the_command(trained, tmp_path):
     root = tmp_path / "adapters"
-    with pytest.raises(ExportInputError) as err:
-        F.find_adapter(root, "lora", want_seed=0)
+    with pytest.raises(MissingTraining) as err:
+        trained_adapter(root, "lora", want_seed=0)
     assert "no trained adapter for method 'lora'" in err.value.format_message()
     assert "kedro run --pipelines=train --params method=lora" in err.value.format_message()
     assert "\n" not in err.value.format_message() and isinstance(err.value, FileNotFoundError)
-    with pytest.raises(ExportInputError, match=r"seed 3 .*--namespaces=compare\.qlora"):
-        F.find_adapter(root, "qlora", 3)
+    with pytest.raises(MissingTraining, match=r"seed 3 .*--namespaces=compare\.qlora"):
+        trained_adapter(root, "qlora", 3)
     shutil.copytree(trained["nvfp4"][1], root / "qerl")
-    assert F.find_adapter(root, "qerl", want_seed=0) == root / "qerl"
-    with pytest.raises(ExportInputError, match=r"seed 0, not train.seed 2.*train.seed=2"):
-        F.find_adapter(root, "qerl", want_seed=2)
+    assert trained_adapter(root, "qerl", want_seed=0) == root / "qerl"
+    with pytest.raises(MissingTraining, match=r"seed 0, not train.seed 2.*train.seed=2"):
+        trained_adapter(root, "qerl", want_seed=2)
     with pytest.raises(ExportInputError, match="kedro run --pipelines=quantize --params method=qlora"):
         F.base_folder(tmp_path, "qlora")
+    # the evaluate pipeline's node says the same one line (kedro prints a ClickException as `Error: ...`)
+    from qerl_pipeline.pipelines.evaluate.nodes import run_evaluation
+
+    with pytest.raises(MissingTraining, match=r"no trained adapter for method 'lora' at .*--params method=lora"):
+        run_evaluation({}, tmp_path, root, "lora", {}, {}, {}, {})
 
 
 def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, tmp_path):
@@ -261,7 +266,7 @@ def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, t
     assert sorted(out) == ["seed-0", "seed-1"]
     for folder in map(Path, out.values()):
         assert (folder / F.MERGED / "config.json").is_file() and (folder / "merged_nvfp4" / "config.json").is_file()
-    with pytest.raises(ExportInputError, match=r"seed 2 .*--namespaces=compare\.qerl"):
+    with pytest.raises(MissingTraining, match=r"seed 2 .*--namespaces=compare\.qerl"):
         export_policy(root, base, "qerl", on, {}, {}, compare_group=group, seeds=[0, 2])
 
 

@@ -18,9 +18,9 @@ decoded to dense on CPU, where vLLM has no FP4 kernel); ``accuracy`` scores ``me
 beside base + adapter on the same problems and seeds and states the 4-bit cost with intervals;
 ``registry`` logs the export into the training's MLflow run and registers a model version.
 
-Errors a user makes (no training for the method or seed, a folder that is not a model) are an
-``ExportInputError``: a ``click.ClickException``, so ``kedro run`` prints one ``Error:`` line
-(no traceback), raised before any model loads.
+Errors a user makes are one ``Error:`` line (a ``click.ClickException``, no traceback), raised before
+any model loads: no training for the method or seed (``adapter.MissingTraining``, what evaluate says
+too); a missing base, another base than the training's, a folder that is not a model (``ExportInputError``).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from qerl_pipeline.adapter import NORMS_FILE, PEFT_PREFIX, adapter_meta, is_adapter, lora_delta, lora_factors
+from qerl_pipeline.adapter import NORMS_FILE, PEFT_PREFIX, adapter_meta, lora_delta, lora_factors
 from qerl_pipeline.atomic import staged_dir, write_atomic
 from qerl_pipeline.evaluation.report_runs import DEPLOYED_4BIT
 from qerl_pipeline.export import ExportInputError
@@ -59,32 +59,6 @@ _SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.jso
 def formats_for(base_format: str) -> list[str]:
     """The 4-bit formats a training on ``base_format`` is exported to: NVFP4 always, NF4 too for qlora's base."""
     return ["nvfp4", "nf4"] if base_format == "nf4" else ["nvfp4"]
-
-
-def find_adapter(root: Path, method: str, seed: int | None = None, *, want_seed: int | None = None) -> Path:
-    """The trained adapter to export, or ``ExportInputError`` naming what is missing and the command that makes it.
-
-    ``seed`` None: a standalone training, ``<root>/<method>``, whose seed must be ``want_seed``
-    (``train.seed``); else a compare branch's ``<root>/seed-<seed>``.
-    """
-    root = Path(root)
-    if seed is None:
-        path = root / method
-        if not is_adapter(path):
-            raise ExportInputError(f"no trained adapter for method {method!r} at {path}: nothing to export; run "
-                                   f"`kedro run --pipelines=train --params method={method}` first (same --env)")
-        got = adapter_meta(path).get("seed")
-        if want_seed is not None and got is not None and int(got) != int(want_seed):
-            raise ExportInputError(f"the trained adapter of method {method!r} at {path} is seed {got}, not train.seed "
-                                   f"{want_seed}: run `kedro run --pipelines=train --params method={method},"
-                                   f"train.seed={want_seed}` first (same --env), or export with train.seed={got}")
-        return path
-    path = root / f"seed-{seed}"
-    if not is_adapter(path):
-        raise ExportInputError(f"no trained adapter for method {method!r} seed {seed} at {path}: nothing to export; run "
-                               f"`kedro run --pipelines=compare --namespaces=compare.{method}` first (same --env, "
-                               f"compare.seeds listing {seed})")
-    return path
 
 
 def base_folder(base: Path, method: str) -> Path:

@@ -35,7 +35,7 @@ from typing import Any
 
 import pandas as pd
 
-from qerl_pipeline.adapter import adapter_meta, is_adapter
+from qerl_pipeline.adapter import adapter_meta, trained_adapter
 from qerl_pipeline.config import (SKIPPED_BRANCH, EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig, compare_branch,
                                   parse)
 from qerl_pipeline.datasets.hf_model_folder import folder_of
@@ -46,18 +46,6 @@ from qerl_pipeline.export.folders import read_manifest
 from qerl_pipeline.tracking import label_run, run_name
 
 log = logging.getLogger(__name__)
-
-
-def trained_adapter(trained_adapters: Any, method: str, seed: int | None = None) -> Path:
-    """The adapter in the ``trained_adapters`` folder: ``<folder>/<method>``, or a compare branch's ``<folder>/seed-<k>``."""
-    path = folder_of(trained_adapters) / (method if seed is None else f"seed-{seed}")
-    if not is_adapter(path):
-        if seed is None:
-            raise FileNotFoundError(f"no trained adapter for method {method!r} at {path}; "
-                                    f"run `kedro run --pipelines=train --params method={method}` first (same --env)")
-        raise FileNotFoundError(f"no trained adapter for method {method!r} seed {seed} at {path}; "
-                                f"compare.seeds lists {seed}: run the branch's train_policy node first")
-    return path
 
 
 def run_evaluation(eval_prompts: dict[str, list[dict[str, Any]]], base_dir: Any, trained_adapters: Any, method: str,
@@ -85,7 +73,7 @@ def run_evaluation(eval_prompts: dict[str, list[dict[str, Any]]], base_dir: Any,
     if cfg.model_path and not compare_group:
         return _evaluate_folder(Path(cfg.model_path), flatten_prompts(eval_prompts), cfg, reward, mc, rollout, method)
     branch_seeds = (seeds if seeds is not None else [0]) if compare_group else [None]
-    adapters = {s: trained_adapter(trained_adapters, method, s) for s in branch_seeds}
+    adapters = {s: trained_adapter(folder_of(trained_adapters), method, s) for s in branch_seeds}
     result = evaluate_adapters(method, folder_of(base_dir), adapters, flatten_prompts(eval_prompts), cfg,
                                parse(RewardConfig, reward, "reward"), mc, parse(RolloutConfig, rollout, "rollout"),
                                branch=bool(compare_group))

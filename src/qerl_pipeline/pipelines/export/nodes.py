@@ -7,9 +7,9 @@ export and shape the datasets:
   ``params:method`` whose seed is ``train.seed``), ``{seed-<k>: folder}`` in a compare branch (every seed
   of ``compare.seeds``, with ``export.in_compare``). Each folder is built atomically in the training's
   run folder (``<run_dir>/export``) and moved into the dataset by the catalog. A missing training is an
-  ``export.ExportInputError`` (one ``Error:`` line naming it and the command that makes it), raised
-  before any model loads; so is a base that is not the one the training used (its fingerprint differs
-  from the one the training logged).
+  ``adapter.MissingTraining`` (one ``Error:`` line naming it and the command that makes it), raised
+  before any model loads; a base that is not the one the training used (its fingerprint differs from
+  the one the training logged) an ``export.ExportInputError``.
 * ``evaluate_exports``: ``export_eval_result``, ``trained`` (+ ``base``) and ``merged_nvfp4`` per seed on
   the ``evaluate`` section's problems (``export.accuracy``), unless ``export.evaluate`` is off.
 * ``report_exports``: ``export_report``, the exports (folders, load commands, 4-bit weight error), the
@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from qerl_pipeline.adapter import adapter_meta
+from qerl_pipeline.adapter import adapter_meta, trained_adapter
 from qerl_pipeline.config import (SKIPPED_BRANCH, ExportConfig, ModelConfig, QuantizeConfig, RewardConfig, RolloutConfig,
                                   compare_branch, parse)
 from qerl_pipeline.datasets.hf_model_folder import folder_of
@@ -36,7 +36,7 @@ from qerl_pipeline.evaluation.evaluator import EvalResult
 from qerl_pipeline.evaluation.seeds import accuracy_rows, evaluate_config, flatten_prompts
 from qerl_pipeline.export import ExportInputError
 from qerl_pipeline.export.accuracy import QUANTIZED, TRAINED, cost_rows, cost_sentence, evaluate_export, log_cost, seed_rows
-from qerl_pipeline.export.folders import MERGED, base_folder, find_adapter, read_manifest, write_export
+from qerl_pipeline.export.folders import MERGED, base_folder, read_manifest, write_export
 from qerl_pipeline.export.registry import register_export, registered_name, training_fingerprint
 from qerl_pipeline.quantization.store import fingerprint_diff, stored_fingerprint
 from qerl_pipeline.tracking import MlflowLogger, label_run, run_name, scalar_metrics
@@ -50,14 +50,14 @@ def _trainings(trained_adapters: Any, method: str, train: dict | None, ec: Expor
     root = folder_of(trained_adapters)
     want = int((train or {}).get("seed", 0))
     if not compare_group:
-        adapter = find_adapter(root, method, want_seed=want)
+        adapter = trained_adapter(root, method, want_seed=want)
         return {method: (adapter_meta(adapter).get("seed", want), adapter)}, ""
     seeds, skipped = compare_branch(method, methods, seeds)
     if skipped:
         return {}, skipped
     if not ec.in_compare:
         return {}, f"compare.{method}: export.in_compare is off, not exported"
-    return {f"seed-{s}": (s, find_adapter(root, method, s)) for s in (seeds if seeds is not None else [want])}, ""
+    return {f"seed-{s}": (s, trained_adapter(root, method, s)) for s in (seeds if seeds is not None else [want])}, ""
 
 
 def _check_base(adapter: Path, base_dir: Path) -> None:

@@ -249,19 +249,31 @@ def test_a_missing_training_names_what_is_missing_and_the_command(trained, tmp_p
         run_evaluation({}, tmp_path, root, "lora", {}, {}, {}, {})
 
 
-def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, tmp_path):
-    """The compare template's export node: one ``seed-<k>`` folder per seed of ``compare.seeds`` with
-    ``export.in_compare``, nothing (a logged reason) without it or for a method ``compare.methods`` leaves out."""
-    from qerl_pipeline.pipelines.export.nodes import export_policy
+def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, tmp_path, caplog):
+    """The compare template's export nodes: one ``seed-<k>`` folder per seed of ``compare.seeds`` with
+    ``export.in_compare``, nothing without it or for a method ``compare.methods`` leaves out: the branch's
+    three nodes return their empty markers and its reason is logged once (by ``export_policy``)."""
+    import logging
+
+    from qerl_pipeline.config import SKIPPED_BRANCH
+    from qerl_pipeline.pipelines.export.nodes import evaluate_exports, export_policy, report_exports
 
     base, adapter, _ = trained["nvfp4"]
     root = tmp_path / "adapters" / "compare" / "qerl"
     for seed in (0, 1):
         shutil.copytree(adapter, root / f"seed-{seed}")
     group = {"run_id": "the-compare-run"}
-    assert export_policy(root, base, "qerl", {}, {}, {}, compare_group=group, seeds=[0, 1]) == {}
     on = {"in_compare": True, "dtype": "float32"}
-    assert export_policy(root, base, "qerl", on, {}, {}, compare_group=group, seeds=[0, 1], methods=["lora"]) == {}
+    for export, methods, why in (({}, None, "compare.qerl: export.in_compare is off, not exported"),
+                                 (on, ["lora"], "compare.qerl: not in compare.methods, skipped")):
+        caplog.clear()
+        branch = {"compare_group": group, "seeds": [0, 1], "methods": methods}
+        with caplog.at_level(logging.INFO):
+            assert export_policy(root, base, "qerl", export, {}, {}, **branch) == {}
+            result = evaluate_exports({}, root, base, {}, "qerl", export, {}, {}, {}, {}, {}, {}, **branch)
+            report = report_exports(result, {}, root, "qerl", export, {}, {}, **branch)
+        assert result[SKIPPED_BRANCH] == report[SKIPPED_BRANCH] == why and result["records"] == []
+        assert caplog.text.count(why) == 1
     out = export_policy(root, base, "qerl", on, {}, {}, compare_group=group, seeds=[0, 1])
     assert sorted(out) == ["seed-0", "seed-1"]
     for folder in map(Path, out.values()):

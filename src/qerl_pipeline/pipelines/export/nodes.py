@@ -18,7 +18,8 @@ export and shape the datasets:
   (``export.register_model``).
 
 A compare branch whose method ``compare.methods`` leaves out, or any branch while ``export.in_compare``
-is off, exports nothing: each node logs why and returns an empty marker (``config.SKIPPED_BRANCH``).
+is off, exports nothing: ``export_policy`` logs why (once per branch), every node returns an empty
+marker (``config.SKIPPED_BRANCH``).
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def evaluate_exports(exports: Any, trained_adapters: Any, base: Any, eval_prompt
     targets, why = _trainings(trained_adapters, method, train, ec, compare_group, seeds, methods)
     if not why and not ec.evaluate:
         why = f"export.evaluate is off: {QUANTIZED} of {method} not scored"
-    if why:
         log.info(why)
+    if why:  # a branch that exports nothing: export_policy said why
         return {**EvalResult(records=[]).as_dict(), SKIPPED_BRANCH: why}
     root = folder_of(exports)
     result = evaluate_export(method, base_folder(folder_of(base), method), {s: a for s, a in targets.values()},

@@ -7,21 +7,19 @@ its zero init), exported in float32 (``export.dtype``) so the checks below can a
 
 * transformers on ``merged/`` gives the greedy tokens of PEFT on ``adapter/`` + ``base/`` (16 prompts),
   and PEFT applies the trained norms (the same adapter without them is another policy);
-* ``vllm.LLM`` on ``merged/`` (the project's engine process, float32 as the evaluation's) gives the
-  greedy completions the project's own evaluation gave the trained adapter (base + merged LoRA +
-  written norms): the same float32 weights, the same kernels, so the same tokens;
 * ``merged_nvfp4/`` decodes by our decoder and compressed-tensors' own to the same tensors, and
   llmcompressor's NVFP4A16 preset on ``merged/`` (loaded in bf16) writes the same bytes and config;
 * the registered MLflow version loads through ``models:/`` and generates what transformers does;
-* the export report states merged_nvfp4 beside base + adapter with intervals; ``evaluate.model_path``
-  scores the folder to the same numbers;
+* the export report states merged_nvfp4 beside base + adapter with intervals;
+* ``evaluate.model_path=merged/`` (``vllm.LLM`` on the folder, the project's engine process, float32 as the
+  evaluation's) gives the greedy completions the project's own evaluation gave the trained adapter (base +
+  merged LoRA + written norms): the same float32 weights, the same kernels, so the same tokens;
 * an export of a method with no training is one ``Error:`` line naming it and the command.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -133,26 +131,6 @@ def test_peft_applies_the_trained_norms_and_the_same_adapter_without_them_differ
     assert (logits(stripped) - want).abs().max() > 1e-3
 
 
-def test_vllm_on_merged_gives_the_tokens_of_the_projects_evaluation(exported):
-    """The evaluation served the base's dense copy with the adapter merged in float32 (``W + s B A``) and the
-    trained norms written; ``merged/`` holds those float32 weights: vLLM on it must decode the same tokens."""
-    from transformers import AutoTokenizer
-
-    from qerl_pipeline.config import ModelConfig
-    from qerl_pipeline.export.serve import served_export
-    from qerl_pipeline.rollout.serving import open_engine
-
-    folder = exported["folder"]
-    trained = [r for r in exported["result"]["records"] if r["policy"] == "trained"]
-    tok = AutoTokenizer.from_pretrained(folder / "merged")
-    prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in trained]
-    model_cfg = ModelConfig(source="random", max_seq_len=512)  # the smoke env's model section: float32 on CPU
-    with served_export(folder / "merged") as served, open_engine(served, model_cfg) as engine:
-        assert engine.info["dtype"] == "float32"
-        out = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=24, seed=None)
-    assert [g[0].text for g in out.samples] == [r["greedy_completion"] for r in trained]
-
-
 def test_merged_nvfp4_decodes_like_compressed_tensors_and_is_what_llmcompressor_writes(exported, tmp_path):
     from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
@@ -211,16 +189,23 @@ def test_the_registered_version_loads_through_models_uri_and_generates(exported)
     assert got and got == want
 
 
-def test_evaluate_model_path_scores_the_exported_folder_as_the_export_did(exported):
+def test_vllm_on_merged_through_evaluate_model_path_gives_the_tokens_of_the_projects_evaluation(exported):
+    """``kedro run --pipelines=evaluate`` with ``evaluate.model_path=merged/`` serves that folder alone on the
+    project's engine (``vllm.LLM(model=merged/)`` in its own process, float32 as every evaluation on CPU). The
+    export's evaluation of ``trained`` served the base's dense copy with the adapter merged in float32 (``W + s B A``)
+    and the trained norms written; ``merged/`` holds those float32 weights: the same weights and kernels, so the
+    same greedy tokens on every problem. (``evaluate.model_path`` on ``merged_nvfp4/`` runs the same
+    ``export.accuracy.evaluate_folder`` the export scored it with.)"""
     root, folder = exported["root"], exported["folder"]
     run_kedro(root, "run", "--pipelines=evaluate", "--env=smoke",
-              f"--params=method=qerl,evaluate.model_path={folder / 'merged_nvfp4'}", timeout=900)
+              f"--params=method=qerl,evaluate.model_path={folder / 'merged'}", timeout=900)
     result = json.loads((root / "data" / "07_model_output" / "smoke" / "eval_result.json").read_text())
-    mine = {(r["source"], r["id"]): (r["correct"], r["greedy_completion"]) for r in result["records"]}
-    assert {r["policy"] for r in result["records"]} == {"merged_nvfp4"}
-    export = {(r["source"], r["id"]): (r["correct"], r["greedy_completion"]) for r in exported["result"]["records"]
-              if r["policy"] == "merged_nvfp4"}
-    assert mine == export
+    assert result["tags"] == {"rollout.served_format": "dense", "rollout.served_dtype": "float32"}
+    assert {r["policy"] for r in result["records"]} == {"merged"}
+    mine = {(r["source"], r["id"]): r["greedy_completion"] for r in result["records"]}
+    trained = {(r["source"], r["id"]): r["greedy_completion"] for r in exported["result"]["records"]
+               if r["policy"] == "trained"}
+    assert len(mine) == 8 and mine == trained  # smoke: 4 problems x 2 benchmarks
 
 
 def test_an_export_without_its_training_is_one_error_line_before_any_model_loads(exported):

@@ -26,15 +26,15 @@ from typing import Any
 from qerl_pipeline.config import EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig
 from qerl_pipeline.evaluation import metrics as M
 from qerl_pipeline.evaluation.evaluator import EvalResult, evaluate_policies
-from qerl_pipeline.evaluation.report_runs import EXPORT_RESULT_ARTIFACT
+from qerl_pipeline.evaluation.report_runs import DEPLOYED_4BIT, EXPORT_RESULT_ARTIFACT
 from qerl_pipeline.evaluation.report_tables import paired_rows
 from qerl_pipeline.evaluation.seeds import evaluate_adapters
-from qerl_pipeline.export.folders import MERGED_4BIT
 from qerl_pipeline.export.serve import served_export
 from qerl_pipeline.tracking import MlflowLogger
 
 TRAINED = "trained"
-QUANTIZED = MERGED_4BIT["nvfp4"]
+#: The exported 4-bit policy scored beside ``trained`` (``merged_nvfp4/``).
+QUANTIZED = DEPLOYED_4BIT
 
 
 def evaluate_folder(folder: Path, records: list[dict[str, Any]], cfg: EvaluateConfig, reward_cfg: RewardConfig,

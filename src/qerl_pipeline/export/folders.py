@@ -126,16 +126,13 @@ def write_peft_adapter(adapter_dir: Path, out: Path, *, norms: dict[str, torch.T
 
 def decoded_base(base_dir: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """``(config, {HF name: float32 tensor})`` of a base folder: every weight decoded from its codes by the
-    training policy's own loader and decoder (``quantization.policy``), the config without quantization."""
+    training policy's own loader and decoder (``quantization.policy``), the config without quantization
+    (``load_base`` builds the model from the config stripped of it)."""
     from qerl_pipeline.quantization.policy import dense_state_dict, load_base
 
     fmt = checkpoint.base_format(base_dir)
     packed = load_base(Path(base_dir), fmt, dtype=torch.float32)
-    config = copy.deepcopy(packed.config)
-    for attr in ("quantization_config", "qerl_quantization"):
-        if hasattr(config, attr):
-            delattr(config, attr)
-    return config, {k: v.detach().clone() for k, v in dense_state_dict(packed, torch.float32).items()}
+    return copy.deepcopy(packed.config), {k: v.detach().clone() for k, v in dense_state_dict(packed, torch.float32).items()}
 
 
 def merged_weights(decoded: dict[str, torch.Tensor], adapter_dir: Path, norms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

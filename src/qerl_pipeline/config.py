@@ -323,12 +323,12 @@ class UserSetConfig(Section):
         path = Path(self.path).expanduser()
         if not path.exists():
             return f"path: no file or folder at {self.path!r} (relative paths are taken from {Path.cwd()})"
-        fmt = self.file_format()
-        if fmt is None:
+        kind = self.file_format()
+        if kind is None:
             return (f"format: cannot tell how to read {self.path!r} from its suffix {path.suffix!r}; name it .jsonl, "
                     ".csv or .parquet, or set format: jsonl | csv | parquet | hf_disk")
-        if (fmt == "hf_disk") != path.is_dir():
-            return f"format: {fmt} {'needs a folder' if fmt == 'hf_disk' else 'needs a file'}, {self.path!r} is not one"
+        if (kind == "hf_disk") != path.is_dir():
+            return f"format: {kind} {'needs a folder' if kind == 'hf_disk' else 'needs a file'}, {self.path!r} is not one"
         return None
 
 

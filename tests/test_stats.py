@@ -53,6 +53,28 @@ def test_crossed_interval_by_hand():
     assert iv.high == 1.0  # 2/3 + 0.56 clipped to the score range
 
 
+def test_paired_difference_by_hand():
+    # one seed: d = [0, -1, 1, 1] (a - b per problem), mean 0.25, sd sqrt(0.91667), half t(3) * sd / 2
+    iv = stats.paired_difference([[1, 0, 1, 1]], [[1, 1, 0, 0]])
+    assert (iv.mean, iv.n, iv.over) == (0.25, 4, "problems")
+    half = stats.t_quantile(3) * math.sqrt((0.0625 + 1.5625 + 0.5625 + 0.5625) / 3) / 2
+    assert (iv.low, iv.high) == (pytest.approx(0.25 - half), pytest.approx(0.25 + half))
+    # two seeds: the crossed estimate of the table of differences, not clipped to [0, 1] (a negative difference)
+    a, b = [[0, 0, 0.5, 0], [0, 1, 0, 0]], [[1, 0, 1, 0], [1, 1, 0, 0.5]]
+    d = [[-1, 0, -0.5, 0], [-1, 0, 0, -0.5]]
+    var, df = stats._crossed_variance(d)
+    iv = stats.paired_difference(a, b)
+    assert iv.mean == pytest.approx(-0.375) and iv.over == "seeds+problems" and iv.n == 8
+    assert (iv.low, iv.high) == (pytest.approx(-0.375 - stats.t_quantile(df) * math.sqrt(var)),
+                                 pytest.approx(-0.375 + stats.t_quantile(df) * math.sqrt(var)))
+    assert iv.low < -0.375 < iv.high < 0.5
+    # the same policy twice: a difference of exactly 0 with no width
+    same = stats.paired_difference(a, a)
+    assert (same.mean, same.low, same.high) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="different shapes"):
+        stats.paired_difference([[1, 0]], [[1, 0], [0, 0]])
+
+
 def test_crossed_interval_keeps_the_problems_uncertainty():
     # every seed right on every problem: zero observed variance, but 4 problems are 4 problems
     iv = stats.crossed_interval([[1, 1, 1, 1], [1, 1, 1, 1]])

@@ -6,6 +6,8 @@ dataset's ``<method>/``) is PEFT's ``save_pretrained`` output (``adapter_config.
 (the trained RMSNorm weights under HF names), plus for a final adapter ``qerl_adapter.json``
 (method, model, seed, steps, the training's MLflow run id, base and run folders), which is
 how the evaluate pipeline and compare's report find the training run that made it.
+``trained_adapter`` finds the one a reader (evaluate, export) asks for in the ``trained_adapters``
+dataset, or says in one line what is missing and the command that trains it (``MissingTraining``).
 
 PEFT names a parameter ``base_model.model.<HF name>``; ``hf_name`` strips that (and PEFT's
 wrappers), so the engine, AQN and the trainer speak the HF names vLLM loads.
@@ -16,6 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+import click
 
 from qerl_pipeline.atomic import staged_dir, write_atomic
 
@@ -106,3 +110,34 @@ def adapter_meta(folder: str | Path) -> dict[str, Any]:
 def is_adapter(folder: str | Path) -> bool:
     """Whether ``folder`` holds a complete PEFT adapter."""
     return (Path(folder) / "adapter_config.json").is_file()
+
+
+class MissingTraining(click.ClickException, FileNotFoundError):
+    """No trained adapter where a reader looks: one line naming it and the command that trains it;
+    ``kedro run`` prints it as ``Error: ...`` (exit code 1, no traceback)."""
+
+
+def trained_adapter(root: str | Path, method: str, seed: int | None = None, *, want_seed: int | None = None) -> Path:
+    """The adapter of ``method`` in the ``trained_adapters`` folder ``root``, or ``MissingTraining``.
+
+    ``seed`` None: a standalone training, ``<root>/<method>``, whose recorded seed must be
+    ``want_seed`` when given (``train.seed``); else a compare branch's ``<root>/seed-<seed>``.
+    """
+    root = Path(root)
+    if seed is not None:
+        path = root / f"seed-{seed}"
+        if not is_adapter(path):
+            raise MissingTraining(f"no trained adapter for method {method!r} seed {seed} at {path}; run "
+                                  f"`kedro run --pipelines=compare --namespaces=compare.{method}` first (same --env, "
+                                  f"compare.seeds listing {seed})")
+        return path
+    path = root / method
+    if not is_adapter(path):
+        raise MissingTraining(f"no trained adapter for method {method!r} at {path}; run "
+                              f"`kedro run --pipelines=train --params method={method}` first (same --env)")
+    got = adapter_meta(path).get("seed")
+    if want_seed is not None and got is not None and int(got) != int(want_seed):
+        raise MissingTraining(f"the trained adapter of method {method!r} at {path} is seed {got}, not train.seed "
+                              f"{want_seed}: run `kedro run --pipelines=train --params method={method},"
+                              f"train.seed={want_seed}` first (same --env), or set train.seed={got}")
+    return path

@@ -323,12 +323,12 @@ class UserSetConfig(Section):
         path = Path(self.path).expanduser()
         if not path.exists():
             return f"path: no file or folder at {self.path!r} (relative paths are taken from {Path.cwd()})"
-        fmt = self.file_format()
-        if fmt is None:
+        kind = self.file_format()
+        if kind is None:
             return (f"format: cannot tell how to read {self.path!r} from its suffix {path.suffix!r}; name it .jsonl, "
                     ".csv or .parquet, or set format: jsonl | csv | parquet | hf_disk")
-        if (fmt == "hf_disk") != path.is_dir():
-            return f"format: {fmt} {'needs a folder' if fmt == 'hf_disk' else 'needs a file'}, {self.path!r} is not one"
+        if (kind == "hf_disk") != path.is_dir():
+            return f"format: {kind} {'needs a folder' if kind == 'hf_disk' else 'needs a file'}, {self.path!r} is not one"
         return None
 
 
@@ -928,6 +928,50 @@ class EvaluateConfig(Section):
         "auto = merged on CPU, lora on CUDA (a packed NVFP4 base on CUDA cannot take dense weights)."
     )
     seed: int = Field(0, description="Sampling seed of every evaluation request (same seed, same samples, whatever the batching).")
+    model_path: str | None = Field(
+        None, description="An exported model folder (the export pipeline's merged/ or merged_nvfp4/, or any Hugging Face "
+        "folder: dense, or compressed-tensors NVFP4) to score instead of base + adapter: the same benchmarks, problems, "
+        "samples and seeds, as the policy named after the folder (eval/<folder name>/...). The method's base and adapter "
+        "are not read (compare branches ignore it). On CPU a compressed folder is served from a dense copy decoded from its "
+        "codes (export/serve.py).",
+    )
+
+
+class ExportConfig(Section):
+    """export: the trained policy as folders that transformers, PEFT, vLLM and the MLflow registry load without this project.
+
+    What is written, per training (pipelines/export/pipeline.py, export/folders.py): ``adapter/`` + ``base/``
+    (PEFT), ``merged/`` (dense HF), ``merged_nvfp4/`` (compressed-tensors NVFP4), ``merged_nf4/`` (qlora:
+    bitsandbytes NF4), ``vllm_lora/`` (with trained norms: the base with them written in, beside a LoRA-only
+    adapter, for ``vllm serve --enable-lora``), ``export.json`` (what each folder is and how to load it).
+    """
+
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Storage dtype of the dense folders (base/, merged/, vllm_lora/base/). The merge itself "
+        "is computed in float32 (W decoded from the training's codes + scale * B @ A), then stored in this dtype. "
+        "float32 keeps the merged weights exactly as the project's own evaluation serves them on CPU.",
+    )
+    evaluate: bool = Field(
+        True, description="Score merged_nvfp4/ beside base + adapter (the evaluate section's benchmarks, problems and "
+        "seeds; one more engine start per training) and state the 4-bit cost with intervals in the export report.",
+    )
+    register_model: bool = Field(
+        True, description="Log the export into the training's MLflow run and register a model version "
+        "(name: registered_name) that mlflow.transformers.load_model('models:/<name>/<version>') loads.",
+    )
+    log_weights: bool = Field(
+        True, description="true: the MLflow model holds a copy of merged/ (transformers flavour). false: register by "
+        "reference, for large models: a small pyfunc model whose config holds the absolute path of merged/ on this "
+        "machine; mlflow.pyfunc.load_model(...) loads from there (the folder must stay where it is).",
+    )
+    registered_name: str | None = Field(
+        None, description="Registered model name; None = '<model>-<method>' (model: the Hub id's last part, or 'random').",
+    )
+    in_compare: bool = Field(
+        False, description="Export (and with evaluate: score the 4-bit merged policy of) every branch and seed of the "
+        "compare pipeline. Off by default: on CPU each export adds an engine start and an evaluation per method and seed "
+        "(and the dense folders' disk). The compare report gains the 4-bit column for the exported methods.",
+    )
 
 
 class CompareBranch(Section):
@@ -1080,6 +1124,7 @@ class QerlConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     compare: CompareConfig = Field(default_factory=CompareConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     planner: PlannerConfig = Field(default_factory=PlannerConfig)

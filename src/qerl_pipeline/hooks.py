@@ -139,7 +139,7 @@ def tracking_uri(context) -> str | None:
 def cross_field_errors(cfg: QerlConfig, nodes: set[str] | None = None) -> list[str]:
     """Lines ``  field: why`` for settings of different sections that do not fit together.
 
-    ``nodes``: the short names of the run's nodes (``train_policy``, ``evaluate_policies``, and
+    ``nodes``: the short names of the run's nodes (``train_policy``, ``evaluate_policies``, ``evaluate_export``, and
     ``compare:train_policy`` for a compare branch's training); a check runs only when a node
     that would fail on it is in the run. None: every check.
     """
@@ -149,7 +149,7 @@ def cross_field_errors(cfg: QerlConfig, nodes: set[str] | None = None) -> list[s
         return nodes is None or name in nodes
 
     errors = []
-    if runs("evaluate_policies"):
+    if runs("evaluate_policies") or runs("evaluate_export"):
         sets = [*cfg.data.eval_sources, *cfg.data.eval_files]  # the user's sets are evaluated anyway, listed or not
         unknown = [b for b in cfg.evaluate.benchmarks if b not in sets]
         if unknown:

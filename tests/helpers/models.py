@@ -1,5 +1,5 @@
-"""Model folders for tests: a tiny packed NVFP4 base to train, a tiny model as a base with its tokenizer,
-and a fake base to size."""
+"""Model folders for tests: a tiny Llama and its packed NVFP4 base to train, a tiny model as a base with its
+tokenizer, and a fake base to size."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 from qerl_pipeline.quantization import checkpoint
 
 
-def packed_tiny_base(folder: Path) -> Path:
-    """A random tiny Llama (hidden 64, 4 heads, 2 KV heads, 2 layers, untied head) written as an
-    NVFP4 base at ``folder``; its norm weights drawn from [0.5, 1.5] so that a norm update or a
-    noise on it is visible (all ones would hide a missing scale)."""
+def tiny_llama():
+    """A random tiny Llama (hidden 64, 4 heads, 2 KV heads, 2 layers, vocab 256, untied head), seed 0; its
+    norm weights drawn from [0.5, 1.5] so that a norm update or a noise on it is visible (all ones would
+    hide a missing scale)."""
     # transformers' model classes take seconds to import: only the tests that build a base pay for them
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -27,7 +27,12 @@ def packed_tiny_base(folder: Path) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    checkpoint.write_base(model, None, "nvfp4", folder)
+    return model
+
+
+def packed_tiny_base(folder: Path) -> Path:
+    """``tiny_llama()`` written as an NVFP4 base at ``folder``."""
+    checkpoint.write_base(tiny_llama(), None, "nvfp4", folder)
     return folder
 
 

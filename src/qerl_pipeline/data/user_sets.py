@@ -110,10 +110,10 @@ def read_user_rows(cfg: UserSetConfig) -> tuple[list[dict[str, Any]], str, str]:
     Every row carries ``__line__`` (1-based line, or row number). A Hub set that cannot be
     loaded raises ``SourceUnavailable``; a file that cannot be read at all, ValueError naming it.
     """
-    fmt = cfg.file_format()
-    if cfg.path is not None and (cfg.where_problem() or fmt is None):
+    kind = cfg.file_format()
+    if cfg.path is not None and (cfg.where_problem() or kind is None):
         raise ValueError(cfg.where_problem() or f"path: {cfg.path!r} cannot be read")
-    if fmt is None:
+    if kind is None:
         try:
             rows = load_hub_rows(cfg.hub_id, cfg.hub_config, cfg.split)
         except Exception as err:  # noqa: BLE001 - offline, unknown id, missing split: all mean "unavailable"
@@ -124,29 +124,29 @@ def read_user_rows(cfg: UserSetConfig) -> tuple[list[dict[str, Any]], str, str]:
         origin = f"hub:{cfg.hub_id}{'/' + cfg.hub_config if cfg.hub_config else ''}:{cfg.split}"
         return [{**row, "__line__": n} for n, row in enumerate(rows, start=1)], origin, "row"
     path = Path(cfg.path).expanduser()
-    if fmt == "jsonl":
+    if kind == "jsonl":
         return read_jsonl(path), f"file:{path}", "line"
-    if fmt == "csv":
+    if kind == "csv":
         return _csv_rows(path), f"file:{path}", "line"
     try:
-        if fmt == "parquet":
+        if kind == "parquet":
             import pyarrow.parquet as pq
 
             rows = pq.read_table(path).to_pylist()
         else:
             rows = [dict(row) for row in _disk_dataset(cfg)]
     except (OSError, ValueError) as err:
-        raise ValueError(f"{path} cannot be read as {fmt}: {type(err).__name__}: {str(err)[:300]}") from err
-    return [{**row, "__line__": n} for n, row in enumerate(rows, start=1)], f"{'file' if fmt == 'parquet' else 'folder'}:{path}", "row"
+        raise ValueError(f"{path} cannot be read as {kind}: {type(err).__name__}: {str(err)[:300]}") from err
+    return [{**row, "__line__": n} for n, row in enumerate(rows, start=1)], f"{'file' if kind == 'parquet' else 'folder'}:{path}", "row"
 
 
 def columns(cfg: UserSetConfig) -> list[str] | None:
     """The columns of a user set, read cheaply (a header, a schema, the first rows); None for a Hub set."""
-    fmt = cfg.file_format()
+    kind = cfg.file_format()
     if cfg.path is None or cfg.where_problem():
         return None  # a Hub set: its columns are known once loaded; a path problem: refused by the config
     path = Path(cfg.path).expanduser()
-    if fmt == "jsonl":
+    if kind == "jsonl":
         keys: dict[str, None] = {}
         with open(path, "rb") as fh:
             for n, raw in enumerate(fh):
@@ -159,10 +159,10 @@ def columns(cfg: UserSetConfig) -> list[str] | None:
                 if isinstance(row, dict):
                     keys.update(dict.fromkeys(row))
         return list(keys)
-    if fmt == "csv":
+    if kind == "csv":
         with open(path, newline="", encoding="utf-8", errors="replace") as fh:
             return list(next(csv.reader(fh), []))
-    if fmt == "parquet":
+    if kind == "parquet":
         import pyarrow.parquet as pq
 
         return list(pq.read_schema(path).names)

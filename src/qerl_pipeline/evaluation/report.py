@@ -24,8 +24,9 @@ import pandas as pd
 from qerl_pipeline.evaluation import stats
 from qerl_pipeline.evaluation.plots import figure_png, figures, method_label
 from qerl_pipeline.evaluation.report_claims import claims, claims_frame
-from qerl_pipeline.evaluation.report_runs import RunData, by_method
-from qerl_pipeline.evaluation.report_tables import accuracy_frame, accuracy_summary, accuracy_table, curve_bands, runs_table, system_table
+from qerl_pipeline.evaluation.report_runs import DEPLOYED_4BIT, RunData, by_method
+from qerl_pipeline.evaluation.report_tables import (accuracy_frame, accuracy_summary, accuracy_table, curve_bands, paired_frame,
+                                                    runs_table, system_table)
 
 #: Every file of the report (the keys of ``report_artifacts``), named as in the report folder and in MLflow.
 REPORT_FILES = ("reward_curves.png", "entropy_curves.png", "accuracy.png", "system.png", "accuracy.csv",
@@ -83,6 +84,18 @@ def render_html(runs: Sequence[RunData], pngs: dict[str, bytes], title: str = "Q
     base = accuracy_table(runs, "base", "pass1")
     if not base.empty:
         parts += ["<h2>Reference: each method's base without adapter, pass@1</h2>", tbl(base)]
+    deployed = accuracy_table(runs, DEPLOYED_4BIT, "pass1")
+    if not deployed.empty:  # methods exported with their evaluation (export/accuracy.py)
+        parts += [
+            "<h2>Deployed in 4 bits: the exported merged policy quantized again to NVFP4 (merged_nvfp4), pass@1</h2>",
+            tbl(deployed),
+            "<h3>What deploying in 4 bits costs: merged_nvfp4 minus the trained policy, paired by seed and problem</h3>",
+            tbl(paired_frame(runs, DEPLOYED_4BIT)),
+            "<p class='note'>Exported methods only ('-' where a method was not exported). The difference is paired: the "
+            "same seed's policy on the same problem, as trained (base + adapter) and merged then quantized to NVFP4; its "
+            "interval is the crossed two-way estimate over seeds and problems (one seed: Student's t over the "
+            "problems), see stats.paired_difference.</p>",
+        ]
     parts += [
         "<p class='note'>Cells: mean over seeds and problems [95% interval over seeds and problems (crossed two-way "
         "estimate); one seed: the Wilson interval over problems]; see qerl_pipeline/evaluation/stats.py and "

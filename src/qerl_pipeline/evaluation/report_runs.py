@@ -16,7 +16,10 @@ What a run must carry
 - evaluation metrics as written by ``metrics.metric_dict``:
   ``eval/<policy>/<benchmark>/<name>`` with policy ``trained`` or ``base``;
 - optionally the per-problem records (``eval/result.json`` or ``eval/records.json``), from
-  which the intervals over seeds and problems are computed (``report_tables``).
+  which the intervals over seeds and problems are computed (``report_tables``);
+- where the training was exported with its evaluation (``export/accuracy.py``): the 4-bit merged
+  policy as one more policy, ``eval/merged_nvfp4/<benchmark>/<name>`` and its records in
+  ``export/result.json``, which ``eval_records`` adds to the run's.
 
 Runs are selected per method and seed: in a compare group (``GROUP_TAG``) the newest run of
 each (method, seed), where the seed is the run's tag ``seed`` (compare sets it), else its
@@ -131,6 +134,10 @@ def _seed_of(run) -> int | None:
 
 RECORDS_ARTIFACT = "eval/records.json"
 RESULT_ARTIFACT = "eval/result.json"  # evaluator.RESULT_ARTIFACT: the whole result, records with their lists intact
+#: An export's evaluation of its 4-bit merged policy, logged into the training's run (export/accuracy.py).
+EXPORT_RESULT_ARTIFACT = "export/result.json"
+#: That policy's name (and its folder's in an export): the merged policy quantized again to NVFP4.
+DEPLOYED_4BIT = "merged_nvfp4"
 
 
 def _cell(value: Any) -> Any:
@@ -148,21 +155,32 @@ def eval_records(client: MlflowClient, run_id: str) -> list[dict[str, Any]] | No
 
     ``eval/result.json`` (compare branches: ``evaluator.log_evaluation`` with a key) when present,
     else the ``eval/records.json`` table (``tracking.MlflowLogger.log_table``: list cells as text,
-    parsed back by ``_cell``).
+    parsed back by ``_cell``); plus the records of an export's 4-bit policy (``export/result.json``).
     """
+    records = None
     for artifact in (RESULT_ARTIFACT, RECORDS_ARTIFACT):
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                path = client.download_artifacts(run_id, artifact, tmp)
-                data = json.loads(Path(path).read_text())
-            except Exception:  # noqa: BLE001 - not logged (a metrics-only run): the next one
-                continue
-        if isinstance(data, dict) and isinstance(data.get("records"), list):
-            return data["records"]
-        if isinstance(data, dict) and "columns" in data:
-            return [{c: _cell(v) for c, v in zip(data["columns"], row, strict=True)} for row in data["data"]]
-        if isinstance(data, list):
-            return data
+        records = _artifact_records(client, run_id, artifact)
+        if records is not None:
+            break
+    exported = _artifact_records(client, run_id, EXPORT_RESULT_ARTIFACT)
+    if exported:
+        records = [*(records or []), *exported]
+    return records
+
+
+def _artifact_records(client: MlflowClient, run_id: str, artifact: str) -> list[dict[str, Any]] | None:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(run_id, artifact, tmp)
+            data = json.loads(Path(path).read_text())
+        except Exception:  # noqa: BLE001 - not logged (a metrics-only run)
+            return None
+    if isinstance(data, dict) and isinstance(data.get("records"), list):
+        return data["records"]
+    if isinstance(data, dict) and "columns" in data:
+        return [{c: _cell(v) for c, v in zip(data["columns"], row, strict=True)} for row in data["data"]]
+    if isinstance(data, list):
+        return data
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import pandas as pd
 
@@ -40,12 +41,12 @@ def accuracy_frame(runs: Sequence[RunData]) -> pd.DataFrame:
     return frame[cols + [c for c in frame.columns if c not in cols]]
 
 
-def _problem_scores(run: RunData, policy: str, benchmark: str, metric: str) -> dict[str, float] | None:
-    """``{problem id: score}`` of one run's records (pass1: fraction of samples correct; greedy: 0/1)."""
-    if not run.records:
+def problem_scores(records: list[dict] | None, policy: str, benchmark: str, metric: str) -> dict[str, float] | None:
+    """``{problem id: score}`` of one evaluation's records (pass1: fraction of samples correct; greedy: 0/1)."""
+    if not records:
         return None
     out = {}
-    for r in run.records:
+    for r in records:
         if r.get("policy") != policy or r.get("source", r.get("benchmark")) != benchmark:
             continue
         if metric == "pass1":
@@ -71,12 +72,53 @@ def _summary_interval(runs: Sequence[RunData], policy: str, benchmark: str, metr
         _, row = logged[0]
         return stats.Interval(row[metric], row.get(f"{metric}_ci_low", math.nan), row.get(f"{metric}_ci_high", math.nan),
                           int(row.get("n_problems", 0) or 0), "problems")
-    scores = [_problem_scores(run, policy, benchmark, metric) for run, _ in logged]
+    scores = [problem_scores(run.records, policy, benchmark, metric) for run, _ in logged]
     if all(scores):
         common = sorted(set.intersection(*(set(x) for x in scores)))
         if common:
             return stats.crossed_interval([[x[pid] for pid in common] for x in scores])
     return stats.seed_interval([row[metric] for _, row in logged])  # no per-problem records: over seeds only
+
+
+def _seed_scores(records: list[dict[str, Any]], policy: str, bench: str, metric: str) -> dict[Any, dict[str, float]]:
+    by_seed: dict[Any, list[dict[str, Any]]] = {}
+    for r in records:
+        by_seed.setdefault(r.get("seed"), []).append(r)
+    out = {}
+    for seed, mine in by_seed.items():
+        scores = problem_scores(mine, policy, bench, metric)
+        if scores:
+            out[seed] = scores
+    return out
+
+
+def paired_rows(records: list[dict[str, Any]], policy: str, reference: str) -> list[dict[str, Any]]:
+    """Per benchmark and metric (pass1, greedy): ``reference`` and ``policy`` with their 95% intervals over seeds
+    and problems (``stats.crossed_interval``; one seed: Wilson over problems) and ``policy - reference`` paired by
+    seed and problem (``stats.paired_difference``), from records of both policies carrying ``seed``. Only the
+    seeds and problems both policies have count. The export's 4-bit cost (``merged_nvfp4`` against ``trained``)."""
+    rows = []
+    benches = list(dict.fromkeys(r.get("source") for r in records if r.get("policy") == policy))
+    for bench in benches:
+        for metric in ("pass1", "greedy"):
+            ref, got = _seed_scores(records, reference, bench, metric), _seed_scores(records, policy, bench, metric)
+            seeds = [s for s in ref if s in got]
+            if not seeds:
+                continue
+            common = sorted(set.intersection(*(set(ref[s]) & set(got[s]) for s in seeds)))
+            if not common:
+                continue
+            a = [[got[s][p] for p in common] for s in seeds]
+            b = [[ref[s][p] for p in common] for s in seeds]
+            row: dict[str, Any] = {"benchmark": bench, "metric": metric, "n_seeds": len(seeds), "n_problems": len(common)}
+            for name, table in ((reference, b), (policy, a)):
+                iv = stats.crossed_interval(table)
+                row.update({name: iv.mean, f"{name}_ci_low": iv.low, f"{name}_ci_high": iv.high})
+            diff = stats.paired_difference(a, b)
+            row.update(difference=diff.mean, difference_ci_low=diff.low, difference_ci_high=diff.high,
+                       interval_over=diff.over)
+            rows.append(row)
+    return rows
 
 
 def accuracy_summary(runs: Sequence[RunData]) -> pd.DataFrame:
@@ -158,6 +200,16 @@ def runs_table(runs: Sequence[RunData]) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows).set_index("method") if rows else pd.DataFrame()
+
+
+def paired_frame(runs: Sequence[RunData], policy: str, reference: str = "trained") -> pd.DataFrame:
+    """``paired_rows`` per method, over its runs' (seeds') records: e.g. an export's ``merged_nvfp4`` against
+    ``trained``; empty when no run has records of ``policy``."""
+    rows = []
+    for method, mine in by_method(runs).items():
+        records = [{**r, "seed": run.seed} for run in mine for r in (run.records or [])]
+        rows += [{"method": method, **row} for row in paired_rows(records, policy, reference)]
+    return pd.DataFrame(rows)
 
 
 def curve_bands(runs: Sequence[RunData], keys: Sequence[str] = ("reward", "entropy")) -> pd.DataFrame:

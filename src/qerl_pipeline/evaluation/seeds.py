@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.adapter import adapter_meta
-from qerl_pipeline.config import EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig
+from qerl_pipeline.config import DataConfig, EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig, parse
 from qerl_pipeline.evaluation.evaluator import (
     EvalResult,
     adapter_rank,
@@ -40,6 +40,23 @@ from qerl_pipeline.rollout.serving import served_model
 from qerl_pipeline.tracking import BASE_WEIGHT_MIB, MlflowLogger
 
 log = logging.getLogger(__name__)
+
+
+def flatten_prompts(eval_prompts: dict[str, list[dict[str, Any]]] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """data_prep's ``{source: [records]}`` (the ``eval_prompts`` dataset) as one list; the dict key is the benchmark name."""
+    if isinstance(eval_prompts, list):
+        return list(eval_prompts)
+    out = []
+    for source, records in eval_prompts.items():
+        out += [{**r, "source": source} for r in records]
+    return out
+
+
+def evaluate_config(evaluate: dict[str, Any] | EvaluateConfig, data: dict[str, Any] | None = None) -> EvaluateConfig:
+    """The ``evaluate`` section with the user's sets (``data.eval_files``) scored after ``evaluate.benchmarks``."""
+    cfg: EvaluateConfig = parse(EvaluateConfig, evaluate, "evaluate")
+    user_sets = [n for n in parse(DataConfig, data, "data").eval_files if n not in cfg.benchmarks]
+    return cfg.model_copy(update={"benchmarks": [*cfg.benchmarks, *user_sets]}) if user_sets else cfg
 
 
 def base_weight_mib(base_dir: str | Path) -> float:

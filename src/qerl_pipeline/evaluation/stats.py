@@ -125,26 +125,17 @@ def seed_interval(values: Sequence[float]) -> Interval:
     return Interval(m, m - half, m + half, len(xs), "seeds")
 
 
-def crossed_interval(table: Sequence[Sequence[float]]) -> Interval:
-    """Grand mean of an S (seeds) x N (problems) table of scores in [0, 1] with the crossed two-way
-    95% interval (module docstring).
-
-    Every row must have the same N problems in the same order (the caller aligns them by
-    problem id). One row: the Wilson interval of its mean over N problems.
-    """
+def _rows(table: Sequence[Sequence[float]], what: str) -> list[list[float]]:
     rows = [[float(v) for v in r] for r in table]
-    if not rows or not rows[0]:
-        return Interval(NAN, NAN, NAN, 0, "")
+    if rows and any(len(r) != len(rows[0]) for r in rows):
+        raise ValueError(f"{what}: every seed needs the same problems, got row lengths {[len(r) for r in rows]}")
+    return rows
+
+
+def _crossed_variance(rows: list[list[float]]) -> tuple[float, float]:
+    """``(V, df)`` of the grand mean of an S x N table, S, N >= 2 (the crossed estimate of the module docstring)."""
     s, n = len(rows), len(rows[0])
-    if any(len(r) != n for r in rows):
-        raise ValueError(f"crossed_interval: every seed needs the same problems, got row lengths {[len(r) for r in rows]}")
     grand = sum(map(sum, rows)) / (s * n)
-    if s == 1:
-        lo, hi = wilson_interval(min(1.0, max(0.0, grand)), n)
-        return Interval(grand, lo, hi, n, "problems")
-    if n == 1:
-        iv = seed_interval([r[0] for r in rows])
-        return Interval(iv.mean, iv.low, iv.high, s, iv.over)
     row_means = [_mean(r) for r in rows]
     col_means = [_mean([r[j] for r in rows]) for j in range(n)]
     resid = sum((rows[i][j] - row_means[i] - col_means[j] + grand) ** 2 for i in range(s) for j in range(n))
@@ -152,14 +143,62 @@ def crossed_interval(table: Sequence[Sequence[float]]) -> Interval:
     terms = [(_var(row_means) / s, s - 1), (_var(col_means) / n, n - 1), (mse / (s * n), (s - 1) * (n - 1))]
     var = terms[0][0] + terms[1][0] - terms[2][0]
     if var < max(terms[0][0], terms[1][0]):
-        var, df = max(terms[:2])
-    else:
-        denom = sum(c * c / d for c, d in terms)
-        df = var * var / denom if denom > 0 else float(n - 1)
+        return max(terms[:2])
+    denom = sum(c * c / d for c, d in terms)
+    return var, (var * var / denom if denom > 0 else float(n - 1))
+
+
+def crossed_interval(table: Sequence[Sequence[float]]) -> Interval:
+    """Grand mean of an S (seeds) x N (problems) table of scores in [0, 1] with the crossed two-way
+    95% interval (module docstring).
+
+    Every row must have the same N problems in the same order (the caller aligns them by
+    problem id). One row: the Wilson interval of its mean over N problems.
+    """
+    rows = _rows(table, "crossed_interval")
+    if not rows or not rows[0]:
+        return Interval(NAN, NAN, NAN, 0, "")
+    s, n = len(rows), len(rows[0])
+    grand = sum(map(sum, rows)) / (s * n)
+    if s == 1:
+        lo, hi = wilson_interval(min(1.0, max(0.0, grand)), n)
+        return Interval(grand, lo, hi, n, "problems")
+    if n == 1:
+        iv = seed_interval([r[0] for r in rows])
+        return Interval(iv.mean, iv.low, iv.high, s, iv.over)
+    var, df = _crossed_variance(rows)
     half = t_quantile(max(1.0, df)) * math.sqrt(var) if var > 0 else 0.0
     w_lo, w_hi = wilson_interval(min(1.0, max(0.0, grand)), n)
     low, high = max(0.0, min(grand - half, w_lo)), min(1.0, max(grand + half, w_hi))
     return Interval(grand, low, high, s * n, "seeds+problems")
+
+
+def paired_difference(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> Interval:
+    """Mean of ``a - b`` over two S (seeds) x N (problems) score tables aligned cell by cell (the same
+    seed's policy, the same problem: e.g. a policy quantized again vs as trained), with its 95% interval.
+
+    The differences ``d = a - b`` are a table of the same shape; pairing removes what the two share
+    (the problem's difficulty, the seed's training). S = 1: Student's t interval over the N problems'
+    differences (``t(0.975, N-1) sd / sqrt(N)``); S, N >= 2: the crossed two-way estimate of the
+    module docstring on ``d`` (Satterthwaite's df), neither clipped nor widened: a difference may be
+    negative, and two equal policies give an interval of width 0 at 0. N = 1: over seeds alone.
+    """
+    ra, rb = _rows(a, "paired_difference"), _rows(b, "paired_difference")
+    if len(ra) != len(rb) or (ra and len(ra[0]) != len(rb[0])):
+        raise ValueError(f"paired_difference: tables of different shapes, {len(ra)} and {len(rb)} seeds")
+    d = [[x - y for x, y in zip(r, q, strict=True)] for r, q in zip(ra, rb, strict=True)]
+    if not d or not d[0]:
+        return Interval(NAN, NAN, NAN, 0, "")
+    s, n = len(d), len(d[0])
+    if n == 1:
+        return seed_interval([r[0] for r in d])
+    grand = sum(map(sum, d)) / (s * n)
+    if s == 1:
+        var, df, over = _var(d[0]) / n, n - 1, "problems"
+    else:
+        (var, df), over = _crossed_variance(d), "seeds+problems"
+    half = t_quantile(max(1.0, df)) * math.sqrt(var) if var > 0 else 0.0
+    return Interval(grand, grand - half, grand + half, s * n, over)
 
 
 def seeds_needed(d: float, s_d: float, level: float = LEVEL, max_n: int = 10**9) -> int | None:

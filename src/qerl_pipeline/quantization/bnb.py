@@ -21,7 +21,8 @@ import torch
 
 from qerl_pipeline.atomic import staged_dir
 from qerl_pipeline.quantization import nf4
-from qerl_pipeline.quantization.checkpoint import BASE_DTYPE, BNB_SUBDIR, base_format, iter_codes, linear_shapes, write_safetensors
+from qerl_pipeline.quantization.checkpoint import (BASE_DTYPE, BNB_SUBDIR, base_format, iter_codes, iter_tensors,
+                                                   linear_shapes, write_safetensors)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,37 @@ def bnb_nf4_tensors(owner: str, code: nf4.NF4Weight, dtype: torch.dtype = BASE_D
         f"{prefix}.quant_map": nf4.NF4_LEVELS.clone(),
         f"{prefix}.{BNB_QUANT_STATE_KEY}": torch.tensor(list(json.dumps(state).encode("utf-8")), dtype=torch.uint8),
     }
+
+
+def is_bnb_nf4_config(quantization_config: dict | None) -> bool:
+    """Whether a ``quantization_config`` is a pre-quantized bitsandbytes 4-bit NF4 checkpoint's."""
+    qc = quantization_config or {}
+    return (qc.get("quant_method") == "bitsandbytes" and qc.get("bnb_4bit_quant_type") == "nf4"
+            and bool(qc.get("load_in_4bit", qc.get("_load_in_4bit"))))
+
+
+def iter_bnb_nf4_decoded(folder: Path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a bitsandbytes NF4 folder, each 4-bit weight decoded (float32 math, then ``dtype``) from
+    its packed codes, absmax and quant state (``bnb_nf4_tensors``'s layout), every other tensor cast to ``dtype``."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    leaves = ("weight", "weight.absmax", "weight.quant_map", f"weight.{BNB_QUANT_STATE_KEY}")
+    for name, tensor in iter_tensors(folder):
+        leaf = next((s for s in sorted(leaves, key=len, reverse=True) if name.endswith("." + s)), None)
+        if leaf is None or (leaf == "weight" and tensor.dtype != torch.uint8):
+            yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+            continue
+        owner = name[: -len(leaf) - 1]
+        got = parts.setdefault(owner, {})
+        got[leaf] = tensor
+        if len(got) < len(leaves):
+            continue
+        del parts[owner]
+        state = json.loads(bytes(got[f"weight.{BNB_QUANT_STATE_KEY}"].tolist()).decode("utf-8"))
+        dense = nf4.decode(got["weight"].reshape(-1), got["weight.absmax"], tuple(state["shape"]),
+                           int(state["blocksize"]), torch.float32)
+        yield f"{owner}.weight", dense.to(dtype)
+    if parts:
+        raise ValueError(f"{folder}: incomplete bitsandbytes NF4 tensors for {sorted(parts)[:5]}")
 
 
 def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:

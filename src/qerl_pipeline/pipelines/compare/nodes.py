@@ -40,9 +40,10 @@ def open_compare(compare: dict[str, Any], model: dict[str, Any], train: dict[str
 def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branches: Any) -> dict[str, Any]:
     """The comparison report of the branches' runs (the claims also logged to the compare run).
 
-    ``branches``: ``<method>_summary`` (each branch's ``train_summary``, which names its run) and
-    ``<method>_accuracy`` (its ``eval_accuracy``, an input so the report comes after every
-    evaluation). Only ``compare.methods`` are read; the others' branches were skipped. Returns
+    ``branches``: ``<method>_summary`` (each branch's ``train_summary``, which names its run),
+    ``<method>_accuracy`` (its ``eval_accuracy``) and ``<method>_export`` (its ``export_report``), inputs
+    so the report comes after every evaluation and export (an export's 4-bit policy is read from the
+    runs like the rest). Only ``compare.methods`` are read; the others' branches were skipped. Returns
     ``report_outputs``'s dict.
     """
     cc: CompareConfig = parse(CompareConfig, compare, "compare")

@@ -8,9 +8,12 @@ Declared, so ``kedro viz`` shows the experiment:
   on it (qerl and qerl_noaqn share ``base_nvfp4``), reused when its fingerprint matches;
 * per method a branch in Kedro namespace ``compare.<method>``: the train pipeline's template
   (``compare.<method>.train_policy`` -> ``compare.<method>.trained_adapters``,
-  ``compare.<method>.train_summary``) and the evaluate pipeline's template
-  (``compare.<method>.evaluate_policies`` -> ``...eval_records``, ``...eval_accuracy``). Every
-  parameter section is shared; the branch's own parameter is ``compare.<method>.method``;
+  ``compare.<method>.train_summary``), the evaluate pipeline's template
+  (``compare.<method>.evaluate_policies`` -> ``...eval_records``, ``...eval_accuracy``) and the export
+  pipeline's (``...export_policy`` -> ``...exports``, ``...export_report``; it exports and scores the
+  4-bit merged policy of every seed only with ``export.in_compare``, off by default: on CPU each
+  export is another engine start and evaluation per method and seed). Every parameter section is
+  shared; the branch's own parameter is ``compare.<method>.method``;
 * ``build_comparison_report``, joining the branches: means and 95% intervals over the seeds and
   the paper's claims put to the data (``evaluation/report.py``, ``evaluation/stats.py``). Every
   file of the report is one of its outputs, a catalog dataset ``compare_report_<stem>_<ext>``
@@ -62,11 +65,13 @@ from qerl_pipeline.evaluation.report import REPORT_FILES
 from qerl_pipeline.pipelines.compare.nodes import build_report, open_compare
 from qerl_pipeline.pipelines.data_prep.pipeline import create_pipeline as data_prep
 from qerl_pipeline.pipelines.evaluate.pipeline import evaluation_nodes
+from qerl_pipeline.pipelines.export.pipeline import export_nodes
 from qerl_pipeline.pipelines.quantize.pipeline import format_nodes
 from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SECTIONS, SEEDS_PARAM, training_nodes
 
 #: Parameters every branch shares (everything but ``params:method``), compare's seeds and methods included.
-SHARED_PARAMS = sorted({f"params:{s}" for s in SECTIONS} | {"params:evaluate", SEEDS_PARAM, METHODS_PARAM})
+SHARED_PARAMS = sorted({f"params:{s}" for s in SECTIONS}
+                       | {"params:evaluate", "params:export", "params:quantize", SEEDS_PARAM, METHODS_PARAM})
 #: The report nodes' outputs (``nodes.report_outputs``'s keys) -> datasets; ``<stem>.<ext>`` -> ``compare_report_<stem>_<ext>``.
 OUTPUTS = {"runs": "compare_runs", "accuracy_table": "compare_accuracy", "summary": "compare_summary",
            **{name: "compare_report_" + name.replace(".", "_") for name in REPORT_FILES}}
@@ -85,7 +90,7 @@ def _group() -> Pipeline:
 def branch(method: str) -> Pipeline:
     """The train + evaluate templates for ``method`` in its namespace, on its format's shared base."""
     return pipeline(
-        training_nodes(in_compare=True) + evaluation_nodes(in_compare=True),
+        training_nodes(in_compare=True) + evaluation_nodes(in_compare=True) + export_nodes(in_compare=True),
         namespace=namespace(method),
         inputs={"train_prompts": "train_prompts", "eval_prompts": "eval_prompts", "compare_group": "compare_group",
                 "data_prep_report": "data_prep_report",
@@ -103,6 +108,7 @@ def create_pipeline(**kwargs) -> Pipeline:
     for m in COMPARE_METHODS:
         report_inputs[f"{m}_summary"] = f"{namespace(m)}.train_summary"
         report_inputs[f"{m}_accuracy"] = f"{namespace(m)}.eval_accuracy"
+        report_inputs[f"{m}_export"] = f"{namespace(m)}.export_report"
     with warnings.catch_warnings():  # the branches' dataset names are namespaced (dotted) by design
         warnings.filterwarnings("ignore", message="One or more dataset names contain")
         report = Pipeline([Node(build_report, report_inputs, OUTPUTS, name="build_comparison_report")], tags="compare")

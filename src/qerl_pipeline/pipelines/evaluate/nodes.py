@@ -19,7 +19,9 @@ bitsandbytes NF4 on CUDA, the dense decoded copy on CPU), at ``model.dtype``
 (``engine_dtype``); the run is tagged ``rollout.served_format`` and ``rollout.served_dtype``.
 
 Policy names: ``trained`` (base + the adapter of ``params:method``) and ``base`` (the same
-served base without adapter, when ``evaluate.include_base``). In a compare branch
+served base without adapter, when ``evaluate.include_base``). With ``evaluate.model_path`` (an
+exported folder, e.g. ``merged_nvfp4/``) that folder alone, served as ``export/serve.py`` says and
+scored the same way, is the policy, named after the folder; base and adapter are not read. In a compare branch
 (``compare_group``) the adapters are ``<trained_adapters>/seed-<k>``, one per seed of
 ``compare.seeds``, each evaluation logged into its own training run; records, table rows and
 metric names carry the seed.
@@ -33,37 +35,17 @@ from typing import Any
 
 import pandas as pd
 
-from qerl_pipeline.adapter import adapter_meta, is_adapter
-from qerl_pipeline.config import (SKIPPED_BRANCH, DataConfig, EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig,
-                                  compare_branch, parse)
+from qerl_pipeline.adapter import adapter_meta, trained_adapter
+from qerl_pipeline.config import (SKIPPED_BRANCH, EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig, compare_branch,
+                                  parse)
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.evaluation.evaluator import EvalResult
-from qerl_pipeline.evaluation.seeds import accuracy_rows, evaluate_adapters, result_metrics
+from qerl_pipeline.evaluation.seeds import accuracy_rows, evaluate_adapters, evaluate_config, flatten_prompts, result_metrics
+from qerl_pipeline.export.accuracy import evaluate_folder
+from qerl_pipeline.export.folders import read_manifest
 from qerl_pipeline.tracking import label_run, run_name
 
 log = logging.getLogger(__name__)
-
-
-def flatten_prompts(eval_prompts: dict[str, list[dict[str, Any]]] | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """data_prep's ``{source: [records]}`` as one list; the dict key is the benchmark name."""
-    if isinstance(eval_prompts, list):
-        return list(eval_prompts)
-    out = []
-    for source, records in eval_prompts.items():
-        out += [{**r, "source": source} for r in records]
-    return out
-
-
-def trained_adapter(trained_adapters: Any, method: str, seed: int | None = None) -> Path:
-    """The adapter in the ``trained_adapters`` folder: ``<folder>/<method>``, or a compare branch's ``<folder>/seed-<k>``."""
-    path = folder_of(trained_adapters) / (method if seed is None else f"seed-{seed}")
-    if not is_adapter(path):
-        if seed is None:
-            raise FileNotFoundError(f"no trained adapter for method {method!r} at {path}; "
-                                    f"run `kedro run --pipelines=train --params method={method}` first (same --env)")
-        raise FileNotFoundError(f"no trained adapter for method {method!r} seed {seed} at {path}; "
-                                f"compare.seeds lists {seed}: run the branch's train_policy node first")
-    return path
 
 
 def run_evaluation(eval_prompts: dict[str, list[dict[str, Any]]], base_dir: Any, trained_adapters: Any, method: str,
@@ -86,13 +68,12 @@ def run_evaluation(eval_prompts: dict[str, list[dict[str, Any]]], base_dir: Any,
         if skipped:
             log.info(skipped)
             return {**EvalResult(records=[]).as_dict(), SKIPPED_BRANCH: skipped}
-    cfg: EvaluateConfig = parse(EvaluateConfig, evaluate, "evaluate")
-    user_sets = [n for n in parse(DataConfig, data, "data").eval_files if n not in cfg.benchmarks]
-    if user_sets:
-        cfg = cfg.model_copy(update={"benchmarks": [*cfg.benchmarks, *user_sets]})
+    cfg = evaluate_config(evaluate, data)
     mc: ModelConfig = parse(ModelConfig, model, "model")
+    if cfg.model_path and not compare_group:
+        return _evaluate_folder(Path(cfg.model_path), flatten_prompts(eval_prompts), cfg, reward, mc, rollout, method)
     branch_seeds = (seeds if seeds is not None else [0]) if compare_group else [None]
-    adapters = {s: trained_adapter(trained_adapters, method, s) for s in branch_seeds}
+    adapters = {s: trained_adapter(folder_of(trained_adapters), method, s) for s in branch_seeds}
     result = evaluate_adapters(method, folder_of(base_dir), adapters, flatten_prompts(eval_prompts), cfg,
                                parse(RewardConfig, reward, "reward"), mc, parse(RolloutConfig, rollout, "rollout"),
                                branch=bool(compare_group))
@@ -101,6 +82,20 @@ def run_evaluation(eval_prompts: dict[str, list[dict[str, Any]]], base_dir: Any,
         trained_run = meta.get("mlflow_run_id")
         label_run(run_name("evaluate", method, mc, meta.get("seed")), "evaluate",
                   {**result.tags, "method": method, **({"qerl.trained_run_id": trained_run} if trained_run else {})})
+    return result.as_dict()
+
+
+def _evaluate_folder(folder: Path, records: list[dict[str, Any]], cfg: EvaluateConfig, reward: dict[str, Any],
+                     mc: ModelConfig, rollout: dict[str, Any], method: str) -> dict[str, Any]:
+    """``evaluate.model_path``: the exported folder alone, as the policy named after it; the run tagged with it
+    and, when the folder is part of an export (``export.json`` beside it), the training run it came from."""
+    result = evaluate_folder(folder, records, cfg, parse(RewardConfig, reward, "reward"), mc,
+                             parse(RolloutConfig, rollout, "rollout"))
+    manifest = read_manifest(folder.parent)
+    tags = {**result.tags, "method": manifest.get("method") or method, "qerl.model_path": str(folder)}
+    if manifest.get("training_run_id"):
+        tags["qerl.trained_run_id"] = manifest["training_run_id"]
+    label_run(run_name("evaluate", f"{tags['method']} {folder.name}", mc, manifest.get("seed")), "evaluate", tags)
     return result.as_dict()
 
 

@@ -97,12 +97,29 @@ STATUSES = ("PASS", "FAIL", "SKIP")
 CHECKS = ("trainer", "trainer_7b_layers", "kernel_offsets", "collectives", "engine")
 
 # Qwen2.5-0.5B's shape (its config.json), random weights; the dry-run's tiny Qwen2.
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True)
-TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True)
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+TINY_QWEN2 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 # synthetic GRPO batch: sequences, prompt and completion tokens, micro-batch rows
 BATCH = {"gpu": dict(n=8, p_len=64, c_len=192, micro=4), "dry": dict(n=4, p_len=5, c_len=6, micro=2)}
 
@@ -128,7 +145,7 @@ class Report:
         t0 = time.perf_counter()
         try:
             status, detail, numbers = fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - every failure is a FAIL line
+        except Exception as exc:
             self.add(name, "FAIL", error_text(exc), error=traceback.format_exc(), wall_s=time.perf_counter() - t0)
             return
         self.add(name, status, detail, **numbers, wall_s=time.perf_counter() - t0)
@@ -182,14 +199,16 @@ def make_qwen2(dry: bool, device: torch.device):
 def train_cfg(method: str, b: dict):
     from qerl_pipeline.config import QerlConfig
 
-    return QerlConfig.model_validate({
-        "method": method,
-        "lora": {"rank": 16, "alpha": 32},
-        "optim": {"lr": {method: 1e-3}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1.0},
-        "grpo": {"num_generations": 2, "kl_beta": 0.0},
-        "rollout": {"temperature": 1.0, "max_new_tokens": b["c_len"]},
-        "train": {"micro_batch_size": b["micro"]},
-    })
+    return QerlConfig.model_validate(
+        {
+            "method": method,
+            "lora": {"rank": 16, "alpha": 32},
+            "optim": {"lr": {method: 1e-3}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1.0},
+            "grpo": {"num_generations": 2, "kl_beta": 0.0},
+            "rollout": {"temperature": 1.0, "max_new_tokens": b["c_len"]},
+            "train": {"micro_batch_size": b["micro"]},
+        }
+    )
 
 
 def synthetic_batch(b: dict, vocab: int):
@@ -232,14 +251,13 @@ def count_kernels(counts: dict):
 def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtype: torch.dtype, b: dict) -> dict:
     """Build the policy of ``base_dir`` and run two real ``policy_update`` calls; the figures of the second."""
     from qerl_pipeline import tracking
-    from qerl_pipeline.memory import peak_memory_bytes
-    from qerl_pipeline.quantization import triton_nvfp4
-    from qerl_pipeline.quantization.policy import build_policy
-    from qerl_pipeline.quantization import aqn
-    from qerl_pipeline.rl import update
-    from qerl_pipeline.rl.records import Batch
     from qerl_pipeline.adapter import trained_norms
+    from qerl_pipeline.memory import peak_memory_bytes
+    from qerl_pipeline.quantization import aqn, triton_nvfp4
+    from qerl_pipeline.quantization.policy import build_policy
+    from qerl_pipeline.rl import update
     from qerl_pipeline.rl.optim import build_optimizer, lr_factor
+    from qerl_pipeline.rl.records import Batch
 
     cfg = train_cfg(method, b)
     torch.manual_seed(0)
@@ -270,20 +288,39 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
         resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         t0 = time.perf_counter()
         with count_kernels(counts):
-            out = update.policy_update(policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv), cfg, 0)
+            out = update.policy_update(
+                policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv), cfg, 0
+            )
         sync(device)
         seconds = time.perf_counter() - t0
         peak = peak_memory_bytes()  # CUDA's max allocated since the reset above, else the process VmHWM
-        runs.append({"seconds": seconds, "loss": float(out[tracking.LOSS]), "peak": peak, "resident": resident, "counts": counts})
+        runs.append(
+            {
+                "seconds": seconds,
+                "loss": float(out[tracking.LOSS]),
+                "peak": peak,
+                "resident": resident,
+                "counts": counts,
+            }
+        )
     moved_a = max((float((lora[n].detach() - start[n]).abs().max()) for n in lora if "lora_A" in n), default=0.0)
     moved_b = max((float((lora[n].detach() - start[n]).abs().max()) for n in lora if "lora_B" in n), default=0.0)
     counts = runs[1]["counts"]
     res = {
-        "format": fmt, "method": method, "dtype": str(dtype).removeprefix("torch."),
-        "build_s": build_s, "first_update_s": runs[0]["seconds"], "update_s": runs[1]["seconds"],
-        "loss_first": runs[0]["loss"], "loss": runs[1]["loss"],
-        "peak_mem_bytes": runs[1]["peak"], "resident_bytes_before_update": runs[1]["resident"],
-        "lora_A_moved": moved_a, "lora_B_moved": moved_b, "lora_tensors": len(lora), "optimizer": opt_note,
+        "format": fmt,
+        "method": method,
+        "dtype": str(dtype).removeprefix("torch."),
+        "build_s": build_s,
+        "first_update_s": runs[0]["seconds"],
+        "update_s": runs[1]["seconds"],
+        "loss_first": runs[0]["loss"],
+        "loss": runs[1]["loss"],
+        "peak_mem_bytes": runs[1]["peak"],
+        "resident_bytes_before_update": runs[1]["resident"],
+        "lora_A_moved": moved_a,
+        "lora_B_moved": moved_b,
+        "lora_tensors": len(lora),
+        "optimizer": opt_note,
         "kernel_calls": counts,
         "triton_used": any(k.endswith("_triton") and v for k, v in counts.items()),
         "kernel_mode": triton_nvfp4.kernel_mode(),
@@ -312,12 +349,15 @@ def check_trainer(dry: bool, device: torch.device, work: Path):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     write_s = time.perf_counter() - t0
-    res = {"nvfp4": one_update(bases["nvfp4"], "nvfp4", "qerl", device, dtype, b),
-           "bf16": one_update(bases["bf16"], "bf16", "lora", device, dtype, b)}
+    res = {
+        "nvfp4": one_update(bases["nvfp4"], "nvfp4", "qerl", device, dtype, b),
+        "bf16": one_update(bases["bf16"], "bf16", "lora", device, dtype, b),
+    }
     n4, b16 = res["nvfp4"], res["bf16"]
     time_ratio = n4["update_s"] / b16["update_s"] if b16["update_s"] > 0 else None
-    mem_ratio = (n4["peak_mem_bytes"] / b16["peak_mem_bytes"]
-                 if device.type == "cuda" and b16["peak_mem_bytes"] else None)
+    mem_ratio = (
+        n4["peak_mem_bytes"] / b16["peak_mem_bytes"] if device.type == "cuda" and b16["peak_mem_bytes"] else None
+    )
     problems = []
     for fmt, r in res.items():
         if not (finite(r["loss"]) and finite(r["loss_first"])):
@@ -327,19 +367,29 @@ def check_trainer(dry: bool, device: torch.device, work: Path):
     shape = "tiny Qwen2" if dry else "Qwen2.5-0.5B-shaped Qwen2"
     mem_kind = "max_memory_allocated" if device.type == "cuda" else "process VmHWM"
     tri = n4["kernel_calls"]
-    detail = (f"{shape} ({n_params / 1e6:.1f}M params, random) on {device.type} {n4['dtype']}: "
-              f"nvfp4/qerl {n4['update_s']:.2f}s peak {fmt_bytes(n4['peak_mem_bytes'])} loss {n4['loss']:.4g}; "
-              f"bf16/lora {b16['update_s']:.2f}s peak {fmt_bytes(b16['peak_mem_bytes'])} loss {b16['loss']:.4g} "
-              f"({mem_kind}); ratio time " + (f"{time_ratio:.2f}" if time_ratio is not None else "n/a") + (f" mem {mem_ratio:.2f}" if mem_ratio is not None else
-                                                             " mem n/a (VmHWM only grows)")
-              + f"; packed linears via Triton: {'yes' if n4['triton_used'] else 'no'} "
-              f"(fwd {tri.get('fwd_triton', 0)}/{tri.get('fwd_triton', 0) + tri.get('fwd_torch', 0)}, "
-              f"dx {tri.get('dx_triton', 0)}/{tri.get('dx_triton', 0) + tri.get('dx_torch', 0)} calls; "
-              f"triton {'installed' if triton_nvfp4.HAVE_TRITON else 'missing'}, mode {n4['kernel_mode']})")
+    detail = (
+        f"{shape} ({n_params / 1e6:.1f}M params, random) on {device.type} {n4['dtype']}: "
+        f"nvfp4/qerl {n4['update_s']:.2f}s peak {fmt_bytes(n4['peak_mem_bytes'])} loss {n4['loss']:.4g}; "
+        f"bf16/lora {b16['update_s']:.2f}s peak {fmt_bytes(b16['peak_mem_bytes'])} loss {b16['loss']:.4g} "
+        f"({mem_kind}); ratio time "
+        + (f"{time_ratio:.2f}" if time_ratio is not None else "n/a")
+        + (f" mem {mem_ratio:.2f}" if mem_ratio is not None else " mem n/a (VmHWM only grows)")
+        + f"; packed linears via Triton: {'yes' if n4['triton_used'] else 'no'} "
+        f"(fwd {tri.get('fwd_triton', 0)}/{tri.get('fwd_triton', 0) + tri.get('fwd_torch', 0)}, "
+        f"dx {tri.get('dx_triton', 0)}/{tri.get('dx_triton', 0) + tri.get('dx_torch', 0)} calls; "
+        f"triton {'installed' if triton_nvfp4.HAVE_TRITON else 'missing'}, mode {n4['kernel_mode']})"
+    )
     if problems:
         detail = "; ".join(problems) + " | " + detail
-    numbers = {"formats": res, "time_ratio_nvfp4_over_bf16": time_ratio, "mem_ratio_nvfp4_over_bf16": mem_ratio,
-               "peak_mem_kind": mem_kind, "params": n_params, "write_bases_s": write_s, "batch": b}
+    numbers = {
+        "formats": res,
+        "time_ratio_nvfp4_over_bf16": time_ratio,
+        "mem_ratio_nvfp4_over_bf16": mem_ratio,
+        "peak_mem_kind": mem_kind,
+        "params": n_params,
+        "write_bases_s": write_s,
+        "batch": b,
+    }
     return ("FAIL" if problems else "PASS"), detail, numbers
 
 
@@ -358,8 +408,12 @@ def gpu_check_problems(summary: dict) -> tuple[list[str], dict]:
     dtype = getattr(torch, summary["dtype"])
     tol = triton_nvfp4.TOLERANCE[dtype]
     deq_tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16 dequant vs the fp32 decode: one bf16 rounding
-    limits = {"torch_rel_err": tol, "fused_fwd_rel_err": tol, "fused_dx_rel_err": tol,
-              "triton_dequant_max_abs_diff": deq_tol}
+    limits = {
+        "torch_rel_err": tol,
+        "fused_fwd_rel_err": tol,
+        "fused_dx_rel_err": tol,
+        "triton_dequant_max_abs_diff": deq_tol,
+    }
     worst: dict[str, float] = {}
     problems = []
     rows = [("ops", n, r) for n, r in summary["ops"]["per_projection"].items()]
@@ -394,18 +448,26 @@ def check_7b_layers(dry: bool, iters: int):
     ratios = {k: v["step_time_vs_bf16_lora"] for k, v in stack.items()}
     base_bytes = summary["ops"]["layer_base_bytes"]
     worst_txt = ", ".join(f"{k} {v:.2g}" for k, v in sorted(worst.items()))
-    detail = (f"gpu_check.py {summary['mode']} ({summary['dtype']}, hidden {summary['shape']['hidden']}, "
-              f"{summary['shape']['layers']} layers; triton {'used' if summary['triton_used'] else 'not used'}): "
-              "step time vs bf16 LoRA " + ", ".join(f"{k.removeprefix('nvfp4_lora_')} {v:.2f}" for k, v in ratios.items()
-                                                    if k != "bf16_lora")
-              + f"; base bytes/layer nvfp4/dense {base_bytes['nvfp4'] / base_bytes['dense']:.3f}; worst errors: {worst_txt}")
+    detail = (
+        f"gpu_check.py {summary['mode']} ({summary['dtype']}, hidden {summary['shape']['hidden']}, "
+        f"{summary['shape']['layers']} layers; triton {'used' if summary['triton_used'] else 'not used'}): "
+        "step time vs bf16 LoRA "
+        + ", ".join(f"{k.removeprefix('nvfp4_lora_')} {v:.2f}" for k, v in ratios.items() if k != "bf16_lora")
+        + f"; base bytes/layer nvfp4/dense {base_bytes['nvfp4'] / base_bytes['dense']:.3f}; worst errors: {worst_txt}"
+    )
     if problems:
         detail = f"{len(problems)} figure(s) out of tolerance: " + "; ".join(problems[:6]) + " | " + detail
     out = os.environ.get("OUT")
-    numbers = {"worst": worst, "step_time_vs_bf16_lora": ratios, "layer_base_bytes": base_bytes,
-               "triton_used": summary["triton_used"], "fused_beats_dequant_then_matmul": summary.get("fused_beats_dequant_then_matmul"),
-               "auto_decisions": summary.get("auto_decisions"), "gpu_check_wall_s": summary["wall_s"],
-               "gpu_check_json": str(Path(out) / "gpu_check.json") if out else None}
+    numbers = {
+        "worst": worst,
+        "step_time_vs_bf16_lora": ratios,
+        "layer_base_bytes": base_bytes,
+        "triton_used": summary["triton_used"],
+        "fused_beats_dequant_then_matmul": summary.get("fused_beats_dequant_then_matmul"),
+        "auto_decisions": summary.get("auto_decisions"),
+        "gpu_check_wall_s": summary["wall_s"],
+        "gpu_check_json": str(Path(out) / "gpu_check.json") if out else None,
+    }
     return ("FAIL" if problems else "PASS"), detail, numbers
 
 
@@ -433,14 +495,21 @@ def check_kernel_offsets(dry: bool, device: torch.device):
     gate, down = weight(inter, h), weight(h, inter)
     kernels = tn.NVFP4Kernels(tune=False)  # one fixed configuration: this checks addressing, not speed
     rows, worst = {}, 0.0
-    for name, op, w, width in (("fwd_gate", "fwd", gate, h), ("dx_down", "dx", down, h), ("fwd_down", "fwd", down, inter)):
+    for name, op, w, width in (
+        ("fwd_gate", "fwd", gate, h),
+        ("dx_down", "dx", down, h),
+        ("fwd_down", "fwd", down, inter),
+    ):
         a = torch.randn(m, width, generator=gen, device=device, dtype=torch.bfloat16)
         fused = kernels.matmul(op, a, w)
         ref = tn.torch_matmul(op, a, w)
         past = (2**31) // fused.shape[1]  # the first row whose elements lie past 2^31
-        rows[name] = {"elements": fused.numel(), "rel_err": tn.rel_err(fused, ref),
-                      "rows_past_2_31": max(0, m - past),
-                      "rel_err_past_2_31": tn.rel_err(fused[past:], ref[past:]) if m > past else None}
+        rows[name] = {
+            "elements": fused.numel(),
+            "rel_err": tn.rel_err(fused, ref),
+            "rows_past_2_31": max(0, m - past),
+            "rel_err_past_2_31": tn.rel_err(fused[past:], ref[past:]) if m > past else None,
+        }
         if not dry:
             rows[name]["fused_ms"] = tn.bench_ms(lambda: kernels.matmul(op, a, w), device, warmup=1, iters=3)
             rows[name]["torch_ms"] = tn.bench_ms(lambda: tn.torch_matmul(op, a, w), device, warmup=1, iters=3)
@@ -449,9 +518,11 @@ def check_kernel_offsets(dry: bool, device: torch.device):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     ok = worst <= tn.TOLERANCE[torch.bfloat16]
-    detail = (f"{m} tokens x {inter}: " + "; ".join(f"{k} {r['elements']:.3g} elements, rel err {r['rel_err']:.2g}"
-                                                    for k, r in rows.items())
-              + f"; worst {worst:.2g} (tolerance {tn.TOLERANCE[torch.bfloat16]:g})")
+    detail = (
+        f"{m} tokens x {inter}: "
+        + "; ".join(f"{k} {r['elements']:.3g} elements, rel err {r['rel_err']:.2g}" for k, r in rows.items())
+        + f"; worst {worst:.2g} (tolerance {tn.TOLERANCE[torch.bfloat16]:g})"
+    )
     return ("PASS" if ok else "FAIL"), detail, {"products": rows, "worst_rel_err": worst}
 
 
@@ -517,28 +588,47 @@ def check_collectives(use_cuda: bool):
             got["barrier"] = True
             try:  # which backend serves which device (private API: informative only)
                 pg = tdist.group.WORLD
-                got["device_backends"] = {dt: type(pg._get_backend(torch.device(dt))).__name__
-                                          for dt in (["cpu", "cuda"] if use_cuda else ["cpu"])}
-            except Exception as exc:  # noqa: BLE001
+                got["device_backends"] = {
+                    dt: type(pg._get_backend(torch.device(dt))).__name__
+                    for dt in (["cpu", "cuda"] if use_cuda else ["cpu"])
+                }
+            except Exception as exc:
                 got["device_backends"] = f"unknown ({type(exc).__name__})"
             got["backend"] = str(tdist.get_backend())
         finally:
             tdist.destroy_process_group()
-    want = {"sum": 2.5, "sum_tensor": [1.5, -2.25, 1e-12], "sum_tensor_dtype": "float64", "grads_fp32": [1.0, 2.0, 3.0],
-            "grads_bf16": [0.5, -1.5], "grad_dtypes": ["float32", "bfloat16"], "grad_devices": [plat, plat],
-            "grad_none_kept": True, "gather": [{"r": 0, "x": [1, 2]}], "bcast": ["x", 0], "barrier": True}
+    want = {
+        "sum": 2.5,
+        "sum_tensor": [1.5, -2.25, 1e-12],
+        "sum_tensor_dtype": "float64",
+        "grads_fp32": [1.0, 2.0, 3.0],
+        "grads_bf16": [0.5, -1.5],
+        "grad_dtypes": ["float32", "bfloat16"],
+        "grad_devices": [plat, plat],
+        "grad_none_kept": True,
+        "gather": [{"r": 0, "x": [1, 2]}],
+        "bcast": ["x", 0],
+        "barrier": True,
+    }
     wrong = [f"{k}: got {got.get(k)!r}, want {v!r}" for k, v in want.items() if got.get(k) != v]
-    where = ("CUDA tensors over NCCL, CPU tensors and objects over gloo" if use_cuda
-             else "gloo, CPU tensors; NCCL not exercised (no CUDA" + (" in --dry-run)" if torch.cuda.is_available() else ")"))
-    detail = (f"Dist(always_collect=True), world size 1, backend {backend!r} ({where}): sum, sum_tensor (cpu float64), "
-              "all_reduce_grads (fp32 + bf16), all_gather_object, broadcast_object, barrier "
-              + ("all as expected" if not wrong else "WRONG: " + "; ".join(wrong)))
+    where = (
+        "CUDA tensors over NCCL, CPU tensors and objects over gloo"
+        if use_cuda
+        else "gloo, CPU tensors; NCCL not exercised (no CUDA"
+        + (" in --dry-run)" if torch.cuda.is_available() else ")")
+    )
+    detail = (
+        f"Dist(always_collect=True), world size 1, backend {backend!r} ({where}): sum, sum_tensor (cpu float64), "
+        "all_reduce_grads (fp32 + bf16), all_gather_object, broadcast_object, barrier "
+        + ("all as expected" if not wrong else "WRONG: " + "; ".join(wrong))
+    )
     return ("FAIL" if wrong else "PASS"), detail, {"backend": backend, "nccl_exercised": use_cuda, "values": got}
 
 
 # ------------------------------------------------------------------------------- (c) engine
-ENGINE_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=768)  # head_dim 64; every projection a multiple of 128 (Marlin FP4 tiles)
+ENGINE_SHAPE = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=768
+)  # head_dim 64; every projection a multiple of 128 (Marlin FP4 tiles)
 SIGMA = 5e-4  # the paper's last AQN stage: what bf16 norm weights cannot carry (quantization/norms.py)
 
 
@@ -587,7 +677,9 @@ class EngineChecks:
         self.adapter = save_adapter(policy, self.work / "engine-adapter")
         del policy
         torch.cuda.empty_cache()
-        self.prompts = [tok(t)["input_ids"] for t in ("What is 2 + 3? Answer:", "Name a prime number larger than ten.")]
+        self.prompts = [
+            tok(t)["input_ids"] for t in ("What is 2 + 3? Answer:", "Name a prime number larger than ten.")
+        ]
         self.model_cfg = ModelConfig(source="random", dtype="bfloat16", norm_dtype="float32", max_seq_len=512)
 
     def open(self, level: int):
@@ -596,13 +688,24 @@ class EngineChecks:
         from qerl_pipeline.rollout.serving import open_engine, served_model
 
         served = served_model(self.base, "nvfp4", platform="cuda")
-        rollout = RolloutConfig(sleep_between_steps=True, sleep_level=level, gpu_memory_utilization=0.25,
-                                max_new_tokens=16, enforce_eager=True, startup_timeout_s=300)
+        rollout = RolloutConfig(
+            sleep_between_steps=True,
+            sleep_level=level,
+            gpu_memory_utilization=0.25,
+            max_new_tokens=16,
+            enforce_eager=True,
+            startup_timeout_s=300,
+        )
         saved = os.environ.get(MULTIPROCESSING_ENV)
         os.environ[MULTIPROCESSING_ENV] = "1"  # EngineCore in its own process (what CUDA runs; the fork path)
         try:
-            engine = open_engine(served, self.model_cfg, rollout=rollout, lora_rank=self.lora.rank,
-                                 log_file=self.work / f"engine-level{level}.log")
+            engine = open_engine(
+                served,
+                self.model_cfg,
+                rollout=rollout,
+                lora_rank=self.lora.rank,
+                log_file=self.work / f"engine-level{level}.log",
+            )
         finally:
             if saved is None:
                 os.environ.pop(MULTIPROCESSING_ENV, None)
@@ -611,8 +714,15 @@ class EngineChecks:
         return served, rollout, engine
 
     def greedy(self, engine, lora: bool):
-        res = engine.generate(self.prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=8, seed=0,
-                              lora_path=self.adapter if lora else None)
+        res = engine.generate(
+            self.prompts,
+            n=1,
+            temperature=0.0,
+            top_p=1.0,
+            max_new_tokens=8,
+            seed=0,
+            lora_path=self.adapter if lora else None,
+        )
         return [s[0].completion_ids for s in res.samples], [s[0].logprobs for s in res.samples]
 
     def need_engine(self):
@@ -631,35 +741,58 @@ class EngineChecks:
         names = sorted({" ".join(k.cmdline()[:3])[:60] or k.name() for k in kids})
         info = self.engine.info
         ok = info.get("cuda") is True and len(kids) >= 1 and self.engine.alive()
-        detail = (f"VLLM_ENABLE_V1_MULTIPROCESSING=1: engine server pid {self.engine.pid} with {len(kids)} child "
-                  f"process(es) (EngineCore), started in {start_s:.1f}s, served {self.served.served_format} "
-                  f"{info.get('dtype')} on cuda={info.get('cuda')}, model runner {info.get('model_runner')}")
+        detail = (
+            f"VLLM_ENABLE_V1_MULTIPROCESSING=1: engine server pid {self.engine.pid} with {len(kids)} child "
+            f"process(es) (EngineCore), started in {start_s:.1f}s, served {self.served.served_format} "
+            f"{info.get('dtype')} on cuda={info.get('cuda')}, model runner {info.get('model_runner')}"
+        )
         if not ok:
             detail = "expected a CUDA engine with its EngineCore in a child process | " + detail
-        return ("PASS" if ok else "FAIL"), detail, {"start_s": start_s, "children": len(kids), "child_cmdlines": names,
-                                                    "info": info, "served_format": self.served.served_format}
+        return (
+            ("PASS" if ok else "FAIL"),
+            detail,
+            {
+                "start_s": start_s,
+                "children": len(kids),
+                "child_cmdlines": names,
+                "info": info,
+                "served_format": self.served.served_format,
+            },
+        )
 
     def generate_with_adapter(self):
         engine = self.need_engine()
         base_ids, base_lp = self.greedy(engine, lora=False)
         lora_ids, lora_lp = self.greedy(engine, lora=True)
-        sampled = engine.generate(self.prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0,
-                                  lora_path=self.adapter)
+        sampled = engine.generate(
+            self.prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0, lora_path=self.adapter
+        )
         lps = [x for g in sampled.samples for s in g for x in s.logprobs] + [x for r in lora_lp for x in r]
         lp_finite = bool(lps) and all(math.isfinite(x) for x in lps)
         max_lp_diff = max((abs(a - b) for ra, rb in zip(base_lp, lora_lp) for a, b in zip(ra, rb)), default=0.0)
         differs = base_ids != lora_ids or max_lp_diff > 1e-3
         produced = all(ids for ids in lora_ids)
-        problems = [m for ok, m in ((produced, "no tokens with the adapter"), (lp_finite, "non-finite log-probs"),
-                                    (differs, "output with the adapter equals the base's: the LoRA is not applied"))
-                    if not ok]
-        detail = (f"{len(self.prompts)} prompts, greedy 8 tokens: adapter changes the tokens "
-                  f"{'yes' if base_ids != lora_ids else 'no'} (max |dlogprob| {max_lp_diff:.3g}); sampled n=2 "
-                  f"{sampled.output_tokens} tokens at {sampled.tokens_per_s:.0f} tok/s, log-probs finite {lp_finite}")
+        problems = [
+            m
+            for ok, m in (
+                (produced, "no tokens with the adapter"),
+                (lp_finite, "non-finite log-probs"),
+                (differs, "output with the adapter equals the base's: the LoRA is not applied"),
+            )
+            if not ok
+        ]
+        detail = (
+            f"{len(self.prompts)} prompts, greedy 8 tokens: adapter changes the tokens "
+            f"{'yes' if base_ids != lora_ids else 'no'} (max |dlogprob| {max_lp_diff:.3g}); sampled n=2 "
+            f"{sampled.output_tokens} tokens at {sampled.tokens_per_s:.0f} tok/s, log-probs finite {lp_finite}"
+        )
         if problems:
             detail = "; ".join(problems) + " | " + detail
-        return ("FAIL" if problems else "PASS"), detail, {"base_ids": base_ids, "lora_ids": lora_ids,
-                                                            "max_logprob_diff": max_lp_diff}
+        return (
+            ("FAIL" if problems else "PASS"),
+            detail,
+            {"base_ids": base_ids, "lora_ids": lora_ids, "max_logprob_diff": max_lp_diff},
+        )
 
     def _noisy_norms(self, engine, seed: int):
         from qerl_pipeline.quantization import aqn
@@ -686,11 +819,22 @@ class EngineChecks:
         back = engine.read_weights(names)
         restored = all(torch.equal(back[n], clean[n]) for n in names)
         ok = exact and restored and abs(ratio - 1) <= SIGMA_TOLERANCE and dtypes == ["float32"] and noisy_names
-        detail = (f"{len(noisy_names)}/{len(names)} norm weights ({','.join(dtypes)}) noised at sigma {SIGMA:g}: "
-                  f"sigma_effective {sig:.3g} ({ratio:.3f}x, tolerance {SIGMA_TOLERANCE:.0%}), served exactly {exact}, "
-                  f"clean restored exactly {restored}, push {push_s * 1e3:.0f} ms")
-        return ("PASS" if ok else "FAIL"), detail, {"sigma": SIGMA, "sigma_effective": sig, "served_exact": exact,
-                                                    "restored": restored, "norm_dtypes": dtypes}
+        detail = (
+            f"{len(noisy_names)}/{len(names)} norm weights ({','.join(dtypes)}) noised at sigma {SIGMA:g}: "
+            f"sigma_effective {sig:.3g} ({ratio:.3f}x, tolerance {SIGMA_TOLERANCE:.0%}), served exactly {exact}, "
+            f"clean restored exactly {restored}, push {push_s * 1e3:.0f} ms"
+        )
+        return (
+            ("PASS" if ok else "FAIL"),
+            detail,
+            {
+                "sigma": SIGMA,
+                "sigma_effective": sig,
+                "served_exact": exact,
+                "restored": restored,
+                "norm_dtypes": dtypes,
+            },
+        )
 
     def sleep_check(self, engine, rollout, level: int):
         from qerl_pipeline.rollout.sleep import EngineSleeper, sleep_plan
@@ -735,15 +879,26 @@ class EngineChecks:
             problems.append("level 2 wake did not re-apply the norm updates")
         if not all(ids):
             problems.append("no tokens generated after the wake")
-        detail = (f"sleep {metrics.get('time/sleep_s', 0):.2f}s freed {fmt_bytes(max(freed, 0))}, wake "
-                  f"{metrics.get('time/wake_s', 0):.2f}s (reloaded {woke.get('reloaded')}, re-applied "
-                  f"{len(woke.get('reapplied') or [])} tensors), probe and adapter checks passed with "
-                  f"{metrics.get('sleep/repairs', 0)} repair(s), noisy norms kept {kept}, memory back "
-                  f"{fmt_bytes(max(free1 - free2, 0))}")
+        detail = (
+            f"sleep {metrics.get('time/sleep_s', 0):.2f}s freed {fmt_bytes(max(freed, 0))}, wake "
+            f"{metrics.get('time/wake_s', 0):.2f}s (reloaded {woke.get('reloaded')}, re-applied "
+            f"{len(woke.get('reapplied') or [])} tensors), probe and adapter checks passed with "
+            f"{metrics.get('sleep/repairs', 0)} repair(s), noisy norms kept {kept}, memory back "
+            f"{fmt_bytes(max(free1 - free2, 0))}"
+        )
         if problems:
             detail = "; ".join(problems) + " | " + detail
-        return ("FAIL" if problems else "PASS"), detail, {"freed_bytes": freed, "retaken_bytes": free1 - free2,
-                                                            "metrics": metrics, "woke": woke, "norms_kept": kept}
+        return (
+            ("FAIL" if problems else "PASS"),
+            detail,
+            {
+                "freed_bytes": freed,
+                "retaken_bytes": free1 - free2,
+                "metrics": metrics,
+                "woke": woke,
+                "norms_kept": kept,
+            },
+        )
 
     def sleep_level1(self):
         return self.sleep_check(self.need_engine(), self.rollout, 1)
@@ -766,7 +921,7 @@ class EngineChecks:
         rep = self.report
         try:
             self.setup()
-        except Exception as exc:  # noqa: BLE001 - every sub-step then fails with the reason
+        except Exception as exc:
             msg = f"setup (tiny NVFP4 base, adapter) failed: {error_text(exc)}"
             for name in ("two_process_start", "generate_with_adapter", "norms_noise", "sleep_level1", "sleep_level2"):
                 rep.add(f"engine.{name}", "FAIL", msg, error=traceback.format_exc())
@@ -776,10 +931,15 @@ class EngineChecks:
             try:
                 status, detail, numbers = self.two_process_start()
                 rep.add("engine.two_process_start", status, detail, **numbers, wall_s=time.perf_counter() - t0)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self.start_error = error_text(exc, 300)
-                rep.add("engine.two_process_start", "FAIL", error_text(exc), error=traceback.format_exc(),
-                        wall_s=time.perf_counter() - t0)
+                rep.add(
+                    "engine.two_process_start",
+                    "FAIL",
+                    error_text(exc),
+                    error=traceback.format_exc(),
+                    wall_s=time.perf_counter() - t0,
+                )
             rep.run("engine.generate_with_adapter", self.generate_with_adapter)
             rep.run("engine.norms_noise", self.norms_noise)
             rep.run("engine.sleep_level1", self.sleep_level1)
@@ -799,11 +959,15 @@ def json_path(arg: str | None) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, no engine (CI)")
-    ap.add_argument("--json", help="where to write the JSON (default $OUT/gpu_acceptance.json or ./gpu_acceptance.json)")
+    ap.add_argument(
+        "--json", help="where to write the JSON (default $OUT/gpu_acceptance.json or ./gpu_acceptance.json)"
+    )
     ap.add_argument("--only", help=f"comma-separated checks to run, of {','.join(CHECKS)}")
     ap.add_argument("--skip", help="comma-separated checks to leave out")
     ap.add_argument("--iters", type=int, default=5, help="timed iterations per figure of the 7B-layer check (GPU)")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary bases and logs (their folder is in the JSON)")
+    ap.add_argument(
+        "--keep", action="store_true", help="keep the temporary bases and logs (their folder is in the JSON)"
+    )
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else set(CHECKS)
     skip = set(args.skip.split(",")) if args.skip else set()
@@ -818,25 +982,36 @@ def main(argv=None) -> int:
     device = torch.device("cpu") if dry else torch.device("cuda", 0)
     work = Path(tempfile.mkdtemp(prefix="qerl-gpu-acceptance-"))
     try:
-        import triton  # noqa: F401
+        import triton
+
         triton_version = triton.__version__
-    except Exception:  # noqa: BLE001
+    except Exception:
         triton_version = None
     try:  # the installed version, without importing vLLM into this process
         import importlib.metadata
 
         vllm_version = importlib.metadata.version("vllm")
-    except Exception:  # noqa: BLE001
+    except Exception:
         vllm_version = None
-    report = Report({
-        "mode": "dry-run" if dry else "gpu",
-        "device": torch.cuda.get_device_name(0) if not dry else (platform.processor() or platform.machine() or "cpu"),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version, "vllm": vllm_version,
-        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "work_dir": str(work) if args.keep else None,
-    })
+    report = Report(
+        {
+            "mode": "dry-run" if dry else "gpu",
+            "device": torch.cuda.get_device_name(0)
+            if not dry
+            else (platform.processor() or platform.machine() or "cpu"),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "triton": triton_version,
+            "vllm": vllm_version,
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "work_dir": str(work) if args.keep else None,
+        }
+    )
     if not args.dry_run and not cuda:
-        report.add("cuda", "FAIL", "no CUDA device (torch.cuda.is_available() is False): ran the --dry-run checks instead")
+        report.add(
+            "cuda", "FAIL", "no CUDA device (torch.cuda.is_available() is False): ran the --dry-run checks instead"
+        )
     if "trainer" in wanted:
         report.run("trainer", check_trainer, dry, device, work)
     if "trainer_7b_layers" in wanted:
@@ -861,8 +1036,11 @@ def main(argv=None) -> int:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report.as_dict(), indent=2, default=str))
     os.replace(tmp, path)
-    print(f"gpu_acceptance: {sum(c['status'] == 'FAIL' for c in report.checks)} failed, wrote {path} "
-          f"({report.header['wall_s']:.0f} s)", file=sys.stderr)
+    print(
+        f"gpu_acceptance: {sum(c['status'] == 'FAIL' for c in report.checks)} failed, wrote {path} "
+        f"({report.header['wall_s']:.0f} s)",
+        file=sys.stderr,
+    )
     return 1 if report.failed() else 0
 
 

@@ -57,9 +57,11 @@ if "--interpret" in sys.argv:
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from qerl_pipeline.quantization import nvfp4  # noqa: E402  (pure torch)
 # The Triton kernels (library code; importing it never fails, HAVE_TRITON says whether they run).
-from qerl_pipeline.quantization import triton_nvfp4  # noqa: E402
+from qerl_pipeline.quantization import (
+    nvfp4,
+    triton_nvfp4,
+)
 
 try:  # the policy's own packed layer (imports pydantic through the config; absent on a bare GPU box)
     from qerl_pipeline.quantization.policy import PackedLinear as ProjectPackedLinear
@@ -70,8 +72,30 @@ HAVE_TRITON = triton_nvfp4.HAVE_TRITON
 triton = triton_nvfp4.triton
 
 SHAPES = {
-    "full": dict(hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128, layers=4, seq_len=1024, seqs=4, rank=32, small_m=64),
-    "dry": dict(hidden=128, intermediate=256, heads=2, kv_heads=1, head_dim=64, layers=2, seq_len=16, seqs=2, rank=4, small_m=16),
+    "full": dict(
+        hidden=3584,
+        intermediate=18944,
+        heads=28,
+        kv_heads=4,
+        head_dim=128,
+        layers=4,
+        seq_len=1024,
+        seqs=4,
+        rank=32,
+        small_m=64,
+    ),
+    "dry": dict(
+        hidden=128,
+        intermediate=256,
+        heads=2,
+        kv_heads=1,
+        head_dim=64,
+        layers=2,
+        seq_len=16,
+        seqs=2,
+        rank=4,
+        small_m=16,
+    ),
 }
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -79,8 +103,15 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 def proj_shapes(s: dict) -> dict[str, tuple[int, int]]:
     """(out, in) of each projection."""
     h, q, kv, i = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["intermediate"]
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    return {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "down_proj": (h, i),
+    }
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -137,8 +168,9 @@ class LoraLinear(torch.nn.Module):
             # the training policy's layer: codes + scales resident; "torch" decodes in forward and again in
             # backward, "fused" forces its Triton kernels, "auto" lets its one-time per-shape check choose
             kernel = {"torch": "torch", "fused": "triton", "auto": "auto"}[mode]
-            self.project_layer = ProjectPackedLinear(in_f, out_f, "nvfp4", base.state_dict(), compute_dtype=dtype,
-                                                     kernel=kernel)
+            self.project_layer = ProjectPackedLinear(
+                in_f, out_f, "nvfp4", base.state_dict(), compute_dtype=dtype, kernel=kernel
+            )
         else:
             self.holder = _Holder(base)
         self.lora_A = torch.nn.Parameter((torch.randn(rank, in_f, generator=gen) / math.sqrt(in_f)).to(device, dtype))
@@ -170,9 +202,12 @@ class Block(torch.nn.Module):
         super().__init__()
         self.s = s
         shapes = proj_shapes(s)
-        self.proj = torch.nn.ModuleDict({
-            name: LoraLinear(*shapes[name], s["rank"], bases[name], mode, kernels, dtype, device, gen) for name in PROJ
-        })
+        self.proj = torch.nn.ModuleDict(
+            {
+                name: LoraLinear(*shapes[name], s["rank"], bases[name], mode, kernels, dtype, device, gen)
+                for name in PROJ
+            }
+        )
         self.norm1 = torch.nn.RMSNorm(s["hidden"], eps=1e-6, device=device, dtype=dtype)
         self.norm2 = torch.nn.RMSNorm(s["hidden"], eps=1e-6, device=device, dtype=dtype)
         for norm in (self.norm1, self.norm2):
@@ -196,8 +231,10 @@ class Block(torch.nn.Module):
 # --------------------------------------------------------------------------------- the checks
 def random_layer_weights(s, device, dtype, gen):
     """Random projections (std 0.02, like a fresh Qwen2 init), quantized as fused groups."""
-    dense = {n: (torch.randn(*shape, generator=gen) * 0.02).to(device=device, dtype=dtype)
-             for n, shape in proj_shapes(s).items()}
+    dense = {
+        n: (torch.randn(*shape, generator=gen) * 0.02).to(device=device, dtype=dtype)
+        for n, shape in proj_shapes(s).items()
+    }
     packed = nvfp4.encode_linears(dense)
     return dense, packed
 
@@ -224,11 +261,15 @@ def check_ops(s, device, dtype, kernels, tokens, gen) -> dict:
         g = torch.randn(tokens, out_f, generator=gen).to(device, dtype)
         ref = inp.float() @ wd.float().t()
         ref_dx = g.float() @ wd.float()
-        row = {"out": out_f, "in": in_f, "tokens": tokens,
-               "matmul_ms": bench_ms(lambda: inp @ wd.t(), device),
-               "dequant_torch_ms": bench_ms(lambda: w.decode(dtype), device),
-               "dequant_then_matmul_torch_ms": bench_ms(lambda: inp @ w.decode(dtype).t(), device),
-               "torch_rel_err": rel_err(inp @ w.decode(dtype).t(), ref)}
+        row = {
+            "out": out_f,
+            "in": in_f,
+            "tokens": tokens,
+            "matmul_ms": bench_ms(lambda: inp @ wd.t(), device),
+            "dequant_torch_ms": bench_ms(lambda: w.decode(dtype), device),
+            "dequant_then_matmul_torch_ms": bench_ms(lambda: inp @ w.decode(dtype).t(), device),
+            "torch_rel_err": rel_err(inp @ w.decode(dtype).t(), ref),
+        }
         if kernels is not None:
             deq = kernels.dequant(w, dtype)
             row["triton_dequant_max_abs_diff"] = float((deq.float() - w.decode(torch.float32)).abs().max())
@@ -242,14 +283,18 @@ def check_ops(s, device, dtype, kernels, tokens, gen) -> dict:
                 row["dx_dequant_then_matmul_ms"] = bench_ms(lambda: g @ kernels.dequant(w, dtype), device)
                 row["fused_dx_ms"] = bench_ms(lambda: kernels.dx(g, w), device)
                 row["fused_beats_dequant_then_matmul_fwd"] = row["fused_fwd_ms"] < min(
-                    row["dequant_then_matmul_triton_ms"], row["dequant_then_matmul_torch_ms"])
+                    row["dequant_then_matmul_triton_ms"], row["dequant_then_matmul_torch_ms"]
+                )
                 row["fused_beats_dequant_then_matmul_dx"] = row["fused_dx_ms"] < row["dx_dequant_then_matmul_ms"]
         rows[name] = row
         for k in per_layer:
             per_layer[k] += row.get(k) or 0.0
     bf16_bytes = sum(o * i * torch.tensor([], dtype=dtype).element_size() for o, i in shapes.values())
-    return {"per_projection": rows, "dequant_per_layer_ms": per_layer,
-            "layer_base_bytes": {"dense": bf16_bytes, "nvfp4": sum(p.nbytes() for p in packed.values())}}
+    return {
+        "per_projection": rows,
+        "dequant_per_layer_ms": per_layer,
+        "layer_base_bytes": {"dense": bf16_bytes, "nvfp4": sum(p.nbytes() for p in packed.values())},
+    }
 
 
 def check_small_m(s, device, dtype, kernels, tokens, gen) -> dict:
@@ -262,15 +307,20 @@ def check_small_m(s, device, dtype, kernels, tokens, gen) -> dict:
         w = packed[name]
         wd = w.decode(dtype)
         inp = torch.randn(tokens, in_f, generator=gen).to(device, dtype)
-        row = {"out": out_f, "in": in_f, "tokens": tokens,
-               "matmul_ms": bench_ms(lambda: inp @ wd.t(), device),
-               "dequant_then_matmul_torch_ms": bench_ms(lambda: inp @ w.decode(dtype).t(), device),
-               "fused_fwd_rel_err": rel_err(kernels.fwd(inp, w), inp.float() @ wd.float().t())}
+        row = {
+            "out": out_f,
+            "in": in_f,
+            "tokens": tokens,
+            "matmul_ms": bench_ms(lambda: inp @ wd.t(), device),
+            "dequant_then_matmul_torch_ms": bench_ms(lambda: inp @ w.decode(dtype).t(), device),
+            "fused_fwd_rel_err": rel_err(kernels.fwd(inp, w), inp.float() @ wd.float().t()),
+        }
         if device.type == "cuda":
             row["dequant_then_matmul_triton_ms"] = bench_ms(lambda: inp @ kernels.dequant(w, dtype).t(), device)
             row["fused_fwd_ms"] = bench_ms(lambda: kernels.fwd(inp, w), device)
             row["fused_beats_dequant_then_matmul_fwd"] = row["fused_fwd_ms"] < min(
-                row["dequant_then_matmul_triton_ms"], row["dequant_then_matmul_torch_ms"])
+                row["dequant_then_matmul_triton_ms"], row["dequant_then_matmul_torch_ms"]
+            )
             row["fused_vs_bf16_matmul"] = row["fused_fwd_ms"] / row["matmul_ms"]
         rows[name] = row
     return rows
@@ -348,7 +398,9 @@ def check_stack(s, device, dtype, kernels, gen, iters: int) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, no Triton unless --interpret")
-    ap.add_argument("--interpret", action="store_true", help="with --dry-run: run the Triton kernels in Triton's CPU interpreter")
+    ap.add_argument(
+        "--interpret", action="store_true", help="with --dry-run: run the Triton kernels in Triton's CPU interpreter"
+    )
     ap.add_argument("--layers", type=int, help="decoder layers in the stack check")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations per figure")
     args = ap.parse_args(argv)
@@ -377,7 +429,8 @@ def main(argv=None) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "shape": s,
         "codec": "qerl_pipeline.quantization.nvfp4",
-        "packed_layer": "qerl_pipeline.quantization.policy.PackedLinear" if ProjectPackedLinear is not None
+        "packed_layer": "qerl_pipeline.quantization.policy.PackedLinear"
+        if ProjectPackedLinear is not None
         else "script-local (same decode-in-forward-and-backward; the policy module did not import)",
     }
     tokens = s["seqs"] * s["seq_len"]
@@ -385,7 +438,9 @@ def main(argv=None) -> dict:
         summary["ops"] = check_ops(s, device, dtype, kernels, tokens, gen)
         if kernels is not None:
             summary["ops_small_m"] = check_small_m(s, device, dtype, kernels, s["small_m"], gen)
-    summary["stack"] = check_stack(s, device, dtype, kernels, gen, iters=(1 if args.interpret else 2) if dry else args.iters)
+    summary["stack"] = check_stack(
+        s, device, dtype, kernels, gen, iters=(1 if args.interpret else 2) if dry else args.iters
+    )
     if kernels is not None:
         summary["triton_configs"] = {"/".join(map(str, k)): v for k, v in kernels.chosen.items()}
         # the policy's one-time choices (CUDA only; empty on CPU, where auto is always the torch path)

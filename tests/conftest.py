@@ -99,8 +99,6 @@ def base_dir(tmp_path_factory) -> Path:
     return packed_tiny_base(tmp_path_factory.mktemp("pu") / "nvfp4")
 
 
-
-
 #: what Kedro and MLflow write where they run: a test run leaves these in the checkout as it found them
 CHECKOUT_OUTPUTS = ("data", "mlruns", "mlartifacts", "mlflow.db", "build", ".viz")
 _OUTPUTS = pytest.StashKey[dict]()
@@ -140,9 +138,12 @@ def pytest_sessionfinish(session, exitstatus):
     fatal = bool(os.environ.get("CI"))
     if reporter is not None:
         reporter.write_line("")
-        reporter.write_line(f"{'ERROR' if fatal else 'WARNING'}: {len(changed)} file(s) written into the checkout "
-                            f"during the test run (tests must use project_copy): {', '.join(changed[:10])}",
-                            red=fatal, yellow=not fatal)
+        reporter.write_line(
+            f"{'ERROR' if fatal else 'WARNING'}: {len(changed)} file(s) written into the checkout "
+            f"during the test run (tests must use project_copy): {', '.join(changed[:10])}",
+            red=fatal,
+            yellow=not fatal,
+        )
     if fatal and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -200,7 +201,8 @@ def _install_heavy_process_guard():
             if "qerl_pipeline.rollout.server" in argv:
                 refuse(f"the vLLM rollout engine ({' '.join(argv[:4])})")
             kedro_cli = (argv and os.path.basename(argv[0]) == "kedro") or any(
-                argv[i:i + 2] == ["-m", "kedro"] for i in range(len(argv)))
+                argv[i : i + 2] == ["-m", "kedro"] for i in range(len(argv))
+            )
             if kedro_cli:
                 refuse(f"the Kedro CLI ({' '.join(argv[:4])})")
         return original(self, args, *rest, **kwargs)
@@ -223,7 +225,8 @@ def pytest_configure(config):
     folder = Path(tempfile.mkdtemp(prefix="qerl-tier-guard-"))
     (folder / "sitecustomize.py").write_text(
         '"""Written by tests/conftest.py for the processes of a fast-tier test."""\n\n'
-        + inspect.getsource(_install_heavy_process_guard) + "\n\n_install_heavy_process_guard()\n"
+        + inspect.getsource(_install_heavy_process_guard)
+        + "\n\n_install_heavy_process_guard()\n"
     )
     config.stash[_GUARD_DIR] = folder
 

@@ -18,7 +18,13 @@ from latex2sympy2_extended import NormalizationConfig
 from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
 from qerl_pipeline.rewards.extraction import (
-    BOX_GAP_CHARS, BOX_SEPARATOR_GAP_CHARS, box_group, gold_is_decimal, parse_gold, prediction_trace, score_accuracy,
+    BOX_GAP_CHARS,
+    BOX_SEPARATOR_GAP_CHARS,
+    box_group,
+    gold_is_decimal,
+    parse_gold,
+    prediction_trace,
+    score_accuracy,
 )
 from qerl_pipeline.rewards.format import has_answer_line
 
@@ -32,8 +38,13 @@ def math_verify_reading(completion: str, boxed_priority: int = 50) -> list:
         boxed_match_priority=boxed_priority,
         try_extract_without_anchor=False,
     )
-    return mv.parse(completion, [latex, ExprExtractionConfig(try_extract_without_anchor=False)],
-                    extraction_mode="first_match", fallback_mode="no_fallback", parsing_timeout=None)
+    return mv.parse(
+        completion,
+        [latex, ExprExtractionConfig(try_extract_without_anchor=False)],
+        extraction_mode="first_match",
+        fallback_mode="no_fallback",
+        parsing_timeout=None,
+    )
 
 
 def math_verify_accuracy(completion: str, gold: str, boxed_priority: int = 50) -> float:
@@ -70,8 +81,11 @@ WRONG_BOXES = [
     ("\\boxed{1}, \\boxed{3}", "1, 2", "one element of the set is wrong"),
     ("\\boxed{1}, \\boxed{2}", "2", "a hedge over two answers is not the answer"),
     ("\\boxed{1}, \\boxed{2}, \\boxed{3}", "1, 2", "one element too many"),
-    ("First \\boxed{2}. After a long detour of working that goes on and on for quite a while longer, \\boxed{3}",
-     "2, 3", "boxes far apart are not one answer"),
+    (
+        "First \\boxed{2}. After a long detour of working that goes on and on for quite a while longer, \\boxed{3}",
+        "2, 3",
+        "boxes far apart are not one answer",
+    ),
 ]
 
 
@@ -130,8 +144,12 @@ def test_paper_mode_keeps_the_box_first():
 
 # ------------------------------------------------------------------------------ decimal commas
 def test_decimal_comma_is_a_decimal_where_the_gold_is_one():
-    for completion, gold in [("The answer is 1,22", "1.22"), ("Final answer: -0,5.", "-\\frac12"),
-                             ("The answer is 3,14.", "3.14"), ("The answer is 18,00", "18.0")]:
+    for completion, gold in [
+        ("The answer is 1,22", "1.22"),
+        ("Final answer: -0,5.", "-\\frac12"),
+        ("The answer is 3,14.", "3.14"),
+        ("The answer is 18,00", "18.0"),
+    ]:
         _agree(completion, gold, 1.0)
     _agree("The answer is 1,22", "1.2", 0.0)
 
@@ -158,8 +176,18 @@ def test_comma_lists_stay_lists_where_the_gold_is_a_list():
 
 
 def test_gold_is_decimal():
-    for gold, want in [("1.22", True), ("18.0", True), ("\\frac12", True), ("-3.5", True), ("18", False),
-                       ("1,234", False), ("1,22", False), ("(1,2)", False), ("x+1", False), ("???", False)]:
+    for gold, want in [
+        ("1.22", True),
+        ("18.0", True),
+        ("\\frac12", True),
+        ("-3.5", True),
+        ("18", False),
+        ("1,234", False),
+        ("1,22", False),
+        ("(1,2)", False),
+        ("x+1", False),
+        ("???", False),
+    ]:
         assert gold_is_decimal(gold) is want, gold
 
 
@@ -169,8 +197,13 @@ def _default_run_completions() -> list[tuple[str, str]]:
     numbers, decimals, "final answer" mentions and decimal commas, ending with "The answer is N"."""
     out = []
     for n, gold in [(18, "18"), (7, "18"), (1234, "1234"), (0, "0"), (250, "25")]:
-        for working in ("6 + 12 = 18.", "The final answer to part one is 1,5 and", "Half is 0,5; final answer:",
-                        "**Final Answer**: after 3 steps the total is 9", "Answer: 12.5 then 1,22 more"):
+        for working in (
+            "6 + 12 = 18.",
+            "The final answer to part one is 1,5 and",
+            "Half is 0,5; final answer:",
+            "**Final Answer**: after 3 steps the total is 9",
+            "Answer: 12.5 then 1,22 more",
+        ):
             for end in (f"The answer is {n}.", f"the answer is: ${n}$", f"So the final answer is {n}"):
                 out.append((f"{working}\n\n{end}", gold))
     return out

@@ -93,8 +93,12 @@ def test_sigma_zero_is_exact():
 
 
 def test_noisy_target_names():
-    names = ["model.norm.weight", "model.layers.0.input_layernorm.weight",
-             "model.layers.0.post_attention_layernorm.weight", "model.layers.0.self_attn.q_norm.weight"]
+    names = [
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+    ]
     assert aqn.noisy_target_names(names) == names[1:3]
 
 
@@ -119,8 +123,10 @@ def test_noisy_norms_context_gradient_to_clean_and_exact_restore():
     x = torch.arange(4.0)
     with aqn.noisy_norms(params, noisy):
         y = m.layers[0](x)
-        (y ** 2).backward()
-        assert torch.equal(params["layers.0.input_layernorm.weight"].detach(), noisy["layers.0.input_layernorm.weight"])
+        (y**2).backward()
+        assert torch.equal(
+            params["layers.0.input_layernorm.weight"].detach(), noisy["layers.0.input_layernorm.weight"]
+        )
     w = params["layers.0.input_layernorm.weight"]
     assert torch.equal(w.detach(), clean["layers.0.input_layernorm.weight"])  # bit-exact restore
     # d/dw (sum x*(w+z))^2 = 2 * y_noisy * x: evaluated at the noisy point

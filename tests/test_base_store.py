@@ -47,8 +47,10 @@ def test_same_settings_reuse_every_file_untouched(model, tmp_path, caplog, fmt):
     # the stored report comes back, the same numbers as when it was written
     assert {k: v for k, v in second.items() if k != "reused"} == {k: v for k, v in first.items() if k != "reused"}
     digest = first["fingerprint"][:12]
-    assert (f"base_{fmt} reused: {folder} (fingerprint {digest}, same model and quantize settings; "
-            "quantize.force=true redoes it)") in _messages(caplog)
+    assert (
+        f"base_{fmt} reused: {folder} (fingerprint {digest}, same model and quantize settings; "
+        "quantize.force=true redoes it)"
+    ) in _messages(caplog)
     # nothing left beside the folder (staging folders are removed)
     assert [p.name for p in folder.parent.iterdir()] == [f"base_{fmt}"]
 
@@ -161,7 +163,9 @@ def test_fingerprint_holds_only_what_the_format_depends_on(model, tmp_path):
     same = QuantizeConfig(ignore=["lm_head", "lm_head"])
     assert store.base_fingerprint(model, same, "nvfp4")["digest"] == nvfp4["digest"]
     # serving dtype and the format change the digest
-    assert store.base_fingerprint(model.model_copy(update={"dtype": "bfloat16"}), q, "nvfp4")["digest"] != nvfp4["digest"]
+    assert (
+        store.base_fingerprint(model.model_copy(update={"dtype": "bfloat16"}), q, "nvfp4")["digest"] != nvfp4["digest"]
+    )
     assert store.base_fingerprint(model, q, "nf4")["digest"] != nvfp4["digest"]
     with pytest.raises(ValueError, match="unknown base format 'int4'; registered formats: .*nvfp4"):
         store.base_fingerprint(model, q, "int4")
@@ -181,14 +185,23 @@ def test_random_and_calibrated_fingerprints(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"question": "q1"}\n{"question": "q2"}\n')
     shutil.copy(a, b)
-    awq = store.base_fingerprint(rand, QuantizeConfig(nvfp4_algorithm="awq", calibration_path=str(a), calibration_samples=2), "nvfp4")
-    moved = store.base_fingerprint(rand, QuantizeConfig(nvfp4_algorithm="awq", calibration_path=str(b), calibration_samples=2), "nvfp4")
+    awq = store.base_fingerprint(
+        rand, QuantizeConfig(nvfp4_algorithm="awq", calibration_path=str(a), calibration_samples=2), "nvfp4"
+    )
+    moved = store.base_fingerprint(
+        rand, QuantizeConfig(nvfp4_algorithm="awq", calibration_path=str(b), calibration_samples=2), "nvfp4"
+    )
     assert awq["digest"] == moved["digest"] and awq["quantize"]["calibration_count"] == 2
     b.write_text('{"question": "q1"}\n{"question": "other"}\n')
-    changed = store.base_fingerprint(rand, QuantizeConfig(nvfp4_algorithm="awq", calibration_path=str(b), calibration_samples=2), "nvfp4")
+    changed = store.base_fingerprint(
+        rand, QuantizeConfig(nvfp4_algorithm="awq", calibration_path=str(b), calibration_samples=2), "nvfp4"
+    )
     assert changed["digest"] != awq["digest"]
     # a calibration path is irrelevant to rtn and to nf4
-    assert "calibration_texts_sha256" not in store.base_fingerprint(rand, QuantizeConfig(calibration_path="/none"), "nvfp4")["quantize"]
+    assert (
+        "calibration_texts_sha256"
+        not in store.base_fingerprint(rand, QuantizeConfig(calibration_path="/none"), "nvfp4")["quantize"]
+    )
 
 
 def test_quantize_format_node_and_dataset_round_trip_leave_files_untouched(model, tmp_path, caplog):

@@ -37,11 +37,14 @@ def _messages(caplog) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.name == LOGGER)
 
 
-@pytest.mark.parametrize(("name", "where"), [
-    ("model.safetensors", "middle"),           # garbled weights: would train into NaN
-    ("model.safetensors", "header"),           # garbled header: "invalid JSON in header", naming no file
-    ("config.json", "middle"),
-])
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [
+        ("model.safetensors", "middle"),  # garbled weights: would train into NaN
+        ("model.safetensors", "header"),  # garbled header: "invalid JSON in header", naming no file
+        ("config.json", "middle"),
+    ],
+)
 def test_a_base_garbled_at_the_same_size_is_requantized_naming_the_file(model, tmp_path, caplog, name, where):
     folder = tmp_path / "base_nf4"
     store.ensure_base(model, QuantizeConfig(), "nf4", folder)
@@ -62,7 +65,9 @@ def test_verify_fail_refuses_a_damaged_base_by_name_and_writes_nothing(model, tm
     store.ensure_base(model, QuantizeConfig(), "nf4", folder)
     _garble(folder / "model.safetensors", (folder / "model.safetensors").stat().st_size // 2)
     before = snapshot(folder)
-    with pytest.raises(store.BaseDamaged, match=rf"base_nf4 in {folder} is damaged: model\.safetensors: hash mismatch"):
+    with pytest.raises(
+        store.BaseDamaged, match=rf"base_nf4 in {folder} is damaged: model\.safetensors: hash mismatch"
+    ):
         store.ensure_base(model, QuantizeConfig(verify="fail"), "nf4", folder)
     assert snapshot(folder) == before
     (folder / "tokenizer.json").unlink()
@@ -83,8 +88,11 @@ def test_a_damaged_serving_copy_is_removed_or_refused_by_name(model, tmp_path, c
     _garble(serving / "model.safetensors", 16)
     with pytest.raises(store.BaseDamaged, match=r"damaged serving copy: serving/model\.safetensors: hash mismatch"):
         store.ensure_base(model, QuantizeConfig(verify="fail"), "nf4", folder)
+
     def base_files() -> dict:
-        return {k: v for k, v in snapshot(folder).items() if k not in (".", "serving") and not k.startswith("serving/")}
+        return {
+            k: v for k, v in snapshot(folder).items() if k not in (".", "serving") and not k.startswith("serving/")
+        }
 
     before = base_files()
     caplog.set_level(logging.INFO, logger=LOGGER)

@@ -37,8 +37,10 @@ def run(tmp_path_factory):
 def _settings(root: Path) -> dict:
     base = yaml.safe_load((root / "conf/base/parameters.yml").read_text())["benchmark"]
     smoke = yaml.safe_load((root / "conf/smoke/parameters.yml").read_text())["benchmark"]
-    grpo = {**yaml.safe_load((root / "conf/base/parameters.yml").read_text())["grpo"],
-            **yaml.safe_load((root / "conf/smoke/parameters.yml").read_text()).get("grpo", {})}
+    grpo = {
+        **yaml.safe_load((root / "conf/base/parameters.yml").read_text())["grpo"],
+        **yaml.safe_load((root / "conf/smoke/parameters.yml").read_text()).get("grpo", {}),
+    }
     return {**base, **smoke, "group": grpo["num_generations"]}
 
 
@@ -60,13 +62,24 @@ def _expected_metrics(s: dict) -> list[str]:
         names.append(f"bench.sync.{f}.adapter_sync_s")
         for b in batches:
             for kind in ("lora", "no_lora"):
-                names += [f"bench.rollout.{f}.tokens_per_s_{kind}.batch{b}" + sfx
-                          for sfx in ("", ".limit", ".fraction_of_limit")]
+                names += [
+                    f"bench.rollout.{f}.tokens_per_s_{kind}.batch{b}" + sfx
+                    for sfx in ("", ".limit", ".fraction_of_limit")
+                ]
     for m in s["methods"]:
-        names += [f"bench.training.{m}.{k}" for k in ("step_time_s", "tokens_per_s", "tokens_per_s.limit",
-                                                      "tokens_per_s.fraction_of_limit", "peak_memory",
-                                                      "param_bytes_packed_base", "param_bytes_lora",
-                                                      "optimizer_state_bytes")]
+        names += [
+            f"bench.training.{m}.{k}"
+            for k in (
+                "step_time_s",
+                "tokens_per_s",
+                "tokens_per_s.limit",
+                "tokens_per_s.fraction_of_limit",
+                "peak_memory",
+                "param_bytes_packed_base",
+                "param_bytes_lora",
+                "optimizer_state_bytes",
+            )
+        ]
         names.append(f"bench.peer.{m}.our_step_time_s")
         if HAVE_TRL:
             names.append(f"bench.peer.{m}.our_over_trl_step_time")
@@ -84,14 +97,26 @@ def test_every_figure_reaches_mlflow_and_the_table(run):
     assert not missing, f"not logged: {missing}"
     for name in _expected_metrics(s):
         assert math.isfinite(metrics[name])
-    assert {Path(a.path).name for a in artifacts} >= {"benchmark.csv", "benchmark.md", "benchmark.html",
-                                                      "benchmark_raw.json"}
+    assert {Path(a.path).name for a in artifacts} >= {
+        "benchmark.csv",
+        "benchmark.md",
+        "benchmark.html",
+        "benchmark_raw.json",
+    }
 
     report = run / s["report_dir"]
     with (report / "benchmark.csv").open() as fh:
         rows = list(csv.DictReader(fh))
-    assert rows and set(rows[0]) == {"section", "subject", "metric", "value", "unit", "limit",
-                                     "fraction_of_limit", "note"}
+    assert rows and set(rows[0]) == {
+        "section",
+        "subject",
+        "metric",
+        "value",
+        "unit",
+        "limit",
+        "fraction_of_limit",
+        "note",
+    }
     from qerl_pipeline.benchmarking.table import metric_name
 
     logged = {metric_name(r) for r in rows if r["value"] != ""}
@@ -147,8 +172,9 @@ def test_packed_bases_are_smaller_and_bases_are_reused(run):
     before = {p: p.stat().st_mtime_ns for p in bases.rglob("*") if p.is_file()}
     params = json.loads((run / "params.json").read_text())
     bcfg = BenchmarkConfig.model_validate({**params["benchmark"], "bases_dir": str(bases)})
-    again = prepare_bases(ModelConfig.model_validate(params["model"]), QuantizeConfig.model_validate(params["quantize"]),
-                          bcfg)
+    again = prepare_bases(
+        ModelConfig.model_validate(params["model"]), QuantizeConfig.model_validate(params["quantize"]), bcfg
+    )
     assert again == {"nvfp4": str(bases / "base_nvfp4"), "bf16": str(bases / "base_bf16")}
     assert {p: p.stat().st_mtime_ns for p in bases.rglob("*") if p.is_file()} == before
 
@@ -170,28 +196,76 @@ def test_rollout_engines_honour_model_dtype(run):
 def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
     """Results without ``used``/``reward``/engine memory (older ones): our step = rollout of the training batch +
     the configured sync (the recommended one under auto) + the training step; ratios against TRL."""
-    from qerl_pipeline.pipelines.benchmark.nodes import build_table
     from qerl_pipeline.benchmarking.table import metric_name
+    from qerl_pipeline.pipelines.benchmark.nodes import build_table
 
     fake_base(tmp_path / "base_nvfp4", 1)
-    hw = {"device": "cpu", "cpu": "x", "cpu_cores": 2, "bandwidth_gbs": 10.0, "matmul_flops": 1e12,
-          "matmul_dtype": "float32"}
+    hw = {
+        "device": "cpu",
+        "cpu": "x",
+        "cpu_cores": 2,
+        "bandwidth_gbs": 10.0,
+        "matmul_flops": 1e12,
+        "matmul_dtype": "float32",
+    }
     rollout = {
         "train_batch": 4,
         "rows": [
-            {"format": "nvfp4", "batch_size": 4, "lora": True, "tokens_per_s": 100.0, "seconds": 2.0, "is_train_batch": True},
-            {"format": "nvfp4", "batch_size": 4, "lora": False, "tokens_per_s": 300.0, "seconds": 0.5, "is_train_batch": True},
+            {
+                "format": "nvfp4",
+                "batch_size": 4,
+                "lora": True,
+                "tokens_per_s": 100.0,
+                "seconds": 2.0,
+                "is_train_batch": True,
+            },
+            {
+                "format": "nvfp4",
+                "batch_size": 4,
+                "lora": False,
+                "tokens_per_s": 300.0,
+                "seconds": 0.5,
+                "is_train_batch": True,
+            },
         ],
-        "sync": {"nvfp4": {"configured": "adapter", "recommended": "merge", "adapter_sync_s": 0.5, "merge_sync_s": 0.25}},
+        "sync": {
+            "nvfp4": {"configured": "adapter", "recommended": "merge", "adapter_sync_s": 0.5, "merge_sync_s": 0.25}
+        },
     }
-    training = [{"method": "qerl", "format": "nvfp4", "step_time_s": 1.5, "tokens_per_s": 40.0, "tokens_per_step": 60,
-                 "flops_per_step": 6e12, "sequences": 4, "step_impl": "x", "peak_memory_bytes": 2**30,
-                 "param_bytes_packed_base": 2**20, "param_bytes_lora": 2**20, "param_bytes_other": 0,
-                 "optimizer_state_bytes": 2**21}]
-    trl = {"skipped": False, "trl_version": "1.16.0", "generation": "transformers", "step_time_s": 8.0,
-           "generation_s": 5.0, "update_s": 3.0, "peak_memory_bytes": 2**31}
-    table = build_table(hw, {"nvfp4": str(tmp_path / "base_nvfp4")}, rollout, training, trl,
-                        {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4})
+    training = [
+        {
+            "method": "qerl",
+            "format": "nvfp4",
+            "step_time_s": 1.5,
+            "tokens_per_s": 40.0,
+            "tokens_per_step": 60,
+            "flops_per_step": 6e12,
+            "sequences": 4,
+            "step_impl": "x",
+            "peak_memory_bytes": 2**30,
+            "param_bytes_packed_base": 2**20,
+            "param_bytes_lora": 2**20,
+            "param_bytes_other": 0,
+            "optimizer_state_bytes": 2**21,
+        }
+    ]
+    trl = {
+        "skipped": False,
+        "trl_version": "1.16.0",
+        "generation": "transformers",
+        "step_time_s": 8.0,
+        "generation_s": 5.0,
+        "update_s": 3.0,
+        "peak_memory_bytes": 2**31,
+    }
+    table = build_table(
+        hw,
+        {"nvfp4": str(tmp_path / "base_nvfp4")},
+        rollout,
+        training,
+        trl,
+        {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4},
+    )
     got = {metric_name(r): r for r in table["rows"]}
     assert got["bench.peer.qerl.our_step_time_s"]["value"] == pytest.approx(2.0 + 0.5 + 1.5)
     assert got["bench.peer.qerl.our_over_trl_step_time"]["value"] == pytest.approx(4.0 / 8.0)
@@ -212,13 +286,25 @@ def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
     assert got["bench.rollout.nvfp4.weight_bytes_in_format"]["value"] == 160 * 4 + 256
     # older results with sync "auto": the recommended path (merge: no-LoRA rollout + merge sync)
     rollout["sync"]["nvfp4"]["configured"] = "auto"
-    table = build_table(hw, {"nvfp4": str(tmp_path / "base_nvfp4")}, rollout, training, trl,
-                        {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4})
+    table = build_table(
+        hw,
+        {"nvfp4": str(tmp_path / "base_nvfp4")},
+        rollout,
+        training,
+        trl,
+        {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4},
+    )
     got = {metric_name(r): r for r in table["rows"]}
     assert got["bench.peer.qerl.our_step_time_s"]["value"] == pytest.approx(0.5 + 0.25 + 1.5)
     # a skipped peer leaves our step time and a row that says why
-    table = build_table(hw, {"nvfp4": str(tmp_path / "base_nvfp4")}, rollout, training,
-                        {"skipped": True, "reason": "trl is not installed"}, {"methods": ["qerl"]})
+    table = build_table(
+        hw,
+        {"nvfp4": str(tmp_path / "base_nvfp4")},
+        rollout,
+        training,
+        {"skipped": True, "reason": "trl is not installed"},
+        {"methods": ["qerl"]},
+    )
     rows = {metric_name(r): r for r in table["rows"]}
     assert "bench.peer.qerl.our_over_trl_step_time" not in rows
     assert rows["bench.peer.trl.skipped"]["note"] == "trl is not installed"

@@ -14,17 +14,44 @@ import pytest
 
 from tests.helpers.models import fake_base
 
-HW = {"device": "cpu", "cpu": "x", "cpu_cores": 2, "bandwidth_gbs": 10.0, "matmul_flops": 1e12, "matmul_dtype": "float32"}
-TRL = {"skipped": False, "trl_version": "1.16.0", "generation": "transformers", "step_time_s": 8.0,
-       "generation_s": 5.0, "update_s": 3.0, "peak_memory_bytes": 2**31}
+HW = {
+    "device": "cpu",
+    "cpu": "x",
+    "cpu_cores": 2,
+    "bandwidth_gbs": 10.0,
+    "matmul_flops": 1e12,
+    "matmul_dtype": "float32",
+}
+TRL = {
+    "skipped": False,
+    "trl_version": "1.16.0",
+    "generation": "transformers",
+    "step_time_s": 8.0,
+    "generation_s": 5.0,
+    "update_s": 3.0,
+    "peak_memory_bytes": 2**31,
+}
 BENCH = {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4}
 
 
 def _training() -> list[dict]:
-    return [{"method": "qerl", "format": "nvfp4", "step_time_s": 1.5, "tokens_per_s": 40.0, "tokens_per_step": 60,
-             "flops_per_step": 6e12, "sequences": 4, "step_impl": "x", "peak_memory_bytes": 2**30,
-             "param_bytes_packed_base": 2**20, "param_bytes_lora": 2**20, "param_bytes_other": 0,
-             "optimizer_state_bytes": 2**21}]
+    return [
+        {
+            "method": "qerl",
+            "format": "nvfp4",
+            "step_time_s": 1.5,
+            "tokens_per_s": 40.0,
+            "tokens_per_step": 60,
+            "flops_per_step": 6e12,
+            "sequences": 4,
+            "step_impl": "x",
+            "peak_memory_bytes": 2**30,
+            "param_bytes_packed_base": 2**20,
+            "param_bytes_lora": 2**20,
+            "param_bytes_other": 0,
+            "optimizer_state_bytes": 2**21,
+        }
+    ]
 
 
 def _rollout(used: str | None, engine_mem: int | None = 2**29) -> dict:
@@ -34,12 +61,33 @@ def _rollout(used: str | None, engine_mem: int | None = 2**29) -> dict:
     return {
         "train_batch": 4,
         "rows": [
-            {"format": "nvfp4", "batch_size": 4, "lora": True, "tokens_per_s": 100.0, "seconds": 2.0, "is_train_batch": True},
-            {"format": "nvfp4", "batch_size": 4, "lora": False, "tokens_per_s": 300.0, "seconds": 0.5, "is_train_batch": True},
+            {
+                "format": "nvfp4",
+                "batch_size": 4,
+                "lora": True,
+                "tokens_per_s": 100.0,
+                "seconds": 2.0,
+                "is_train_batch": True,
+            },
+            {
+                "format": "nvfp4",
+                "batch_size": 4,
+                "lora": False,
+                "tokens_per_s": 300.0,
+                "seconds": 0.5,
+                "is_train_batch": True,
+            },
         ],
         # recommended deliberately differs from used: the table must follow used
-        "sync": {"nvfp4": {"configured": "auto", "recommended": "adapter" if used == "merge" else "merge", "used": used,
-                           "adapter_sync_s": 0.5, "merge_sync_s": 0.25}},
+        "sync": {
+            "nvfp4": {
+                "configured": "auto",
+                "recommended": "adapter" if used == "merge" else "merge",
+                "used": used,
+                "adapter_sync_s": 0.5,
+                "merge_sync_s": 0.25,
+            }
+        },
         "reward": {"nvfp4": {"reward_s": 0.125, "sequences": 4, "scorer": "RewardScorer"}},
         "served": {"nvfp4": served},
     }
@@ -104,7 +152,8 @@ def test_our_memory_counts_trainer_and_engine(tmp_path):
     assert head["ours_over_trl_memory"] == pytest.approx(0.75)
     assert head["our_peak_mem_MiB"] == pytest.approx(1536)
     assert {k: head[k] for k in ("our_rollout_s", "our_reward_s", "our_sync_s", "our_update_s")} == pytest.approx(
-        {"our_rollout_s": 0.5, "our_reward_s": 0.125, "our_sync_s": 0.25, "our_update_s": 1.5})
+        {"our_rollout_s": 0.5, "our_reward_s": 0.125, "our_sync_s": 0.25, "our_update_s": 1.5}
+    )
     assert head["ours_over_trl"] == pytest.approx(got["bench.peer.qerl.our_over_trl_step_time"]["value"])
 
 

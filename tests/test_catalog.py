@@ -24,8 +24,12 @@ ENVS = ("base", "smoke", "cpu_compare")
 
 def _loader(env: str, runtime: dict | None = None) -> OmegaConfigLoader:
     """The project's config loader for ``env`` ("base": conf/base under the empty conf/local, as `kedro run`)."""
-    return OmegaConfigLoader(str(PROJECT / "conf"), env="local" if env == "base" else env, runtime_params=runtime,
-                             **settings.CONFIG_LOADER_ARGS)
+    return OmegaConfigLoader(
+        str(PROJECT / "conf"),
+        env="local" if env == "base" else env,
+        runtime_params=runtime,
+        **settings.CONFIG_LOADER_ARGS,
+    )
 
 
 def _catalog(env: str) -> dict:

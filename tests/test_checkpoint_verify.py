@@ -51,8 +51,18 @@ def _save(run_dir: Path, steps=(1, 2), keep_last: int | None = None) -> list[Pat
     opt = torch.optim.AdamW(policy.parameters())
     policy.w.grad = torch.ones_like(policy.w)
     opt.step()  # Adam's moments in state.pt
-    return [ckpt.save_checkpoint(run_dir, s, policy=policy, optimizer=opt, scheduler=None,
-                                 state={"step": s, "run_id": "r"}, keep_last=keep_last) for s in steps]
+    return [
+        ckpt.save_checkpoint(
+            run_dir,
+            s,
+            policy=policy,
+            optimizer=opt,
+            scheduler=None,
+            state={"step": s, "run_id": "r"},
+            keep_last=keep_last,
+        )
+        for s in steps
+    ]
 
 
 def _truncate(path: Path) -> None:
@@ -80,7 +90,12 @@ def _expected(name: str, damage: str) -> str:
 
 
 #: every file kind cut short, garbled at the same size, deleted (meta.json deleted: its own test below)
-CASES = [(name, damage) for name in KINDS for damage in ("truncate", "garble", "delete") if (name, damage) != ("meta.json", "delete")]
+CASES = [
+    (name, damage)
+    for name in KINDS
+    for damage in ("truncate", "garble", "delete")
+    if (name, damage) != ("meta.json", "delete")
+]
 
 
 @pytest.mark.parametrize(("name", "damage"), CASES)
@@ -97,7 +112,7 @@ def test_a_damaged_newest_checkpoint_is_named_skipped_and_kept(tmp_path, caplog,
     assert any(said in r.getMessage() for r in caplog.records), caplog.text
     assert _tree(newest) == damaged  # nothing touched yet
     # the trainer then sets it aside, kept byte for byte, out of the way of saves and pruning
-    (found, kept), = ckpt.set_aside_damaged(run_dir, latest)
+    ((found, kept),) = ckpt.set_aside_damaged(run_dir, latest)
     assert kept == newest.with_name("step-000002.damaged") and str(found).startswith(said)
     assert _tree(kept) == damaged and not newest.exists()
     _save(run_dir, steps=(2, 3, 4), keep_last=2)
@@ -150,7 +165,9 @@ def test_no_intact_checkpoint_fails_in_one_line_naming_each_and_moves_nothing(tm
 
 def _legacy(folder: Path) -> None:
     """meta.json as checkpoints had it before sizes and hashes: the step and a list of file names."""
-    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != "meta.json")
+    files = sorted(
+        p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != "meta.json"
+    )
     (folder / "meta.json").write_text(json.dumps({"step": ckpt.step_of(folder), "files": files}))
 
 
@@ -190,21 +207,38 @@ def test_training_resumes_over_a_garbled_adapter_from_the_previous_checkpoint(bf
     from tests.helpers.engines import FakeEngine
     from tests.helpers.rewards import letter_fraction
 
-    cfg = QerlConfig.model_validate({
-        "method": "lora", "model": {"dtype": "float32", "max_seq_len": 256}, "lora": {"rank": 4, "alpha": 8},
-        "grpo": {"num_generations": 2}, "rollout": {"max_new_tokens": 4, "temperature": 1.0},
-        "train": {"steps": 3, "prompts_per_step": 2, "micro_batch_size": 4, "checkpoint_every": 2,
-                  "output_dir": str(tmp_path)},
-    })
-    records = [{"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
-               for i in range(1, 7)]
+    cfg = QerlConfig.model_validate(
+        {
+            "method": "lora",
+            "model": {"dtype": "float32", "max_seq_len": 256},
+            "lora": {"rank": 4, "alpha": 8},
+            "grpo": {"num_generations": 2},
+            "rollout": {"max_new_tokens": 4, "temperature": 1.0},
+            "train": {
+                "steps": 3,
+                "prompts_per_step": 2,
+                "micro_batch_size": 4,
+                "checkpoint_every": 2,
+                "output_dir": str(tmp_path),
+            },
+        }
+    )
+    records = [
+        {"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
+        for i in range(1, 7)
+    ]
     loggers: list[MemoryLogger] = []
 
     def run():
         loggers.append(MemoryLogger())
-        return trainer.train(cfg, bf16_base, records, engine=FakeEngine(cuda=False),
-                             reporting=Reporting(make_logger=lambda _rid: loggers[-1], progress=False),
-                             reward_fn=letter_fraction)
+        return trainer.train(
+            cfg,
+            bf16_base,
+            records,
+            engine=FakeEngine(cuda=False),
+            reporting=Reporting(make_logger=lambda _rid: loggers[-1], progress=False),
+            reward_fn=letter_fraction,
+        )
 
     first = run()
     reference = load_file(str(first.adapter_dir / "adapter_model.safetensors"))
@@ -216,7 +250,10 @@ def test_training_resumes_over_a_garbled_adapter_from_the_previous_checkpoint(bf
     assert not again.reused and again.resumed_from == 2 and again.steps == 3
     said = f"{newest / ADAPTER_FILE}: hash mismatch"
     assert said in caplog.text
-    assert said in loggers[-1].tags["qerl.resume_fallback"] and "step-000003.damaged" in loggers[-1].tags["qerl.resume_fallback"]
+    assert (
+        said in loggers[-1].tags["qerl.resume_fallback"]
+        and "step-000003.damaged" in loggers[-1].tags["qerl.resume_fallback"]
+    )
     assert _tree(newest.with_name("step-000003.damaged")) == damaged
     assert ckpt.verify_checkpoint(newest) is None  # step 3 written anew
     resumed = load_file(str(again.adapter_dir / "adapter_model.safetensors"))

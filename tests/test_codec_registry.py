@@ -57,8 +57,16 @@ def toy():
 def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -86,7 +94,11 @@ def test_every_built_in_format_keeps_its_promises(fmt):
 def test_mxfp4_and_fp8_are_served_packed_on_cuda_through_compressed_tensors(fmt):
     served = decide(fmt, "cuda")
     assert (served.path, served.served_format, served.dense, served.engine_args) == (
-        Path("."), fmt, False, {"quantization": "compressed-tensors"})
+        Path("."),
+        fmt,
+        False,
+        {"quantization": "compressed-tensors"},
+    )
     assert decide(fmt, "cpu").served_format == f"dense-decoded-{fmt}"
     with pytest.raises(ValueError, match="bfloat16/float16 activations only"):
         engine_dtype({"dtype": "float32"}, "cuda", served)
@@ -95,7 +107,10 @@ def test_mxfp4_and_fp8_are_served_packed_on_cuda_through_compressed_tensors(fmt)
 
 def test_the_format_sweep_methods_are_registered():
     assert {m: config.METHOD_FORMAT[m] for m in ("mxfp4", "mxfp4_noaqn", "fp8")} == {
-        "mxfp4": "mxfp4", "mxfp4_noaqn": "mxfp4", "fp8": "fp8"}
+        "mxfp4": "mxfp4",
+        "mxfp4_noaqn": "mxfp4",
+        "fp8": "fp8",
+    }
     assert "mxfp4" in config.AQN_METHODS and "mxfp4_noaqn" not in config.AQN_METHODS
     assert all(config.METHOD_SPECS[m].quantized for m in ("mxfp4", "mxfp4_noaqn", "fp8"))
     cfg = validate({"compare": {"methods": "qerl mxfp4 fp8"}})
@@ -128,13 +143,17 @@ class _Unnamed(Toy6Codec):
     name = "toy-6"
 
 
-@pytest.mark.parametrize("codec, why", [
-    (_Lossy(), r"decode\(encode\(w\)\) is 0\.5\d* off \(relative\), beyond its stated bound 0\.05"),
-    (_WrongSpecs(), r"weight_q6 is torch\.int8 \(64, 128\), expected torch\.int16"),
-    (_Raises(), r"its round trip raised RuntimeError: no such kernel"),
-    (_Unnamed(), r"a Python identifier is needed"),
-    (type("Again", (Toy6Codec,), {"name": "nvfp4"})(), r"'nvfp4' is registered already"),
-], ids=["lossy", "specs", "raises", "name", "taken"])
+@pytest.mark.parametrize(
+    "codec, why",
+    [
+        (_Lossy(), r"decode\(encode\(w\)\) is 0\.5\d* off \(relative\), beyond its stated bound 0\.05"),
+        (_WrongSpecs(), r"weight_q6 is torch\.int8 \(64, 128\), expected torch\.int16"),
+        (_Raises(), r"its round trip raised RuntimeError: no such kernel"),
+        (_Unnamed(), r"a Python identifier is needed"),
+        (type("Again", (Toy6Codec,), {"name": "nvfp4"})(), r"'nvfp4' is registered already"),
+    ],
+    ids=["lossy", "specs", "raises", "name", "taken"],
+)
 def test_a_codec_that_breaks_its_promises_is_refused_when_it_registers(codec, why):
     before = dict(REGISTRY)
     with pytest.raises(CodecError, match=why):
@@ -185,16 +204,23 @@ def test_a_registered_codec_writes_and_reads_its_base(toy_base):
 
     folder, stats = toy_base
     assert checkpoint.base_format(folder) == "toy6"
-    assert json.loads((folder / "config.json").read_text())["qerl_quantization"] == {"format": "toy6", "ignore": ["lm_head"]}
+    assert json.loads((folder / "config.json").read_text())["qerl_quantization"] == {
+        "format": "toy6",
+        "ignore": ["lm_head"],
+    }
     tensors = checkpoint.read_tensors(folder)
     assert tensors["model.layers.0.self_attn.q_proj.weight_q6"].dtype == torch.int8
-    assert "model.layers.0.self_attn.q_proj.weight" not in tensors and tensors["lm_head.weight"].dtype == torch.bfloat16
+    assert (
+        "model.layers.0.self_attn.q_proj.weight" not in tensors and tensors["lm_head.weight"].dtype == torch.bfloat16
+    )
     assert stats["n_quantized_linears"] == 14 and 0 < stats["rel_error_max"] < Toy6Codec.max_rel_error
 
 
-BUFFERS = {"mxfp4": {"packed": torch.uint8, "scale_exponents": torch.uint8},
-           "fp8": {"codes": torch.uint8, "scale_bits": torch.int16},
-           "toy6": {"q6": torch.int8, "s6_bits": torch.int32}}
+BUFFERS = {
+    "mxfp4": {"packed": torch.uint8, "scale_exponents": torch.uint8},
+    "fp8": {"codes": torch.uint8, "scale_bits": torch.int16},
+    "toy6": {"q6": torch.int8, "s6_bits": torch.int32},
+}
 
 
 @pytest.mark.parametrize("fmt", sorted(BUFFERS))
@@ -219,7 +245,9 @@ def test_a_codec_trains_in_the_policy(toy, fmt, tmp_path):
     dense = AutoModelForCausalLM.from_pretrained(checkpoint.serving_dir(folder), dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(policy.eval()(input_ids=ids).logits, dense(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            policy.eval()(input_ids=ids).logits, dense(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
     policy.train()
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -244,7 +272,9 @@ def test_the_planner_takes_the_bytes_of_each_codec(toy, fmt, tmp_path):
     checkpoint.write_base(model, None, fmt, tmp_path / fmt)
     method = next(m for m, s in config.METHOD_SPECS.items() if s.format == fmt)
     cfg = QerlConfig.model_validate({"method": method, "lora": {"rank": 4, "alpha": 8}})
-    policy = build_policy(tmp_path / fmt, fmt, LoraConfig(rank=4, alpha=8, target_modules=TARGETS), dtype=torch.float32)
+    policy = build_policy(
+        tmp_path / fmt, fmt, LoraConfig(rank=4, alpha=8, target_modules=TARGETS), dtype=torch.float32
+    )
     planned = sizing.weight_bytes(cfg, sizing.ModelShape.from_config(model.config))["base_linears"]
     assert planned == parameter_bytes(policy)["packed_base"] > 0
 
@@ -261,15 +291,24 @@ def test_a_registered_codec_trains_one_step_through_the_trainer(toy, tmp_path, s
     from tests.helpers.project import PROJECT
     from tests.helpers.rewards import letter_fraction
 
-    cfg = load_config("smoke", "method=toy6,optim.lr.toy6=1e-2,train.steps=1,train.checkpoint_every=1",
-                      conf_dir=PROJECT / "conf")
+    cfg = load_config(
+        "smoke", "method=toy6,optim.lr.toy6=1e-2,train.steps=1,train.checkpoint_every=1", conf_dir=PROJECT / "conf"
+    )
     folder, report, reused = ensure_base(cfg.model, cfg.quantize, "toy6", tmp_path / "base_toy6")
     assert not reused and report["format"] == "toy6" and checkpoint.base_format(folder) == "toy6"
-    records = [{"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
-               for i in range(1, 5)]
+    records = [
+        {"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
+        for i in range(1, 5)
+    ]
     logger = MemoryLogger()
-    result = trainer.train(cfg, folder, records, output_dir=tmp_path / "runs",
-                           reporting=Reporting(make_logger=lambda _rid: logger, progress=False), reward_fn=letter_fraction)
+    result = trainer.train(
+        cfg,
+        folder,
+        records,
+        output_dir=tmp_path / "runs",
+        reporting=Reporting(make_logger=lambda _rid: logger, progress=False),
+        reward_fn=letter_fraction,
+    )
     assert result.steps == 1 and (result.adapter_dir / "adapter_model.safetensors").is_file()
     (row,) = result.history
     assert torch.isfinite(torch.tensor(row["loss"])) and row["optim/grad_norm"] > 0

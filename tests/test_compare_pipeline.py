@@ -70,11 +70,13 @@ def compared(tmp_path_factory):
             names = _branches(text)
             if len(names) >= 3:
                 third = names[2]
-                tail = text[text.index(f"compare branch {third} seed {SEEDS[0]}"):]
+                tail = text[text.index(f"compare branch {third} seed {SEEDS[0]}") :]
                 # the step-2 checkpoint is on disk at once; the log line may reach the file late (block-buffered
                 # output), by when the branch can have finished its last step and its run (nothing left to resume)
                 newest = ckpt.find_latest(root / "data/06_models/train_smoke/compare" / f"seed-{SEEDS[0]}" / third)
-                if re.search(rf"step 2/{SMOKE_STEPS} ", tail) or (newest and int(ckpt.peek_state(newest)["step"]) >= 2):
+                if re.search(rf"step 2/{SMOKE_STEPS} ", tail) or (
+                    newest and int(ckpt.peek_state(newest)["step"]) >= 2
+                ):
                     break
             if proc.poll() is not None:
                 pytest.fail(f"compare ended (rc {proc.returncode}) before its third branch's step 2\n{text[-6000:]}")
@@ -96,7 +98,9 @@ def compared(tmp_path_factory):
     killed_at = int(ckpt.peek_state(newest)["step"]) if newest is not None else None
     client = MlflowClient(tracking_uri=tracking_uri(root))
     exp = client.get_experiment_by_name("qerl_pipeline")
-    first_parent = next(r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("qerl.role") == "compare")
+    first_parent = next(
+        r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("qerl.role") == "compare"
+    )
     killed_runs = _child_runs(client, first_parent.info.run_id)
     before = {m: r.info.run_id for m, r in killed_runs.items()}
     first_names = _branches(log1.read_text(errors="replace"))
@@ -105,13 +109,27 @@ def compared(tmp_path_factory):
     t0 = time.perf_counter()
     resumed = wait_kedro(start_kedro(root, *ARGS, log=log2), log2, timeout=1500)
     print(f"resumed compare: {time.perf_counter() - t0:.0f} s")  # measured, not asserted
-    parents = [r for r in client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
-               if r.data.tags.get("qerl.role") == "compare"]
+    parents = [
+        r
+        for r in client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+        if r.data.tags.get("qerl.role") == "compare"
+    ]
     parent = parents[0]
     children = list(_child_runs(client, parent.info.run_id).values())
-    return {"root": root, "uri": tracking_uri(root), "client": client, "parent": parent, "children": children,
-            "before": before, "order": first_names, "second": resumed.stdout, "killed_at": killed_at, "report": root / "data/08_reporting/smoke/compare",
-            "killed_parent": first_parent, "killed_run": killed_runs.get((third, SEEDS[0]))}
+    return {
+        "root": root,
+        "uri": tracking_uri(root),
+        "client": client,
+        "parent": parent,
+        "children": children,
+        "before": before,
+        "order": first_names,
+        "second": resumed.stdout,
+        "killed_at": killed_at,
+        "report": root / "data/08_reporting/smoke/compare",
+        "killed_parent": first_parent,
+        "killed_run": killed_runs.get((third, SEEDS[0])),
+    }
 
 
 def test_resume_keeps_finished_branches_and_resumes_the_interrupted_one(compared):
@@ -124,7 +142,9 @@ def test_resume_keeps_finished_branches_and_resumes_the_interrupted_one(compared
     for key in before:
         assert after[key].info.run_id == before[key], f"{key}: a new run instead of its own"
     for m in (first, second_done):
-        found = re.findall(rf"{m}: already trained to step {SMOKE_STEPS} in \S*/compare/seed-(\d+)/{m} .* reusing it", second)
+        found = re.findall(
+            rf"{m}: already trained to step {SMOKE_STEPS} in \S*/compare/seed-(\d+)/{m} .* reusing it", second
+        )
         assert sorted(map(int, found)) == SEEDS, (m, found)
     killed_at = compared["killed_at"]
     assert killed_at in (2, 3)  # killed after its step-2 checkpoint (module fixture)
@@ -157,7 +177,9 @@ def test_the_interrupted_runs_are_killed_with_the_last_step_and_the_resume_finis
 
 def test_one_finished_run_per_method_and_seed_with_curves_and_eval(compared):
     client, children = compared["client"], compared["children"]
-    assert sorted((r.data.tags["method"], r.data.tags["seed"]) for r in children) == sorted((m, str(k)) for m in METHODS for k in SEEDS)
+    assert sorted((r.data.tags["method"], r.data.tags["seed"]) for r in children) == sorted(
+        (m, str(k)) for m in METHODS for k in SEEDS
+    )
     for run in children:
         assert run.info.status == "FINISHED"
         assert run.data.params["method"] == run.data.tags["method"]
@@ -172,14 +194,22 @@ def test_one_finished_run_per_method_and_seed_with_curves_and_eval(compared):
         for bench in ("generator", "gsm8k"):
             assert m[f"eval/trained/{bench}/n_problems"] == 4
             assert m[f"eval/base/{bench}/n_problems"] == 4
-            assert 0 <= m[f"eval/trained/{bench}/pass1_ci_low"] <= m[f"eval/trained/{bench}/pass1"] <= m[f"eval/trained/{bench}/pass1_ci_high"] <= 1
+            assert (
+                0
+                <= m[f"eval/trained/{bench}/pass1_ci_low"]
+                <= m[f"eval/trained/{bench}/pass1"]
+                <= m[f"eval/trained/{bench}/pass1_ci_high"]
+                <= 1
+            )
         assert m["base/weight_mib"] > 0 and 0 < m["quantize/linear_bytes_ratio"] <= 1
         arts = {a.path for a in client.list_artifacts(run.info.run_id, "eval")}
         assert {"eval/accuracy.json", "eval/records.json", "eval/result.json"} <= arts
         # the run holds what it was trained on and what it made (issue "MLflow holds every artifact")
         top = {a.path for a in client.list_artifacts(run.info.run_id)}
         assert {"config", "data", "quantize", "final_adapter", "completions", "plots"} <= top, top
-        assert {"quantize/report.json", "quantize/fingerprint.json"} <= {a.path for a in client.list_artifacts(run.info.run_id, "quantize")}
+        assert {"quantize/report.json", "quantize/fingerprint.json"} <= {
+            a.path for a in client.list_artifacts(run.info.run_id, "quantize")
+        }
         assert "data/report.json" in {a.path for a in client.list_artifacts(run.info.run_id, "data")}
     # AQN in qerl and lora_aqn (on the bf16 base): sigma positive after stage 0; the others' stays 0
     for run in children:
@@ -220,8 +250,17 @@ def test_report_files_contain_every_method(compared):
     assert len(table) == 1 + len(METHODS) * len(SEEDS) * 2 * 2  # methods x seeds x policies x benchmarks
     # logged to the compare run too
     names = {Path(a.path).name for a in compared["client"].list_artifacts(compared["parent"].info.run_id, "report")}
-    assert {"report.html", "reward_curves.png", "entropy_curves.png", "accuracy.png", "system.png", "claims.json", "claims.csv",
-            "curves.csv", "accuracy_summary.csv"} <= names
+    assert {
+        "report.html",
+        "reward_curves.png",
+        "entropy_curves.png",
+        "accuracy.png",
+        "system.png",
+        "claims.json",
+        "claims.csv",
+        "curves.csv",
+        "accuracy_summary.csv",
+    } <= names
 
 
 def test_report_has_intervals_over_seeds_and_states_the_claims(compared):
@@ -232,7 +271,11 @@ def test_report_has_intervals_over_seeds_and_states_the_claims(compared):
     curves = pd.read_csv(report / "curves.csv")
     assert set(curves["curve"]) == {"reward", "entropy"} and set(curves["method"]) == set(METHODS)
     assert (curves["n_seeds"] == len(SEEDS)).all() and sorted(set(curves["step"])) == list(range(1, SMOKE_STEPS + 1))
-    assert curves["ci_low"].notna().all() and (curves["ci_low"] <= curves["mean"]).all() and (curves["mean"] <= curves["ci_high"]).all()
+    assert (
+        curves["ci_low"].notna().all()
+        and (curves["ci_low"] <= curves["mean"]).all()
+        and (curves["mean"] <= curves["ci_high"]).all()
+    )
     acc = pd.read_csv(report / "accuracy_summary.csv")
     trained = acc[acc["policy"] == "trained"]
     assert len(trained) == len(METHODS) * 2 and (trained["n_seeds"] == len(SEEDS)).all()
@@ -245,13 +288,21 @@ def test_report_has_intervals_over_seeds_and_states_the_claims(compared):
         assert row.pass1 == pytest.approx(per_run[row.method, row.benchmark]), row
     claims = json.loads((report / "claims.json").read_text())
     ids = {c["id"] for c in claims}
-    assert ids == {"a_qerl_entropy_gt_lora", "a_qerl_noaqn_entropy_gt_lora", "a_qlora_entropy_gt_lora",
-                   "b_qerl_ge_qerl_noaqn", "b_qerl_noaqn_ge_lora", "c_lora_aqn_ge_lora"}
+    assert ids == {
+        "a_qerl_entropy_gt_lora",
+        "a_qerl_noaqn_entropy_gt_lora",
+        "a_qlora_entropy_gt_lora",
+        "b_qerl_ge_qerl_noaqn",
+        "b_qerl_noaqn_ge_lora",
+        "c_lora_aqn_ge_lora",
+    }
     for c in claims:  # every claim measured on both seeds, its sentence on the page
         assert c["seeds"] == SEEDS and c["difference"]["n"] == len(SEEDS), c
         num = r"-?\d+\.\d+(?:e[-+]\d+)?"
-        assert re.fullmatch(rf"(supported|contradicted|cannot tell): difference {num}, 95% interval \[{num}, {num}\], 2 seeds",
-                            c["text"]), c["text"]
+        assert re.fullmatch(
+            rf"(supported|contradicted|cannot tell): difference {num}, 95% interval \[{num}, {num}\], 2 seeds",
+            c["text"],
+        ), c["text"]
         assert c["text"] in page
         assert c["verdict"] == c["text"].split(":")[0]
     assert "first AQN stage" in page
@@ -268,7 +319,9 @@ def test_notebook_draws_the_smoke_runs(compared, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", compared["uri"])
     monkeypatch.setenv("QERL_COMPARE_GROUP", compared["parent"].info.run_id)
     nb = nbformat.read(PROJECT / "notebooks" / "compare_runs.ipynb", as_version=4)
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(PROJECT / "notebooks")}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(PROJECT / "notebooks")}}
+    ).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4
@@ -281,8 +334,15 @@ def test_the_report_node_alone_rebuilds_the_report_without_training(compared):
     """The one report path, run again: ``--nodes=build_comparison_report`` reads the branches' persisted summaries."""
     root = compared["root"]
     out = root / "report2"
-    proc = run_kedro(root, "run", "--pipelines=compare", "--env=smoke", "--nodes=build_comparison_report",
-                     f"{EVAL_PARAMS},compare.report_dir={out}", timeout=600)
+    proc = run_kedro(
+        root,
+        "run",
+        "--pipelines=compare",
+        "--env=smoke",
+        "--nodes=build_comparison_report",
+        f"{EVAL_PARAMS},compare.report_dir={out}",
+        timeout=600,
+    )
     assert re.findall(r"Running node: ([\w.]+)", proc.stdout) == ["build_comparison_report"]  # nothing trained
     page = (out / "report.html").read_text()
     for run in compared["children"]:
@@ -294,10 +354,15 @@ def test_one_branch_alone_reuses_its_training_and_evaluation(compared):
     root = compared["root"]
     proc = run_kedro(root, *ARGS, "--namespaces=compare.qlora", timeout=600)
     ran = re.findall(r"Running node: ([\w.]+)", proc.stdout)
-    assert ran and all(n.startswith("compare.qlora.") or n in {"train_policy", "evaluate_policies", "evaluation_outputs"}
-                       for n in ran), ran
-    assert len(re.findall(rf"qlora: already trained to step {SMOKE_STEPS} in .* reusing it", proc.stdout)) == len(SEEDS)
-    assert len(re.findall(r"evaluate qlora seed \d+: run \w+ already holds this evaluation", proc.stdout)) == len(SEEDS)
+    assert ran and all(
+        n.startswith("compare.qlora.") or n in {"train_policy", "evaluate_policies", "evaluation_outputs"} for n in ran
+    ), ran
+    assert len(re.findall(rf"qlora: already trained to step {SMOKE_STEPS} in .* reusing it", proc.stdout)) == len(
+        SEEDS
+    )
+    assert len(re.findall(r"evaluate qlora seed \d+: run \w+ already holds this evaluation", proc.stdout)) == len(
+        SEEDS
+    )
     assert "shared engine started" not in proc.stdout  # nothing needed an engine
 
 
@@ -309,8 +374,14 @@ def test_a_method_left_out_of_compare_methods_is_neither_trained_nor_evaluated(c
     ``skipped``), which the tests above read. ``compare.methods`` is given as the space-separated string form."""
     root, client = compared["root"], compared["client"]
     seed, report = 7, root / "report_methods"
-    proc = run_kedro(root, "run", "--pipelines=compare", "--env=smoke",
-                     f"{EVAL_PARAMS},compare.methods=lora,compare.seeds=[{seed}],compare.report_dir={report}", timeout=900)
+    proc = run_kedro(
+        root,
+        "run",
+        "--pipelines=compare",
+        "--env=smoke",
+        f"{EVAL_PARAMS},compare.methods=lora,compare.seeds=[{seed}],compare.report_dir={report}",
+        timeout=900,
+    )
     out = proc.stdout
     left_out = [m for m in METHODS if m != "lora"]
     for m in left_out:  # its train, evaluate and export nodes ran, and each said so (the export once for its three)
@@ -323,10 +394,15 @@ def test_a_method_left_out_of_compare_methods_is_neither_trained_nor_evaluated(c
     exp = client.get_experiment_by_name("qerl_pipeline")
     seeded = client.search_runs([exp.experiment_id], filter_string=f"tags.seed = '{seed}'")
     assert [r.data.tags["method"] for r in seeded] == ["lora"]
-    parent = next(r for r in client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
-                  if r.data.tags.get("qerl.role") == "compare")
+    parent = next(
+        r
+        for r in client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+        if r.data.tags.get("qerl.role") == "compare"
+    )
     assert list(_child_runs(client, parent.info.run_id)) == [("lora", seed)]
-    assert list(json.loads((root / "data/08_reporting/smoke/compare/runs.json").read_text())) == ["lora"]  # the report's runs
+    assert list(json.loads((root / "data/08_reporting/smoke/compare/runs.json").read_text())) == [
+        "lora"
+    ]  # the report's runs
     assert "lora" in (report / "report.html").read_text()
     assert json.loads((report / "claims.json").read_text()) == []  # every claim names a method left out
     summary = json.loads((compared["report"] / "qlora" / "train_summary.json").read_text())

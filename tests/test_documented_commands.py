@@ -30,7 +30,6 @@ import shlex
 import subprocess
 from dataclasses import dataclass
 
-import click
 import pytest
 
 from qerl_pipeline.config import ConfigError, validate
@@ -49,8 +48,8 @@ GIB_NOTE = re.compile(r"\(([0-9]+(?:\.[0-9]+)?) GiB\)")
 
 @dataclass(frozen=True)
 class Command:
-    where: str              # page:line
-    args: tuple[str, ...]   # what follows `kedro run`
+    where: str  # page:line
+    args: tuple[str, ...]  # what follows `kedro run`
     gpu_note: float | None  # the GPU its comment names, GiB
     setup: tuple[str, ...] = ()  # the lines above it in its block that write the files it reads
 
@@ -61,8 +60,8 @@ class Command:
 def _run_args(tokens: list[str]) -> list[str] | None:
     """The arguments after ``kedro run`` in ``tokens``, None when they hold no ``kedro run``."""
     for i in range(len(tokens) - 1):
-        if tokens[i:i + 2] == ["kedro", "run"]:
-            return tokens[i + 2:]
+        if tokens[i : i + 2] == ["kedro", "run"]:
+            return tokens[i + 2 :]
     return None
 
 
@@ -98,7 +97,9 @@ def commands_in(page) -> list[Command]:
             above = lines[start - 1] if start and lines[start - 1].lstrip().startswith("#") else ""
             note = GIB_NOTE.search(line.partition(" #")[2] or above)
             setup = tuple(s for s in lines[:start] if WRITES.match(s))
-            found.append(Command(f"{name}:{first + start}", tuple(args), float(note.group(1)) if note else None, setup))
+            found.append(
+                Command(f"{name}:{first + start}", tuple(args), float(note.group(1)) if note else None, setup)
+            )
     prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # the blocks blanked, line numbers kept
     for line in INDENTED.finditer(prose):
         args = _run_args(shlex.split(line.group(1), comments=True))
@@ -109,15 +110,20 @@ def commands_in(page) -> list[Command]:
         args = _run_args(words)
         if args is None or "..." in words or (args and args[-1].startswith("-") and _takes_a_value(args[-1])):
             continue
-        found.append(Command(f"{name}:{prose.count(chr(10), 0, span.start()) + 1}", tuple(shlex.split(" ".join(args))),
-                             None))
+        found.append(
+            Command(f"{name}:{prose.count(chr(10), 0, span.start()) + 1}", tuple(shlex.split(" ".join(args))), None)
+        )
     return found
 
 
 def commands_in_env_header(env: str) -> list[Command]:
-    return [Command(f"conf/{env}/parameters.yml:{i}", tuple(shlex.split(line.split("kedro run", 1)[1], comments=True)),
-                    None)
-            for i, line in enumerate(header(env).splitlines(), 1) if re.match(r"#\s+kedro run\b", line)]
+    return [
+        Command(
+            f"conf/{env}/parameters.yml:{i}", tuple(shlex.split(line.split("kedro run", 1)[1], comments=True)), None
+        )
+        for i, line in enumerate(header(env).splitlines(), 1)
+        if re.match(r"#\s+kedro run\b", line)
+    ]
 
 
 COMMANDS = [c for page in PAGES for c in commands_in(page)] + [c for env in ENVS for c in commands_in_env_header(env)]
@@ -134,9 +140,15 @@ def problems(command: Command) -> list[str]:
     combined = pipelines[names[0]]
     for n in names[1:]:
         combined += pipelines[n]
-    pipeline = combined.filter(tags=opts["tags"], from_nodes=opts["from_nodes"], to_nodes=opts["to_nodes"],
-                               node_names=opts["node_names"], from_inputs=opts["from_inputs"],
-                               to_outputs=opts["to_outputs"], node_namespaces=opts["namespaces"])
+    pipeline = combined.filter(
+        tags=opts["tags"],
+        from_nodes=opts["from_nodes"],
+        to_nodes=opts["to_nodes"],
+        node_names=opts["node_names"],
+        from_inputs=opts["from_inputs"],
+        to_outputs=opts["to_outputs"],
+        node_namespaces=opts["namespaces"],
+    )
     try:
         cfg = validate(inputs.load_parameters(opts["env"], opts["params"], CONF))
     except ConfigError as err:
@@ -155,17 +167,26 @@ def test_the_documented_commands_are_found():
         return any(s.startswith(f"{page}:") and s.endswith(f": {command}") for s in text)
 
     assert len(COMMANDS) >= 30, "\n".join(sorted(text))
-    assert found("docs/scale-out.md", "kedro run --pipelines=train --env paper_bigmath_7b --params train.nproc=8,"
-                 "train.nnodes=2,train.node_rank=0,train.master_addr=10.0.0.1,train.master_port=29500"), text
-    assert found("docs/gpu.md", "kedro run --pipelines=compare --env paper_gsm8k_7b --params "
-                 "'compare.methods=qerl qerl_noaqn lora lora_aqn,compare.seeds=0 1 2'"), text
+    assert found(
+        "docs/scale-out.md",
+        "kedro run --pipelines=train --env paper_bigmath_7b --params train.nproc=8,"
+        "train.nnodes=2,train.node_rank=0,train.master_addr=10.0.0.1,train.master_port=29500",
+    ), text
+    assert found(
+        "docs/gpu.md",
+        "kedro run --pipelines=compare --env paper_gsm8k_7b --params "
+        "'compare.methods=qerl qerl_noaqn lora lora_aqn,compare.seeds=0 1 2'",
+    ), text
     assert found("docs/configuration.md", "kedro run --pipelines=compare --env cpu_compare")  # a span over two lines
     assert found("docs/configuration.md", "kedro run --pipelines=train --env smoke --params grpo.loss_type=cispo")
     assert found("docs/lineage.md", "kedro run --pipelines=compare --env cpu_compare")  # a fence in a list item
     assert found("conf/paper_bigmath_32b/parameters.yml", "kedro run --pipelines=train --env paper_bigmath_32b")
     assert not any("..." in c.args or c.args[-1:] == ("--params",) for c in COMMANDS)
-    (h200,) = [c for c in COMMANDS if c.where.startswith("docs/gpu.md") and "paper_bigmath_32b" in c.args
-               and "--pipelines=compare" in c.args]
+    (h200,) = [
+        c
+        for c in COMMANDS
+        if c.where.startswith("docs/gpu.md") and "paper_bigmath_32b" in c.args and "--pipelines=compare" in c.args
+    ]
     assert h200.gpu_note == 139
     (own_data,) = [c for c in COMMANDS if "data.train_source=file" in " ".join(c.args)]
     assert own_data.setup and own_data.setup[0].startswith("printf ") and own_data.setup[0].endswith("> my.jsonl")

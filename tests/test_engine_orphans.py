@@ -50,7 +50,7 @@ DEADLINE_S = 20.0
 # Stand-in for rollout/server.py: the same guard, then a tree of sleeping processes that
 # report who they are and how their guard was armed.
 DUMMY_SERVER = textwrap.dedent(
-    '''
+    """
     import json, multiprocessing as mp, os, threading, time
     from qerl_pipeline.rollout import server
 
@@ -88,12 +88,12 @@ DUMMY_SERVER = textwrap.dedent(
         t.start()
         t.join()
         time.sleep(600)
-    '''
+    """
 )
 
 # The owner: starts the stand-in through the client's code path, prints its pid, sleeps.
 OWNER = textwrap.dedent(
-    '''
+    """
     import os, sys, threading, time
     from qerl_pipeline.rollout.engine import start_engine_process
 
@@ -111,19 +111,19 @@ OWNER = textwrap.dedent(
     else:
         start()
     time.sleep(600)
-    '''
+    """
 )
 
 # The owner of a real engine.
 ENGINE_OWNER = textwrap.dedent(
-    '''
+    """
     import sys, time
     from qerl_pipeline.rollout.engine import RolloutEngine
 
     engine = RolloutEngine(sys.argv[1], max_model_len=128, max_lora_rank=None, log_file=sys.argv[2])
     print(engine.pid, flush=True)
     time.sleep(3600)
-    '''
+    """
 )
 
 TREE_ROLES = {"server", "fork", "fork/fork", "fork/spawn", "spawn", "spawn/fork", "spawn/spawn", "thread-fork"}
@@ -229,7 +229,9 @@ def test_every_process_of_a_stand_in_engine_ends_with_its_owner(tmp_path, mode, 
     reports.mkdir()
     log = tmp_path / "engine.log"
     env = dict(os.environ, ORPHAN_REPORTS=str(reports))
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(dummy), str(log), mode], stdout=subprocess.PIPE, env=env)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(dummy), str(log), mode], stdout=subprocess.PIPE, env=env
+    )
     procs: list[psutil.Process] = []
     try:
         server = psutil.Process(_read_pid(owner, 120, log))
@@ -281,8 +283,9 @@ def test_killing_the_owner_and_the_server_together_leaves_no_vllm_process(tmp_pa
     log = tmp_path / "engine.log"
     # vLLM's process chain (EngineCore, Worker), as on CUDA: on CPU the engine runs it in the server otherwise
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    owner = subprocess.Popen([sys.executable, "-c", ENGINE_OWNER, str(tiny_model_dir), str(log)], stdout=subprocess.PIPE,
-                             env=env)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_OWNER, str(tiny_model_dir), str(log)], stdout=subprocess.PIPE, env=env
+    )
     procs: list[psutil.Process] = []
     try:
         server = psutil.Process(_read_pid(owner, 600, log))
@@ -295,7 +298,9 @@ def test_killing_the_owner_and_the_server_together_leaves_no_vllm_process(tmp_pa
         assert not unguarded, f"engine processes without a guard: {unguarded}\n{names}"
 
         seconds = _kill_and_check(owner, server, "together", procs)
-        print(f"{len(procs)} engine processes ({', '.join(p.name() for p in procs)}) ended {seconds:.2f} s after the kill")
+        print(
+            f"{len(procs)} engine processes ({', '.join(p.name() for p in procs)}) ended {seconds:.2f} s after the kill"
+        )
     finally:
         _cleanup(owner, procs)
 
@@ -321,16 +326,27 @@ def test_sigkill_of_a_training_run_and_its_engine_server_leaves_no_engine_proces
     try:
         # Its own process group (start_kedro): the group is kedro's process tree minus the engine,
         # which leads a session of its own. 10 steps: killed in step 2, far from the end.
-        run = start_kedro(root, "run", "--pipeline=train", "--env=smoke",
-                          "--params", f"train.steps=10,train.checkpoint_every=10,train.output_dir={out}",
-                          log=log, env={"TMPDIR": str(scratch), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+        run = start_kedro(
+            root,
+            "run",
+            "--pipeline=train",
+            "--env=smoke",
+            "--params",
+            f"train.steps=10,train.checkpoint_every=10,train.output_dir={out}",
+            log=log,
+            env={"TMPDIR": str(scratch), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        )
 
         # Training is underway: step 1's adapter is saved (step 2's rollout has begun) and the
         # engine server runs below kedro with vLLM's processes below it.
         deadline = time.monotonic() + 900
         while not step_1_done.is_dir():
-            assert run.poll() is None, f"kedro run exited ({run.returncode}) before step 1 ended\n" + log.read_text(errors="replace")[-6000:]
-            assert time.monotonic() < deadline, "step 1 did not end within 900 s\n" + log.read_text(errors="replace")[-6000:]
+            assert run.poll() is None, (
+                f"kedro run exited ({run.returncode}) before step 1 ended\n" + log.read_text(errors="replace")[-6000:]
+            )
+            assert time.monotonic() < deadline, (
+                "step 1 did not end within 900 s\n" + log.read_text(errors="replace")[-6000:]
+            )
             time.sleep(0.05)
         procs = _tree(run.pid)
         servers = [p for p in procs if f"-m {SERVER_MODULE}" in _cmd(p)]

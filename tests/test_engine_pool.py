@@ -95,7 +95,9 @@ def test_cpu_keeps_one_engine_per_base_and_evicts_the_least_recent(tmp_path):
     assert all(e._closed for e in engines + [fourth])
 
 
-@pytest.mark.parametrize("platform, asked, expected", [("cpu", None, 3), ("cuda", None, 1), ("cpu", 1, 1), ("cuda", 3, 1)])
+@pytest.mark.parametrize(
+    "platform, asked, expected", [("cpu", None, 3), ("cuda", None, 1), ("cpu", 1, 1), ("cuda", 3, 1)]
+)
 def test_capacity_by_platform(platform, asked, expected):
     assert pool.capacity(RolloutConfig(shared_engines=asked), platform) == expected
 
@@ -113,8 +115,15 @@ def test_restore_refuses_an_engine_that_does_not_take_the_values(tmp_path):
         pool.restore_norms(engine, {"model.norm.weight": torch.ones(4)})
 
 
-@pytest.mark.parametrize("cuda, env, expected", [(False, {}, True), (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, False),
-                                                 (True, {}, False), (True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False)])
+@pytest.mark.parametrize(
+    "cuda, env, expected",
+    [
+        (False, {}, True),
+        (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, False),
+        (True, {}, False),
+        (True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),
+    ],
+)
 def test_engine_core_in_the_server_process_on_cpu_only(cuda, env, expected):
     """rollout/server.py: on CPU vLLM's EngineCore and worker run in the server (no re-imports); CUDA keeps vLLM's chain."""
     from qerl_pipeline.rollout.server import in_process_engine

@@ -24,8 +24,15 @@ from safetensors.torch import load_file, save_file
 from qerl_pipeline.config import ModelConfig, RolloutConfig
 from qerl_pipeline.rollout import engine, layout, serving
 from qerl_pipeline.rollout.engine import RolloutEngine, adapter_version
-from qerl_pipeline.rollout.sleep import (EngineSleeper, Probe, SleepPlan, WakeCheckError, engine_platform, probe_agrees,
-                                         sleep_plan)
+from qerl_pipeline.rollout.sleep import (
+    EngineSleeper,
+    Probe,
+    SleepPlan,
+    WakeCheckError,
+    engine_platform,
+    probe_agrees,
+    sleep_plan,
+)
 from tests.helpers.engines import FakeEngine
 
 
@@ -62,7 +69,10 @@ def test_sleep_plan_rejects_an_unknown_platform_and_reads_the_engines_platform()
 # ----------------------------------------------------------------------------- a fake engine: tests/helpers/engines.py
 def _adapter(folder: Path, value: float) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({"base_model.model.layers.0.q_proj.lora_A.weight": torch.full((2, 4), value)}, str(folder / "adapter_model.safetensors"))
+    save_file(
+        {"base_model.model.layers.0.q_proj.lora_A.weight": torch.full((2, 4), value)},
+        str(folder / "adapter_model.safetensors"),
+    )
     (folder / "adapter_config.json").write_text("{}")
     return folder
 
@@ -222,8 +232,13 @@ def _offline_engine(rollout: RolloutConfig) -> tuple[RolloutEngine, list]:
     engine = RolloutEngine.__new__(RolloutEngine)
     engine.rollout = rollout
     engine._closed = True  # close() and __del__ do nothing
-    replies = {"sleep": True, "wake": {"was_asleep": True}, "register_adapter": {"lora_id": 1, "added": True, "loaded": [1]},
-               "loaded_adapters": [1], "reset_adapters": [1]}
+    replies = {
+        "sleep": True,
+        "wake": {"was_asleep": True},
+        "register_adapter": {"lora_id": 1, "added": True, "loaded": [1]},
+        "loaded_adapters": [1],
+        "reset_adapters": [1],
+    }
     engine._call = lambda op, **kw: sent.append((op, kw)) or replies[op]
     return engine, sent
 
@@ -250,7 +265,9 @@ class FakeLLM:
         self.calls: list[tuple] = []
         self.loras: set[int] = set()
         self.written: list[dict] = []
-        self.llm_engine = SimpleNamespace(add_lora=self._add, list_loras=lambda: set(self.loras), remove_lora=self._remove)
+        self.llm_engine = SimpleNamespace(
+            add_lora=self._add, list_loras=lambda: set(self.loras), remove_lora=self._remove
+        )
 
     def _add(self, request):
         self.calls.append(("add_lora", request.lora_int_id))
@@ -295,7 +312,9 @@ def _server(cuda: bool, sleep: bool, level: int):
     server.asleep, server.asleep_level = False, None
     server.loras, server.next_lora_id = {}, 1
     server.merged = None
-    server._lora_request = lambda path, version: SimpleNamespace(lora_int_id=server.loras.setdefault(path, (version, 7))[1])
+    server._lora_request = lambda path, version: SimpleNamespace(
+        lora_int_id=server.loras.setdefault(path, (version, 7))[1]
+    )
     return server
 
 
@@ -313,7 +332,10 @@ def test_server_level_one_sleep_and_wake():
 
 def test_server_level_two_reloads_and_reapplies_the_updates(tmp_path):
     server = _server(cuda=True, sleep=True, level=2)
-    norms = {"model.norm.weight": torch.linspace(0.5, 1.5, 8), "model.layers.0.input_layernorm.weight": torch.ones(8) * 1.25}
+    norms = {
+        "model.norm.weight": torch.linspace(0.5, 1.5, 8),
+        "model.layers.0.input_layernorm.weight": torch.ones(8) * 1.25,
+    }
     path = tmp_path / "u.safetensors"
     save_file(norms, str(path))
     server.op_update_weights(str(path))
@@ -326,12 +348,18 @@ def test_server_level_two_reloads_and_reapplies_the_updates(tmp_path):
     out = server.op_wake()
     assert out["reloaded"] and out["reapplied"] == sorted(norms)
     assert [c for c in server.llm.calls if c[0] != "add_lora"] == [
-        ("sleep", 2), ("wake_up", ["weights"]), ("rpc", "reload_weights"), ("rpc", "qerl_update_weights"),
-        ("wake_up", ["kv_cache"]), ("reset_prefix_cache",),
+        ("sleep", 2),
+        ("wake_up", ["weights"]),
+        ("rpc", "reload_weights"),
+        ("rpc", "qerl_update_weights"),
+        ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache",),
     ]
     reapplied = server.llm.written[-1]
     assert torch.equal(reapplied["model.norm.weight"], torch.full((8,), 2.0))  # the newest value, not the first
-    assert torch.equal(reapplied["model.layers.0.input_layernorm.weight"], norms["model.layers.0.input_layernorm.weight"])
+    assert torch.equal(
+        reapplied["model.layers.0.input_layernorm.weight"], norms["model.layers.0.input_layernorm.weight"]
+    )
     assert server.loras == {} and server.llm.loras == set()  # vLLM dropped the adapters; so did the cache
     reg = server.op_register_adapter("/a", ("v",))
     assert reg == {"lora_id": 7, "added": True, "loaded": [7]}
@@ -349,7 +377,10 @@ def test_server_level_two_redoes_the_merge_after_the_reload(tmp_path):
     out = server.op_wake()
     assert out["reapplied"] == ["merged:/run/adapters/step-000003", "model.norm.weight"]
     assert [c for c in server.llm.calls if c[0] == "rpc"] == [
-        ("rpc", "reload_weights"), ("rpc", "qerl_merge_adapter"), ("rpc", "qerl_update_weights")]
+        ("rpc", "reload_weights"),
+        ("rpc", "qerl_merge_adapter"),
+        ("rpc", "qerl_update_weights"),
+    ]
     server.op_merge_adapter(None)  # unmerged: nothing to redo
     server.op_sleep(2)
     assert server.op_wake()["reapplied"] == ["model.norm.weight"]
@@ -412,7 +443,9 @@ def test_open_engine_passes_tensor_parallel_size_and_refuses_it_on_cpu(tmp_path,
     ],
 )
 def test_engine_plan_table(platform, engines, tp, world, rank, expect):
-    plan = layout.engine_plan(RolloutConfig(engines=engines, tensor_parallel_size=tp), platform, world_size=world, rank=rank)
+    plan = layout.engine_plan(
+        RolloutConfig(engines=engines, tensor_parallel_size=tp), platform, world_size=world, rank=rank
+    )
     assert (plan.opens_engine, plan.devices, plan.colocated) == expect
     assert plan.engine_args == ({"tensor_parallel_size": tp} if tp > 1 else {})
     assert plan.why
@@ -443,8 +476,14 @@ def test_vllm_cpu_refuses_sleep_mode(tmp_path):
 
     if not current_platform.is_cpu():
         pytest.skip("asserts vLLM-CPU's behaviour")
-    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
-                num_key_value_heads=1).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    ).save_pretrained(tmp_path)
     assert current_platform.is_sleep_mode_available() is False
     with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
         VllmModelConfig(model=str(tmp_path), enable_sleep_mode=True)
@@ -491,25 +530,44 @@ def test_trainer_sleeps_the_engine_around_each_update(tiny_base, tmp_path, monke
     from tests.helpers.rewards import letter_fraction
 
     steps = 2
-    cfg = QerlConfig.model_validate({
-        "method": "lora_aqn", "model": {"dtype": "float32", "max_seq_len": 256},
-        "lora": {"rank": 4, "alpha": 8},
-        "grpo": {"num_generations": 2},
-        # the trainer runs on this CPU: auto would merge; a CUDA trainer's auto is the adapter
-        "rollout": {"max_new_tokens": 4, "temperature": 1.0, "sync": "adapter" if cuda else "auto"},
-        "train": {"steps": steps, "prompts_per_step": 2, "micro_batch_size": 4, "checkpoint_every": steps,
-                  "output_dir": str(tmp_path / "out")},
-    })
+    cfg = QerlConfig.model_validate(
+        {
+            "method": "lora_aqn",
+            "model": {"dtype": "float32", "max_seq_len": 256},
+            "lora": {"rank": 4, "alpha": 8},
+            "grpo": {"num_generations": 2},
+            # the trainer runs on this CPU: auto would merge; a CUDA trainer's auto is the adapter
+            "rollout": {"max_new_tokens": 4, "temperature": 1.0, "sync": "adapter" if cuda else "auto"},
+            "train": {
+                "steps": steps,
+                "prompts_per_step": 2,
+                "micro_batch_size": 4,
+                "checkpoint_every": steps,
+                "output_dir": str(tmp_path / "out"),
+            },
+        }
+    )
     engine = FakeEngine(cuda=cuda, norms=_base_norms(tiny_base))
     real_update = trainer.policy_update
-    monkeypatch.setattr(trainer, "policy_update", lambda *a, **k: engine.calls.append(("update",)) or real_update(*a, **k))
-    records = [{"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
-               for i in range(1, 7)]
-    result = trainer.train(cfg, tiny_base, records, engine=engine,
-                           reporting=Reporting(make_logger=lambda _rid: MemoryLogger(), progress=False),
-                           reward_fn=letter_fraction)
+    monkeypatch.setattr(
+        trainer, "policy_update", lambda *a, **k: engine.calls.append(("update",)) or real_update(*a, **k)
+    )
+    records = [
+        {"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
+        for i in range(1, 7)
+    ]
+    result = trainer.train(
+        cfg,
+        tiny_base,
+        records,
+        engine=engine,
+        reporting=Reporting(make_logger=lambda _rid: MemoryLogger(), progress=False),
+        reward_fn=letter_fraction,
+    )
     assert result.steps == steps
-    names = [c[0] for c in engine.calls if c[0] in ("sleep", "update", "wake", "register", "merge") and c != ("merge", None)]
+    names = [
+        c[0] for c in engine.calls if c[0] in ("sleep", "update", "wake", "register", "merge") and c != ("merge", None)
+    ]
     # a given (shared) engine is unmerged once before adapter rollouts: it may hold an earlier run's merge
     assert engine.calls.count(("merge", None)) == (1 if cuda else 0)
     if not cuda:  # the engine says CPU: nothing sleeps, no sleep metrics; each rollout's adapter is merged first

@@ -81,7 +81,11 @@ def test_aggregate_per_policy_and_benchmark():
         _rec("a", [False, False], False, policy="base"),
     ]
     rows = metrics.aggregate(recs)
-    assert [(r["policy"], r["benchmark"]) for r in rows] == [("trained", "gsm8k"), ("trained", "math500"), ("base", "gsm8k")]
+    assert [(r["policy"], r["benchmark"]) for r in rows] == [
+        ("trained", "gsm8k"),
+        ("trained", "math500"),
+        ("base", "gsm8k"),
+    ]
     assert rows[1]["pass1"] == pytest.approx(0.5) and rows[1]["greedy"] == pytest.approx(1.0)
     assert rows[2]["pass1"] == 0.0 and rows[2]["n_problems"] == 1
     flat = metrics.metric_dict(rows)

@@ -18,7 +18,9 @@ def test_logged_evaluation_round_trip(tmp_path, monkeypatch):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 4}')
     (adapter / "adapter_model.safetensors").write_bytes(b"weights-1")
-    records = [{"id": "a", "source": "gsm8k", "gold": "3", "completions": ["x"], "correct": [True], "policy": "trained"}]
+    records = [
+        {"id": "a", "source": "gsm8k", "gold": "3", "completions": ["x"], "correct": [True], "policy": "trained"}
+    ]
     cfg = EvaluateConfig()
     key = evaluation_key(adapter, cfg, records)
     logger = MlflowLogger(experiment="reuse")

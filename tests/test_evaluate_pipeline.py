@@ -17,7 +17,6 @@ from tests.helpers.project import project_copy, run_kedro, tracking_uri
 pytestmark = [pytest.mark.kedro_run, pytest.mark.vllm]
 
 
-
 def _random_adapter(model_dir: Path, out: Path) -> Path:
     """A PEFT adapter over the smoke model's shape with B ~ N(0, 0.5): far from the base."""
     import torch
@@ -26,7 +25,9 @@ def _random_adapter(model_dir: Path, out: Path) -> Path:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False))
+    peft = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    )
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_B" in name:
@@ -51,7 +52,9 @@ def _run(evaluated):
     client = MlflowClient(tracking_uri=evaluated["uri"])
     exp = client.get_experiment_by_name("qerl_pipeline")
     (run,) = client.search_runs([exp.experiment_id])
-    assert run.data.tags["mlflow.runName"] == "evaluate qerl · random"  # the random adapter has no qerl_adapter.json (seed)
+    assert (
+        run.data.tags["mlflow.runName"] == "evaluate qerl · random"
+    )  # the random adapter has no qerl_adapter.json (seed)
     assert run.data.tags["qerl.role"] == "evaluate" and run.data.tags["method"] == "qerl"
     return client, run
 
@@ -89,7 +92,9 @@ def test_per_problem_records_and_adapter_applied(evaluated):
         assert isinstance(r["greedy_correct"], bool) and isinstance(r["greedy_completion"], str)
     # the adapter is applied: the trained policy's greedy text differs from the base's
     differ = sum(
-        by[("trained", s, i)]["greedy_completion"] != by[("base", s, i)]["greedy_completion"] for (p, s, i) in by if p == "base"
+        by[("trained", s, i)]["greedy_completion"] != by[("base", s, i)]["greedy_completion"]
+        for (p, s, i) in by
+        if p == "base"
     )
     assert differ >= 6, f"trained and base greedy completions differ on only {differ} of 8 problems"
     # the accuracy table agrees with the records
@@ -97,7 +102,9 @@ def test_per_problem_records_and_adapter_applied(evaluated):
     import pandas as pd
 
     table = pd.read_csv(acc)
-    assert set(zip(table["policy"], table["benchmark"], strict=True)) == {(p, b) for p in ("trained", "base") for b in ("generator", "gsm8k")}
+    assert set(zip(table["policy"], table["benchmark"], strict=True)) == {
+        (p, b) for p in ("trained", "base") for b in ("generator", "gsm8k")
+    }
     for row in table.itertuples():
         mine = [r for r in records if r["policy"] == row.policy and r["source"] == row.benchmark]
         assert row.pass1 == pytest.approx(sum(r["correct"][0] for r in mine) / len(mine))

@@ -25,8 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from qerl_pipeline.adapter import NORMS_FILE, MissingTraining, save_adapter, trained_adapter
 from qerl_pipeline.config import LoraConfig
-from qerl_pipeline.export import ExportInputError
-from qerl_pipeline.export import folders
+from qerl_pipeline.export import ExportInputError, folders
 from qerl_pipeline.export.quantized import decode_folder, packed_format
 from qerl_pipeline.export.serve import served_export
 from qerl_pipeline.quantization import checkpoint, nf4, nvfp4
@@ -50,8 +49,12 @@ def trained(tmp_path_factory):
     out = {}
     for fmt in FORMATS:
         checkpoint.write_base(model, None, fmt, root / f"base_{fmt}")
-        policy = build_policy(root / f"base_{fmt}", fmt, LoraConfig(rank=4, alpha=8, target_modules=TARGETS, train_norms=True),
-                              dtype=torch.float32).eval()
+        policy = build_policy(
+            root / f"base_{fmt}",
+            fmt,
+            LoraConfig(rank=4, alpha=8, target_modules=TARGETS, train_norms=True),
+            dtype=torch.float32,
+        ).eval()
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, p in policy.named_parameters():
@@ -68,8 +71,10 @@ def trained(tmp_path_factory):
 def exported(trained, tmp_path_factory):
     """``{fmt: export folder}`` in float32 (exact checks)."""
     root = tmp_path_factory.mktemp("exports")
-    return {fmt: (folders.write_export(adapter, base, root / fmt, dtype="float32"), root / fmt)[1]
-            for fmt, (base, adapter, _) in trained.items()}
+    return {
+        fmt: (folders.write_export(adapter, base, root / fmt, dtype="float32"), root / fmt)[1]
+        for fmt, (base, adapter, _) in trained.items()
+    }
 
 
 def _logits(model, ids):
@@ -84,8 +89,9 @@ def test_merged_equals_peft_over_base_equals_the_training_policy(trained, export
 
     folder, (_, _, policy), ids = exported[fmt], trained[fmt], _ids()
     merged = AutoModelForCausalLM.from_pretrained(folder / folders.MERGED, dtype=torch.float32).eval()
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder / folders.BASE, dtype=torch.float32),
-                                     folder / folders.ADAPTER).eval()
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(folder / folders.BASE, dtype=torch.float32), folder / folders.ADAPTER
+    ).eval()
     want = _logits(policy, ids)
     assert (want - _logits(merged, ids)).abs().max() < 1e-4
     assert (want - _logits(peft, ids)).abs().max() < 1e-4
@@ -94,7 +100,13 @@ def test_merged_equals_peft_over_base_equals_the_training_policy(trained, export
     assert torch.equal(a, peft.generate(ids, max_new_tokens=8, do_sample=False))
     manifest = json.loads((folder / folders.MANIFEST).read_text())
     assert manifest["base_format"] == fmt and manifest["trained_norms"] and manifest["dtype"] == "float32"
-    assert set(manifest["folders"]) == {folders.ADAPTER, folders.BASE, folders.MERGED, folders.VLLM_LORA, *(folders.merged_name(q) for q in folders.formats_for(fmt))}
+    assert set(manifest["folders"]) == {
+        folders.ADAPTER,
+        folders.BASE,
+        folders.MERGED,
+        folders.VLLM_LORA,
+        *(folders.merged_name(q) for q in folders.formats_for(fmt)),
+    }
 
 
 def test_peft_applies_the_trained_norms_and_fails_without_them(trained, exported, tmp_path):
@@ -108,8 +120,10 @@ def test_peft_applies_the_trained_norms_and_fails_without_them(trained, exported
     assert sorted(cfg["modules_to_save"]) == sorted(n.removesuffix(".weight") for n in norms)
     stripped = tmp_path / "no_norms"
     shutil.copytree(folder / folders.ADAPTER, stripped)
-    save_file({k: v for k, v in load_file(str(stripped / "adapter_model.safetensors")).items() if "lora_" in k},
-              str(stripped / "adapter_model.safetensors"))
+    save_file(
+        {k: v for k, v in load_file(str(stripped / "adapter_model.safetensors")).items() if "lora_" in k},
+        str(stripped / "adapter_model.safetensors"),
+    )
     (stripped / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": None}))
 
     def peft(adapter):
@@ -129,9 +143,13 @@ def test_vllm_lora_pair_carries_the_norms_in_the_base_and_none_in_the_adapter(ex
     pair = folder / folders.VLLM_LORA
     cfg = json.loads((pair / folders.ADAPTER / "adapter_config.json").read_text())
     assert not cfg.get("modules_to_save")
-    assert all(".lora_A." in k or ".lora_B." in k for k in load_file(str(pair / folders.ADAPTER / "adapter_model.safetensors")))
-    served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pair / folders.BASE, dtype=torch.float32),
-                                       pair / folders.ADAPTER).eval()
+    assert all(
+        ".lora_A." in k or ".lora_B." in k
+        for k in load_file(str(pair / folders.ADAPTER / "adapter_model.safetensors"))
+    )
+    served = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(pair / folders.BASE, dtype=torch.float32), pair / folders.ADAPTER
+    ).eval()
     merged = AutoModelForCausalLM.from_pretrained(folder / folders.MERGED, dtype=torch.float32).eval()
     assert (_logits(served, ids) - _logits(merged, ids)).abs().max() < 1e-4
 
@@ -203,7 +221,11 @@ def test_served_export_decodes_a_packed_folder_on_cpu_and_serves_it_packed_on_cu
         copy = served.path
     assert not copy.exists()  # the dense copy lives for the block only
     with served_export(folder, platform="cuda") as served:  # the decision only: no engine starts here
-        assert not served.dense and served.path == folder.resolve() and served.engine_args == {"quantization": "compressed-tensors"}
+        assert (
+            not served.dense
+            and served.path == folder.resolve()
+            and served.engine_args == {"quantization": "compressed-tensors"}
+        )
     with served_export(exported["nvfp4"] / folders.MERGED, platform="cpu") as served:
         assert served.dense and served.path == (exported["nvfp4"] / folders.MERGED).resolve()
     with pytest.raises(ExportInputError, match="not a model folder"):
@@ -264,8 +286,10 @@ def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, t
         shutil.copytree(adapter, root / f"seed-{seed}")
     group = {"run_id": "the-compare-run"}
     on = {"in_compare": True, "dtype": "float32"}
-    for export, methods, why in (({}, None, "compare.qerl: export.in_compare is off, not exported"),
-                                 (on, ["lora"], "compare.qerl: not in compare.methods, skipped")):
+    for export, methods, why in (
+        ({}, None, "compare.qerl: export.in_compare is off, not exported"),
+        (on, ["lora"], "compare.qerl: not in compare.methods, skipped"),
+    ):
         caplog.clear()
         branch = {"compare_group": group, "seeds": [0, 1], "methods": methods}
         with caplog.at_level(logging.INFO):
@@ -277,7 +301,9 @@ def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, t
     out = export_policy(root, base, "qerl", on, {}, {}, compare_group=group, seeds=[0, 1])
     assert sorted(out) == ["seed-0", "seed-1"]
     for folder in map(Path, out.values()):
-        assert (folder / folders.MERGED / "config.json").is_file() and (folder / "merged_nvfp4" / "config.json").is_file()
+        assert (folder / folders.MERGED / "config.json").is_file() and (
+            folder / "merged_nvfp4" / "config.json"
+        ).is_file()
     with pytest.raises(MissingTraining, match=r"seed 2 .*--namespaces=compare\.qerl"):
         export_policy(root, base, "qerl", on, {}, {}, compare_group=group, seeds=[0, 2])
 
@@ -293,7 +319,9 @@ def test_a_version_registered_by_reference_generates_from_the_folder(tiny_model_
     mlflow.set_experiment("export")
     run = mlflow.start_run()
     mlflow.end_run()
-    got = register_export(tiny_model_dir, run.info.run_id, "random-qerl", {"method": "qerl", "seed": 0}, log_weights=False)
+    got = register_export(
+        tiny_model_dir, run.info.run_id, "random-qerl", {"method": "qerl", "seed": 0}, log_weights=False
+    )
     assert got["model_uri"] == "models:/random-qerl/1" and not got["log_weights"]
     client = MlflowClient()
     version = client.get_model_version("random-qerl", "1")

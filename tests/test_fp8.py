@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from qerl_pipeline.quantization import checkpoint, fp8, nvfp4
-from tests.helpers.golden import (assert_bit_equal, assert_whole_checkpoint_is_golden, golden_linears, golden_reference,
-                                  vllm_cpu_scheme_log)
+from tests.helpers.golden import (
+    assert_bit_equal,
+    assert_whole_checkpoint_is_golden,
+    golden_linears,
+    golden_reference,
+    vllm_cpu_scheme_log,
+)
 
 SUFFIXES = fp8.CODEC.suffixes
 
@@ -16,8 +21,9 @@ SUFFIXES = fp8.CODEC.suffixes
 def _scheme():
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="float", symmetric=True,
-                                                                           strategy="channel"))
+    return QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +45,9 @@ def test_golden_whole_checkpoint_is_bit_exact(golden_dir, golden, tmp_path):
     assert 8 < stats["bits_per_weight"] < 8.5  # + a bf16 scale per row
     # a quantized linear is one holding every FP8 tensor: a norm's lone `weight` is not
     ours = checkpoint.read_tensors(tmp_path / "ours")
-    assert checkpoint.quantized_owners(ours, fp8.CODEC) == {k.removesuffix(".weight_scale") for k in ours
-                                                            if k.endswith(".weight_scale")}
+    assert checkpoint.quantized_owners(ours, fp8.CODEC) == {
+        k.removesuffix(".weight_scale") for k in ours if k.endswith(".weight_scale")
+    }
 
 
 def test_golden_decode_equals_compressed_tensors(golden):

@@ -94,4 +94,3 @@ def test_levels_get_harder():
 def test_unknown_level_is_an_error():
     with pytest.raises(ValueError, match="level 9 unknown"):
         generate_splits(GeneratorConfig(n_train=5, n_test=5, levels=[9]))
-

@@ -39,7 +39,13 @@ def _misses(golds: list[str], form: str) -> list[str]:
 
 
 def test_set_sizes(golds):
-    assert {k: len(v) for k, v in golds.items()} == {"gsm8k": 1319, "math500": 500, "aime24": 30, "aime25": 30, "amc23": 40}
+    assert {k: len(v) for k, v in golds.items()} == {
+        "gsm8k": 1319,
+        "math500": 500,
+        "aime24": 30,
+        "aime25": 30,
+        "amc23": 40,
+    }
 
 
 @pytest.mark.parametrize("form", ["boxed", "tagged"])

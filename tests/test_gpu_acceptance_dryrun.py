@@ -27,8 +27,9 @@ def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_acceptance")
     env = {**os.environ, "OUT": str(out)}
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=out)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env, timeout=600, cwd=out
+    )
     report = json.loads((out / "gpu_acceptance.json").read_text()) if (out / "gpu_acceptance.json").is_file() else None
     return proc, report
 
@@ -104,12 +105,24 @@ def test_engine_is_one_skip_line_with_its_reason(dry_run):
 def test_json_option_and_unknown_check(tmp_path):
     target = tmp_path / "sub" / "r.json"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "collectives,engine", "--json", str(target)],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--only", "collectives,engine", "--json", str(target)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [c["name"] for c in json.loads(target.read_text())["checks"]] == ["collectives", "engine"]
-    bad = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "nope"], capture_output=True, text=True,
-                         env=env, timeout=300, cwd=tmp_path)
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--only", "nope"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2 and "unknown check" in bad.stderr
 
 
@@ -136,8 +149,11 @@ class FakeEngine:
         self.level, self.pid, self.lora_effect = level, pid, lora_effect
         self.info = {"cuda": True, "dtype": "bfloat16", "startup_s": 1.0, "pid": pid}
         self.start_seconds = 1.0
-        self.norms = {f"model.layers.{i}.{k}.weight": torch.ones(256) for i in range(2)
-                      for k in ("input_layernorm", "post_attention_layernorm")}
+        self.norms = {
+            f"model.layers.{i}.{k}.weight": torch.ones(256)
+            for i in range(2)
+            for k in ("input_layernorm", "post_attention_layernorm")
+        }
         self.norms["model.norm.weight"] = torch.ones(256)
         self.kept: dict = {}
         self.asleep = False
@@ -150,8 +166,19 @@ class FakeEngine:
         from qerl_pipeline.rollout.engine import GenerateResult, Sample
 
         shift = 7 if (lora_path is not None and self.lora_effect) else 0
-        groups = [[Sample(list(p), [(sum(p) + shift + i + j) % 100 for i in range(max_new_tokens)], "", [-1.0] * max_new_tokens,
-                          "length") for j in range(n)] for p in prompts]
+        groups = [
+            [
+                Sample(
+                    list(p),
+                    [(sum(p) + shift + i + j) % 100 for i in range(max_new_tokens)],
+                    "",
+                    [-1.0] * max_new_tokens,
+                    "length",
+                )
+                for j in range(n)
+            ]
+            for p in prompts
+        ]
         return GenerateResult(groups, 0.1, n * len(prompts) * max_new_tokens, 100.0)
 
     def norm_weight_names(self):
@@ -172,8 +199,12 @@ class FakeEngine:
         return True
 
     def wake_up(self):
-        out = {"was_asleep": self.asleep, "level": self.level, "reloaded": self.level == 2,
-               "reapplied": sorted(self.kept) if self.level == 2 else []}
+        out = {
+            "was_asleep": self.asleep,
+            "level": self.level,
+            "reloaded": self.level == 2,
+            "reapplied": sorted(self.kept) if self.level == 2 else [],
+        }
         self.asleep = False
         return out
 
@@ -220,7 +251,11 @@ def _engine_checks(tmp_path, monkeypatch, *, lora_effect=True, start_error=None)
             if start_error:
                 raise RuntimeError(start_error)
             engines.append(FakeEngine(level, os.getpid(), lora_effect))
-            return SimpleNamespace(served_format="nvfp4"), RolloutConfig(sleep_between_steps=True, sleep_level=level), engines[-1]
+            return (
+                SimpleNamespace(served_format="nvfp4"),
+                RolloutConfig(sleep_between_steps=True, sleep_level=level),
+                engines[-1],
+            )
 
         checks.setup, checks.open = setup, open_
         checks.run_all()
@@ -231,8 +266,13 @@ def _engine_checks(tmp_path, monkeypatch, *, lora_effect=True, start_error=None)
     return {c["name"]: c for c in report.checks}
 
 
-ENGINE_STEPS = ["engine.two_process_start", "engine.generate_with_adapter", "engine.norms_noise", "engine.sleep_level1",
-                "engine.sleep_level2"]
+ENGINE_STEPS = [
+    "engine.two_process_start",
+    "engine.generate_with_adapter",
+    "engine.norms_noise",
+    "engine.sleep_level1",
+    "engine.sleep_level2",
+]
 
 
 def test_engine_substeps_pass_against_a_working_fake(tmp_path, monkeypatch):

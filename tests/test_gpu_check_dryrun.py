@@ -27,8 +27,14 @@ DRY_SHAPES = [(128, 128), (64, 128), (64, 128), (128, 128), (256, 128), (256, 12
 def _run(tmp_path: Path, *args: str) -> dict:
     env = {**os.environ, "OUT": str(tmp_path)}
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", *args], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout)
     written = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -11,8 +11,16 @@ from qerl_pipeline.rl import grpo, losses
 CLIP = {"clip_eps_low": 0.2, "clip_eps_high": 0.28}
 CLIP_02 = {"clip_eps_low": 0.2, "clip_eps_high": 0.2}
 #: every built-in loss type's options: the clip range and TRL 1.16's defaults of the others
-OPTIONS = {**CLIP, "cispo_clip_max": 5.0, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0,
-           "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+OPTIONS = {
+    **CLIP,
+    "cispo_clip_max": 5.0,
+    "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05,
+    "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0,
+}
 
 
 def _p(loss_type: str = "dapo", options: dict | None = None, **scalars) -> grpo.LossParams:
@@ -86,9 +94,11 @@ def test_new_loss_types_hand_computed():
     assert val == pytest.approx(want / 5, rel=1e-6)
     assert float(g[0, 0]) == pytest.approx(-1.5 / 5) and float(g[1, 1]) == pytest.approx(0.5 * 2 / 5)
     assert st.clip_high_fraction == pytest.approx(1 / 5) and st.clip_low_fraction == 0.0
+
     # sapo: -(4/tau) sigmoid(tau (r - 1)) A, tau 1 (A > 0) / 1.05 (A <= 0), sequence mean; at r = 1 the gradient is -A
     def gate(r, tau):
         return 4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0)))
+
     seq0 = -(gate(2.0, 1.0) + gate(1.0, 1.0)) / 2
     seq1 = 2.0 * (gate(1.0, 1.05) + gate(0.5, 1.05) + gate(1.0, 1.05)) / 3
     val, g, st = run("sapo")
@@ -102,15 +112,23 @@ def test_new_loss_types_hand_computed():
     want = -phi0 * (lp0[0][0] + lp0[0][1]) + 2 * phi1 * sum(lp0[1])
     val, g, _ = run("vespo")
     assert val == pytest.approx(want / 5, rel=1e-6)
-    assert float(g[0, 1]) == pytest.approx(-phi0 / 5, rel=1e-6) and float(g[1, 2]) == pytest.approx(2 * phi1 / 5, rel=1e-6)
+    assert float(g[0, 1]) == pytest.approx(-phi0 / 5, rel=1e-6) and float(g[1, 2]) == pytest.approx(
+        2 * phi1 / 5, rel=1e-6
+    )
     # vespo with token IS weights: folded into w (w0 = 2 * 0.5), not multiplied onto the loss
     isw = torch.tensor([[0.5, 1.0, 1.0], [1.0, 1.0, 1.0]])
     val, _, _ = run("vespo", is_weights=isw)
     assert val == pytest.approx((-math.exp(3 - 3) * (lp0[0][0] + lp0[0][1]) + 2 * phi1 * sum(lp0[1])) / 5, rel=1e-6)
     # bnpo: each micro-batch's token mean over the micro-batches; one micro-batch: dapo
     per_mb = [(-1.28 - 1.0) / 2, (2.0 + 1.6 + 2.0) / 3]
-    parts = sum(float(grpo.policy_loss(logp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1],
-                                       _p("bnpo", num_micro_batches=2))[0]) for i in (0, 1))
+    parts = sum(
+        float(
+            grpo.policy_loss(
+                logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], _p("bnpo", num_micro_batches=2)
+            )[0]
+        )
+        for i in (0, 1)
+    )
     assert parts == pytest.approx(sum(per_mb) / 2, rel=1e-6)
     assert run("bnpo")[0] == pytest.approx(run("dapo")[0], rel=1e-7)
     with pytest.raises(ValueError, match="grpo.loss_type"):
@@ -154,7 +172,10 @@ def test_microbatches_sum_to_full_batch():
         full, _ = grpo.policy_loss(logp, old, adv, mask, _p(how))
         parts = sum(
             grpo.policy_loss(
-                logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2],
+                logp[i : i + 2],
+                old[i : i + 2],
+                adv[i : i + 2],
+                mask[i : i + 2],
                 _p(how, num_sequences=6, num_tokens=float(mask.sum()), max_len=5),
             )[0]
             for i in (0, 2, 4)
@@ -170,17 +191,20 @@ def _is_toy():
     return old, roll, mask
 
 
-@pytest.mark.parametrize("mode, cap, lower, weights, masked, clipped", [
-    ("token_truncate", 1.5, None, [[1.5, 1.0, 0.25], [0.5, 1.5]], 0, 2),
-    ("token_truncate", 1.5, 0.4, [[1.5, 1.0, 0.4], [0.5, 1.5]], 0, 3),
-    ("token_mask", 1.5, None, [[0.0, 1.0, 0.25], [0.5, 0.0]], 2, 0),
-    ("token_mask", 1.5, 0.4, [[0.0, 1.0, 0.0], [0.5, 0.0]], 3, 0),
-    ("sequence_truncate", 0.8, None, [[0.5] * 3, [0.8] * 2], 0, 1),
-    ("sequence_truncate", 0.8, 0.6, [[0.6] * 3, [0.8] * 2], 0, 2),
-    ("sequence_mask", 0.8, None, [[0.5] * 3, [0.0] * 2], 1, 0),
-    ("sequence_mask", 0.8, 0.6, [[0.0] * 3, [0.0] * 2], 2, 0),
-    ("token_truncate", None, 0.4, [[2.0, 1.0, 0.4], [0.5, 2.0]], 0, 1),
-])
+@pytest.mark.parametrize(
+    "mode, cap, lower, weights, masked, clipped",
+    [
+        ("token_truncate", 1.5, None, [[1.5, 1.0, 0.25], [0.5, 1.5]], 0, 2),
+        ("token_truncate", 1.5, 0.4, [[1.5, 1.0, 0.4], [0.5, 1.5]], 0, 3),
+        ("token_mask", 1.5, None, [[0.0, 1.0, 0.25], [0.5, 0.0]], 2, 0),
+        ("token_mask", 1.5, 0.4, [[0.0, 1.0, 0.0], [0.5, 0.0]], 3, 0),
+        ("sequence_truncate", 0.8, None, [[0.5] * 3, [0.8] * 2], 0, 1),
+        ("sequence_truncate", 0.8, 0.6, [[0.6] * 3, [0.8] * 2], 0, 2),
+        ("sequence_mask", 0.8, None, [[0.5] * 3, [0.0] * 2], 1, 0),
+        ("sequence_mask", 0.8, 0.6, [[0.0] * 3, [0.0] * 2], 2, 0),
+        ("token_truncate", None, 0.4, [[2.0, 1.0, 0.4], [0.5, 2.0]], 0, 1),
+    ],
+)
 def test_is_modes_hand_computed(mode, cap, lower, weights, masked, clipped):
     old, roll, mask = _is_toy()
     w, st = grpo.is_weights(old, roll, mask, mode, cap, lower)
@@ -196,7 +220,9 @@ def test_is_modes_hand_computed(mode, cap, lower, weights, masked, clipped):
         assert (m["mismatch/is_ratio_min"], m["mismatch/is_ratio_max"]) == pytest.approx((0.25, 2.0))
         assert m["mismatch/is_ratio_mean"] == pytest.approx((2 + 1 + 0.25 + 0.5 + 2) / 5)
     else:
-        assert (m["mismatch/is_ratio_min"], m["mismatch/is_ratio_mean"], m["mismatch/is_ratio_max"]) == pytest.approx((0.5, 0.75, 1.0))
+        assert (m["mismatch/is_ratio_min"], m["mismatch/is_ratio_mean"], m["mismatch/is_ratio_max"]) == pytest.approx(
+            (0.5, 0.75, 1.0)
+        )
 
 
 def test_is_none_and_merge_of_micro_batches():
@@ -205,7 +231,9 @@ def test_is_none_and_merge_of_micro_batches():
     with pytest.raises(ValueError, match="is_mode"):
         grpo.is_weights(old, roll, mask, "token_clip", 2.0)
     whole = grpo.is_weights(old, roll, mask, "token_mask", 1.5)[1]
-    parts = grpo.ISStats.merge([grpo.is_weights(old[i:i + 1], roll[i:i + 1], mask[i:i + 1], "token_mask", 1.5)[1] for i in (0, 1)])
+    parts = grpo.ISStats.merge(
+        [grpo.is_weights(old[i : i + 1], roll[i : i + 1], mask[i : i + 1], "token_mask", 1.5)[1] for i in (0, 1)]
+    )
     assert parts.metrics() == pytest.approx(whole.metrics())
     # a sequence's product of ratios can overflow exp(): clamped, finite, and masked by any cap
     huge_old, huge_roll = torch.zeros(1, 200), torch.full((1, 200), -5.0)
@@ -260,8 +288,9 @@ def test_kl_bias_correction_hand_computed():
     grads = {}
     for corr in (False, True):
         lp = logp0.clone().requires_grad_(True)
-        loss, _ = grpo.policy_loss(lp, logp0, adv, mask, _p(options=CLIP_02, kl_beta=0.1, kl_bias_correction=corr),
-                                   ref_logp=ref)
+        loss, _ = grpo.policy_loss(
+            lp, logp0, adv, mask, _p(options=CLIP_02, kl_beta=0.1, kl_bias_correction=corr), ref_logp=ref
+        )
         assert float(loss) == pytest.approx(0.1 * k3_0 / 2)  # ratio 1: same value
         loss.backward()
         grads[corr] = float(lp.grad[0, 0])

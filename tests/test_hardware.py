@@ -11,8 +11,12 @@ from safetensors.torch import save_file
 from qerl_pipeline.benchmarking import hardware
 
 CONFIG = {  # a tiny Llama: hidden 128, 2 layers, 2 heads of 64, 1 KV head, MLP 256, vocab 1000
-    "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "intermediate_size": 256, "vocab_size": 1000,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 256,
+    "vocab_size": 1000,
 }
 LAYER = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 256  # q + k,v + o + gate,up,down = 147456
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -22,8 +26,12 @@ def test_rollout_limit_is_batch_times_bandwidth_over_bytes():
     assert hardware.rollout_limit_tokens_per_s(100.0, 1e9, 1) == pytest.approx(100.0)
     assert hardware.rollout_limit_tokens_per_s(100.0, 1e9, 8) == pytest.approx(800.0)
     # the compute bound caps it: 1e12 FLOP/s / 2e9 FLOP per token = 500 tokens/s
-    assert hardware.rollout_limit_tokens_per_s(100.0, 1e9, 8, matmul_flops=1e12, flops_per_token=2e9) == pytest.approx(500.0)
-    assert hardware.rollout_limit_tokens_per_s(100.0, 1e9, 2, matmul_flops=1e12, flops_per_token=2e9) == pytest.approx(200.0)
+    assert hardware.rollout_limit_tokens_per_s(100.0, 1e9, 8, matmul_flops=1e12, flops_per_token=2e9) == pytest.approx(
+        500.0
+    )
+    assert hardware.rollout_limit_tokens_per_s(100.0, 1e9, 2, matmul_flops=1e12, flops_per_token=2e9) == pytest.approx(
+        200.0
+    )
 
 
 @pytest.mark.parametrize("args", [(0.0, 1e9, 1), (10.0, 0, 1), (10.0, 1e9, 0)])
@@ -69,8 +77,9 @@ def test_training_step_flops_by_hand():
     got = hardware.training_step_flops(CONFIG, n_seq, seq, rank, ALL, logit_positions=t_logit)
     assert got == pytest.approx(fwd + bwd)
     # gradient checkpointing adds one forward; default logits on every position
-    assert hardware.training_step_flops(CONFIG, n_seq, seq, rank, ALL, logit_positions=t_logit,
-                                        gradient_checkpointing=True) == pytest.approx(2 * fwd + bwd)
+    assert hardware.training_step_flops(
+        CONFIG, n_seq, seq, rank, ALL, logit_positions=t_logit, gradient_checkpointing=True
+    ) == pytest.approx(2 * fwd + bwd)
     full = hardware.training_step_flops(CONFIG, n_seq, seq, rank, ALL)
     assert full - got == pytest.approx(4 * head * n_seq * (seq - t_logit))
 
@@ -78,19 +87,24 @@ def test_training_step_flops_by_hand():
 def test_served_weight_bytes_counts_what_a_decode_step_reads(tmp_path):
     untied = tmp_path / "untied"
     untied.mkdir()
-    save_file({
-        "model.embed_tokens.weight": torch.zeros(100, 8),  # 3200 bytes: only gathered rows, not counted
-        "lm_head.weight": torch.zeros(100, 8),  # 3200
-        "model.layers.0.self_attn.q_proj.weight_packed": torch.zeros(8, 4, dtype=torch.uint8),  # 32
-        "model.layers.0.self_attn.q_proj.weight_scale": torch.zeros(8, 1, dtype=torch.float8_e4m3fn),  # 8
-        "model.norm.weight": torch.zeros(8, dtype=torch.bfloat16),  # 16
-    }, str(untied / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.zeros(100, 8),  # 3200 bytes: only gathered rows, not counted
+            "lm_head.weight": torch.zeros(100, 8),  # 3200
+            "model.layers.0.self_attn.q_proj.weight_packed": torch.zeros(8, 4, dtype=torch.uint8),  # 32
+            "model.layers.0.self_attn.q_proj.weight_scale": torch.zeros(8, 1, dtype=torch.float8_e4m3fn),  # 8
+            "model.norm.weight": torch.zeros(8, dtype=torch.bfloat16),  # 16
+        },
+        str(untied / "model.safetensors"),
+    )
     got = hardware.served_weight_bytes(untied)
     assert got == {"total": 3200 + 32 + 8 + 16, "linear": 3200 + 40, "embedding": 0, "other": 16}
     tied = tmp_path / "tied"
     tied.mkdir()
-    save_file({"model.embed_tokens.weight": torch.zeros(100, 8), "model.norm.weight": torch.zeros(8)},
-              str(tied / "model.safetensors"))
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(100, 8), "model.norm.weight": torch.zeros(8)},
+        str(tied / "model.safetensors"),
+    )
     assert hardware.served_weight_bytes(tied) == {"total": 3232, "linear": 0, "embedding": 3200, "other": 32}
     with pytest.raises(FileNotFoundError):
         hardware.served_weight_bytes(tmp_path)

@@ -34,14 +34,18 @@ def test_an_unreachable_hub_is_found_once_said_once_and_never_retried(monkeypatc
     hub_at(monkeypatch, url)
     caplog.set_level(logging.INFO)
     aime25 = SourceConfig(hub_id="math-ai/aime25", split="test")  # no local copy: the Hub or nothing
-    with pytest.raises(SourceUnavailable, match=r"not in the local cache and the Hub is offline \(http://127\.0\.0\.1:\d+"):
+    with pytest.raises(
+        SourceUnavailable, match=r"not in the local cache and the Hub is offline \(http://127\.0\.0\.1:\d+"
+    ):
         read_raw("aime25", aime25)
     with pytest.raises(SourceUnavailable, match="the Hub is offline"):  # a user's Hub set: the same decision
         user_sets.read_user_rows(UserSetConfig(hub_id="me/my-set", split="train"))
     assert resolve_source(ModelConfig(name=BUNDLED_MODEL, source="auto"))[0] == "gguf"  # the base: no Hub call either
     assert list(hub._probed) == [url]  # one probe for the process
     lines = _hub_lines(caplog)
-    assert len(lines) == 1 and lines[0].startswith(f"Hugging Face Hub unreachable ({url}: ") and "no retries" in lines[0]
+    assert (
+        len(lines) == 1 and lines[0].startswith(f"Hugging Face Hub unreachable ({url}: ") and "no retries" in lines[0]
+    )
     assert not [r for r in caplog.records if "Retry" in r.getMessage() or "thrown while requesting" in r.getMessage()]
     # the rest of the process and its children are offline, as with HF_HUB_OFFLINE=1 from the start
     assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
@@ -75,4 +79,6 @@ def test_a_failed_load_from_a_reachable_hub_names_its_error(monkeypatch, tmp_pat
     with answering_hub() as url:
         hub_at(monkeypatch, url)
         with pytest.raises(SourceUnavailable, match="from the Hub failed: ConnectionError: the set's files are gone"):
-            read_raw("aime25", SourceConfig(hub_id="math-ai/aime25", split="test", local_path=str(tmp_path / "absent")))
+            read_raw(
+                "aime25", SourceConfig(hub_id="math-ai/aime25", split="test", local_path=str(tmp_path / "absent"))
+            )

@@ -58,13 +58,23 @@ def test_compare_has_one_branch_per_method_on_shared_bases():
     for m in METHODS:
         ns = f"compare.{m}"
         mine = [n for n in pipe.nodes if n.namespace == ns]
-        assert sorted(n.name for n in mine) == sorted(f"{ns}.{x}" for x in ("train_policy", "evaluate_policies", "evaluation_outputs",
-                                                                            "export_policy", "evaluate_export", "report_export"))
+        assert sorted(n.name for n in mine) == sorted(
+            f"{ns}.{x}"
+            for x in (
+                "train_policy",
+                "evaluate_policies",
+                "evaluation_outputs",
+                "export_policy",
+                "evaluate_export",
+                "report_export",
+            )
+        )
         train = _producer(pipe, f"{ns}.trained_adapters")
         assert train.name == f"{ns}.train_policy"
         assert f"base_{METHOD_FORMAT[m]}" in train.inputs and f"params:{ns}.method" in train.inputs
         assert sorted(n.name for n in _consumers(pipe, f"{ns}.trained_adapters")) == sorted(
-            f"{ns}.{x}" for x in ("evaluate_policies", "export_policy", "evaluate_export", "report_export"))
+            f"{ns}.{x}" for x in ("evaluate_policies", "export_policy", "evaluate_export", "report_export")
+        )
         assert f"{ns}.eval_accuracy" in _producer(pipe, "compare_runs").inputs
         # the branch's export: on its base, after its evaluation (reused), before the report
         export = _producer(pipe, f"{ns}.exports")
@@ -115,5 +125,7 @@ def test_kedro_viz_graph(tmp_path):
     cnodes, _ = graph("compare")
     tasks = [n for n in cnodes.values() if n["type"] == "task"]
     for kind in ("train_policy", "evaluate_policies"):
-        spaces = sorted(ns for n in tasks if n["name"] == kind for ns in (n.get("modular_pipelines") or []) if ns.count(".") == 1)
+        spaces = sorted(
+            ns for n in tasks if n["name"] == kind for ns in (n.get("modular_pipelines") or []) if ns.count(".") == 1
+        )
         assert spaces == sorted(f"compare.{m}" for m in METHODS), (kind, spaces)

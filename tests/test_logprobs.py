@@ -117,8 +117,12 @@ def test_grad_hidden_matches_naive(chunk, kind, keep):
     h_ref = hidden.clone().requires_grad_(True)
     (naive(h_ref, weight, targets)[0] * up).sum().backward()
     h = hidden.clone().requires_grad_(True)
-    (token_logprobs(h, weight, targets, temperature=TEMP, chunk_tokens=chunk,
-                    keep_bytes=_keep(keep, chunk, weight.shape[0]))[0] * up).sum().backward()
+    (
+        token_logprobs(
+            h, weight, targets, temperature=TEMP, chunk_tokens=chunk, keep_bytes=_keep(keep, chunk, weight.shape[0])
+        )[0]
+        * up
+    ).sum().backward()
     assert h.grad.dtype == torch.float32
     h64 = hidden.double().requires_grad_(True)
     (naive(h64, weight.double(), targets)[0] * up.double()).sum().backward()
@@ -137,8 +141,18 @@ def test_grad_weight_and_bias_match_naive(kind, keep):
     ref = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
     (naive(ref[0], ref[1], targets, ref[2])[0] * up).sum().backward()
     ours = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
-    (token_logprobs(ours[0], ours[1], targets, bias=ours[2], temperature=TEMP, chunk_tokens=4,
-                    keep_bytes=_keep(keep, 4, weight.shape[0]))[0] * up).sum().backward()
+    (
+        token_logprobs(
+            ours[0],
+            ours[1],
+            targets,
+            bias=ours[2],
+            temperature=TEMP,
+            chunk_tokens=4,
+            keep_bytes=_keep(keep, 4, weight.shape[0]),
+        )[0]
+        * up
+    ).sum().backward()
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.grad, b.grad, atol=ATOL, rtol=RTOL)
 
@@ -152,7 +166,9 @@ def test_kept_softmax_skips_the_recompute_and_a_second_backward_agrees(monkeypat
     monkeypatch.setattr(logprobs, "_chunk_logits", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     up = _upstream("random", targets.shape)
     h = hidden.clone().requires_grad_(True)
-    lp = token_logprobs(h, weight, targets, temperature=TEMP, chunk_tokens=4, keep_bytes=2 * 4 * weight.shape[0] * 4)[0]
+    lp = token_logprobs(h, weight, targets, temperature=TEMP, chunk_tokens=4, keep_bytes=2 * 4 * weight.shape[0] * 4)[
+        0
+    ]
     n_fwd = len(calls)
     (lp * up).sum().backward(retain_graph=True)
     # two chunks kept: the backward recomputes the others only
@@ -199,8 +215,16 @@ def test_entropy_grad_matches_naive(keep):
     ent_ref = -(ls.exp() * ls).sum(-1)
     (ls.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * up + ent_ref * up_h).sum().backward()
     ours = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
-    lp, ent = token_logprobs(ours[0], ours[1], targets, bias=ours[2], temperature=TEMP, chunk_tokens=4,
-                             keep_bytes=_keep(keep, 4, weight.shape[0]), entropy_grad=True)
+    lp, ent = token_logprobs(
+        ours[0],
+        ours[1],
+        targets,
+        bias=ours[2],
+        temperature=TEMP,
+        chunk_tokens=4,
+        keep_bytes=_keep(keep, 4, weight.shape[0]),
+        entropy_grad=True,
+    )
     assert ent.requires_grad
     torch.testing.assert_close(ent, ent_ref.detach(), atol=ATOL, rtol=RTOL)
     (lp * up + ent * up_h).sum().backward()
@@ -277,8 +301,13 @@ def _memory_case(device="cpu"):
 
 def test_saved_for_backward_is_not_rows_by_vocab():
     hidden, weight, targets = _memory_case()
-    ours = _saved_bytes(lambda: token_logprobs(hidden, weight, targets, temperature=TEMP, chunk_tokens=CHUNK,
-                                               keep_bytes=0)[0].sum().backward())
+    ours = _saved_bytes(
+        lambda: (
+            token_logprobs(hidden, weight, targets, temperature=TEMP, chunk_tokens=CHUNK, keep_bytes=0)[0]
+            .sum()
+            .backward()
+        )
+    )
     # the naive graph on the meta device: the same saved shapes, no memory or compute
     mh, mw, mt = _memory_case("meta")
     ref = _saved_bytes(lambda: naive(mh, mw, mt)[0].sum())
@@ -308,7 +337,9 @@ def test_peak_live_memory_forward_backward():
     hidden, weight, targets = _memory_case()
 
     def ours(keep=0):
-        token_logprobs(hidden, weight, targets, temperature=TEMP, chunk_tokens=CHUNK, keep_bytes=keep)[0].sum().backward()
+        token_logprobs(hidden, weight, targets, temperature=TEMP, chunk_tokens=CHUNK, keep_bytes=keep)[
+            0
+        ].sum().backward()
 
     def ref():
         naive(hidden, weight, targets)[0].sum().backward()
@@ -332,8 +363,13 @@ def test_drop_in_for_completion_logprobs():
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     model = transformers.LlamaForCausalLM(cfg).eval()
     input_ids = torch.randint(0, 300, (3, 20))

@@ -58,8 +58,10 @@ def setup(tmp_path_factory):
     folder, _ = quantize_format(cfg.model.model_dump(), cfg.quantize.model_dump(), work / "bases", fmt="bf16")
     served = served_model(Path(folder), "bf16", platform="cpu")
     engine = open_engine(served, cfg.model, rollout=cfg.rollout, lora_rank=cfg.lora.rank)
-    records = [{"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
-               for i in range(1, 9)]
+    records = [
+        {"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
+        for i in range(1, 9)
+    ]
     try:
         yield work, Path(folder), engine, records
     finally:
@@ -75,8 +77,14 @@ def _train(setup, name: str, **over):
     work, base, engine, records = setup
     cfg = QerlConfig.model_validate(_smoke_params(work / name, **{"method": "lora", **over}))
     logger = MemoryLogger()
-    result = trainer.train(cfg, base, records, engine=engine,
-                           reporting=Reporting(make_logger=lambda _rid: logger, progress=False), reward_fn=letter_fraction)
+    result = trainer.train(
+        cfg,
+        base,
+        records,
+        engine=engine,
+        reporting=Reporting(make_logger=lambda _rid: logger, progress=False),
+        reward_fn=letter_fraction,
+    )
     assert result.steps == STEPS and (result.adapter_dir / "adapter_model.safetensors").exists()
     steps = {m["step"] for m in result.history}
     assert steps == set(range(1, STEPS + 1))
@@ -100,8 +108,9 @@ def test_each_is_mode_finishes_and_logs_its_fraction(setup, mode):
 
 
 def test_gspo_runs_and_its_ratios_move(setup):
-    history, _ = _train(setup, "gspo", grpo={"importance_sampling_level": "sequence", "loss_type": "grpo",
-                                             "updates_per_rollout": 2})
+    history, _ = _train(
+        setup, "gspo", grpo={"importance_sampling_level": "sequence", "loss_type": "grpo", "updates_per_rollout": 2}
+    )
     assert all(0.0 <= row["policy/clip_fraction"] <= 1.0 for row in history)
     assert any(row["optim/grad_norm"] > 0 for row in history)
 
@@ -194,4 +203,3 @@ def test_lora_aqn_puts_noise_on_a_bf16_base(setup):
     sigma = [row["aqn/sigma"] for row in history]
     assert max(sigma) > 0, sigma
     assert max(row["aqn/sigma_effective"] for row in history) > 0  # the engine serves the noise
-

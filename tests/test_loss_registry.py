@@ -12,7 +12,6 @@ from qerl_pipeline.benchmarking import peer_trl
 from qerl_pipeline.config import BenchmarkConfig, ConfigError, QerlConfig, validate
 from qerl_pipeline.rl import grpo, losses, update
 from qerl_pipeline.rl.records import Batch
-
 from tests.helpers.policy_update import update_batch, update_policy
 
 TOY = "toy_capped_reinforce"
@@ -23,11 +22,18 @@ def toy(monkeypatch):
     """``TOY`` registered for one test: REINFORCE with the advantage capped at ``clip_eps_high``, token mean."""
     monkeypatch.setattr(losses, "LOSSES", dict(losses.LOSSES))  # the registration ends with the test
 
-    @losses.register_loss(TOY, aggregation="token", fields={"clip_eps_high": None}, rules=(
-        losses.Rule(lambda g: g.importance_sampling_level != "token",
-                    "grpo.loss_type toy_capped_reinforce needs token ratios, got {g.importance_sampling_level!r}",
-                    refuse=True),
-    ))
+    @losses.register_loss(
+        TOY,
+        aggregation="token",
+        fields={"clip_eps_high": None},
+        rules=(
+            losses.Rule(
+                lambda g: g.importance_sampling_level != "token",
+                "grpo.loss_type toy_capped_reinforce needs token ratios, got {g.importance_sampling_level!r}",
+                refuse=True,
+            ),
+        ),
+    )
     def toy_capped_reinforce(t: losses.LossTerms, options) -> losses.TokenLoss:
         """-min(A, clip_eps_high) logp over the tokens."""
         return losses.TokenLoss(-t.advantages.clamp(max=options["clip_eps_high"]) * t.logp)
@@ -36,15 +42,23 @@ def toy(monkeypatch):
 
 
 def _cfg(**grpo_over) -> QerlConfig:
-    return validate({
-        "method": "qerl",
-        "lora": {"rank": 4, "alpha": 8, "train_norms": True},
-        "optim": {"lr": {"qerl": 1e-2}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1e9},
-        "grpo": {"num_generations": 2, "kl_beta": 0.0, "log_kl_to_base": False, "is_mode": "none",
-                 "clip_eps_high": 0.5, **grpo_over},
-        "rollout": {"temperature": 0.7, "max_new_tokens": 6},
-        "train": {"micro_batch_size": 3, "prompts_per_step": 4},
-    })
+    return validate(
+        {
+            "method": "qerl",
+            "lora": {"rank": 4, "alpha": 8, "train_norms": True},
+            "optim": {"lr": {"qerl": 1e-2}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 1e9},
+            "grpo": {
+                "num_generations": 2,
+                "kl_beta": 0.0,
+                "log_kl_to_base": False,
+                "is_mode": "none",
+                "clip_eps_high": 0.5,
+                **grpo_over,
+            },
+            "rollout": {"temperature": 0.7, "max_new_tokens": 6},
+            "train": {"micro_batch_size": 3, "prompts_per_step": 4},
+        }
+    )
 
 
 def test_a_toy_loss_from_this_file_trains_one_update(base_dir, toy):
@@ -79,7 +93,8 @@ def test_config_reads_the_registry_at_validation(toy):
 def test_a_loss_reading_a_field_grpo_lacks_is_refused(monkeypatch):
     monkeypatch.setattr(losses, "LOSSES", dict(losses.LOSSES))
     losses.register_loss("needs_temperature", aggregation="token", fields={"toy_temperature": None})(
-        lambda t, options: losses.TokenLoss(-t.logp))
+        lambda t, options: losses.TokenLoss(-t.logp)
+    )
     msg = str(pytest.raises(ConfigError, validate, {"grpo": {"loss_type": "needs_temperature"}}).value)
     assert "grpo.loss_type 'needs_temperature' reads toy_temperature, which grpo does not have" in msg, msg
 
@@ -108,8 +123,13 @@ def test_the_trl_peer_takes_each_loss_types_trl_arguments(toy):
     cispo = validate({"grpo": {"loss_type": "cispo", "cispo_clip_max": 3.0}}).grpo
     assert peer_trl.trl_loss_args(cispo) == {"loss_type": "cispo", "epsilon": 0.2, "epsilon_high": 3.0}
     sapo = validate({"grpo": {"loss_type": "sapo", "sapo_temperature_neg": 1.3}}).grpo
-    assert peer_trl.trl_loss_args(sapo) == {"loss_type": "sapo", "epsilon": 0.2, "epsilon_high": 0.28,
-                                            "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.3}
+    assert peer_trl.trl_loss_args(sapo) == {
+        "loss_type": "sapo",
+        "epsilon": 0.2,
+        "epsilon_high": 0.28,
+        "sapo_temperature_pos": 1.0,
+        "sapo_temperature_neg": 1.3,
+    }
     cfg = _cfg(loss_type=TOY)
     out = peer_trl.measure_peer({"bf16": "/nonexistent"}, cfg, BenchmarkConfig())
     assert out == {"skipped": True, "reason": f"grpo.loss_type {TOY!r} has no TRL counterpart"}

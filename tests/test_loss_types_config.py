@@ -11,7 +11,6 @@ import yaml
 
 from qerl_pipeline.config import ConfigError, validate
 from qerl_pipeline.rl import losses
-
 from tests.helpers.project import PROJECT
 
 
@@ -72,25 +71,34 @@ def test_vespo_takes_token_is_modes_and_none(mode):
     assert validate(_params(loss_type="vespo", is_mode=mode)).grpo.is_mode == mode
 
 
-@pytest.mark.parametrize("over, field", [
-    ({"loss_type": "ppo"}, "grpo.loss_type"),
-    ({"loss_type": "cispo", "cispo_clip_max": 0.0}, "grpo.cispo_clip_max"),
-    ({"loss_type": "sapo", "sapo_temperature_neg": -1.0}, "grpo.sapo_temperature_neg"),
-    ({"loss_type": "vespo", "vespo_lambda_pos": 0.0}, "grpo.vespo_lambda_pos"),
-    ({"entropy_coef": "much"}, "grpo.entropy_coef"),
-])
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"loss_type": "ppo"}, "grpo.loss_type"),
+        ({"loss_type": "cispo", "cispo_clip_max": 0.0}, "grpo.cispo_clip_max"),
+        ({"loss_type": "sapo", "sapo_temperature_neg": -1.0}, "grpo.sapo_temperature_neg"),
+        ({"loss_type": "vespo", "vespo_lambda_pos": 0.0}, "grpo.vespo_lambda_pos"),
+        ({"entropy_coef": "much"}, "grpo.entropy_coef"),
+    ],
+)
 def test_bad_values_name_the_field(over, field):
     assert f"  {field}: " in _refusal(**over)
 
 
-@pytest.mark.parametrize("over, warned", [
-    ({"loss_type": "luspo"}, "luspo is meant for importance_sampling_level 'sequence'"),
-    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "importance_sampling_level should be 'token'"),
-    ({"loss_type": "cispo", "importance_sampling_level": "sequence"}, "each sequence weighs by its length"),
-    ({"importance_sampling_level": "sequence"}, "each sequence weighs by its length"),  # the default dapo
-    ({"loss_type": "grpo", "importance_sampling_level": "sequence"}, None),  # GSPO: no warning
-    ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, None),
-])
+@pytest.mark.parametrize(
+    "over, warned",
+    [
+        ({"loss_type": "luspo"}, "luspo is meant for importance_sampling_level 'sequence'"),
+        (
+            {"loss_type": "vespo", "importance_sampling_level": "sequence"},
+            "importance_sampling_level should be 'token'",
+        ),
+        ({"loss_type": "cispo", "importance_sampling_level": "sequence"}, "each sequence weighs by its length"),
+        ({"importance_sampling_level": "sequence"}, "each sequence weighs by its length"),  # the default dapo
+        ({"loss_type": "grpo", "importance_sampling_level": "sequence"}, None),  # GSPO: no warning
+        ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, None),
+    ],
+)
 def test_trl_warnings(caplog, over, warned):
     with caplog.at_level(logging.WARNING, logger="qerl_pipeline.config"):
         validate(_params(**over))

@@ -33,7 +33,9 @@ print((peak_memory_bytes() - base) / 2**20)
 
 
 def _peak_mib(fixed: bool) -> float:
-    proc = subprocess.run([sys.executable, "-c", PROBE, "1" if fixed else "0"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "1" if fixed else "0"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return float(proc.stdout.strip().splitlines()[-1])
 
@@ -50,8 +52,10 @@ def test_fixed_mmap_threshold_keeps_the_heap_from_fragmenting():
 
 
 def test_peak_memory_reads_this_process():
-    probe = ("import torch\nfrom qerl_pipeline.memory import peak_memory_bytes\n"
-             "b = peak_memory_bytes()\nx = torch.ones(64 << 20)\nprint((peak_memory_bytes() - b) / 2**20)")
+    probe = (
+        "import torch\nfrom qerl_pipeline.memory import peak_memory_bytes\n"
+        "b = peak_memory_bytes()\nx = torch.ones(64 << 20)\nprint((peak_memory_bytes() - b) / 2**20)"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert float(proc.stdout.strip().splitlines()[-1]) >= 250  # 256 MiB touched on top of the import's peak

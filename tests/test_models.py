@@ -86,4 +86,5 @@ def test_the_bundled_fallback_is_said_once_per_process(monkeypatch, caplog):
         for _ in range(3):
             assert resolve_source(ModelConfig(name=BUNDLED_MODEL, source="auto"))[0] == "gguf"
     assert [r.getMessage() for r in caplog.records if r.name == models.__name__] == [
-        f"Hub unreachable: using the bundled GGUF of {BUNDLED_MODEL} (Q4_1 weights, dequantized)"]
+        f"Hub unreachable: using the bundled GGUF of {BUNDLED_MODEL} (Q4_1 weights, dequantized)"
+    ]

@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from qerl_pipeline.quantization import mxfp4, nvfp4
-from tests.helpers.golden import (assert_bit_equal, assert_whole_checkpoint_is_golden, golden_linears, golden_reference,
-                                  vllm_cpu_scheme_log)
+from tests.helpers.golden import (
+    assert_bit_equal,
+    assert_whole_checkpoint_is_golden,
+    golden_linears,
+    golden_reference,
+    vllm_cpu_scheme_log,
+)
 
 SUFFIXES = mxfp4.CODEC.suffixes
 

@@ -24,7 +24,9 @@ def _weights(shape, dtype, seed):
 
 @needs_bnb
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape,blocksize", [((32, 128), 64), ((7, 9), 64), ((64, 64), 128), ((3, 70), 64), ((16, 48), 32)])
+@pytest.mark.parametrize(
+    "shape,blocksize", [((32, 128), 64), ((7, 9), 64), ((64, 64), 128), ((3, 70), 64), ((16, 48), 32)]
+)
 def test_codes_and_decode_match_bitsandbytes(shape, blocksize, dtype):
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 

@@ -47,7 +47,7 @@ def test_fp32_weight_norm_equals_hf_in_fp32_and_vllm_math_in_bf16():
     out = ours16(x16)
     assert out.dtype == torch.bfloat16 and ours16.weight.dtype == torch.float32
     # bf16-exact weights: within one bf16 rounding of the stock bf16 module
-    assert float((out.float() - hf16(x16).float()).abs().max()) <= 2 ** -7 * float(out.float().abs().max())
+    assert float((out.float() - hf16(x16).float()).abs().max()) <= 2**-7 * float(out.float().abs().max())
     from vllm import ir
 
     served = ir.ops.rms_norm(x16, ours16.weight.data, 1e-5)  # vLLM's op with an fp32 weight
@@ -56,11 +56,12 @@ def test_fp32_weight_norm_equals_hf_in_fp32_and_vllm_math_in_bf16():
 
 def test_bf16_policy_keeps_norm_noise(tmp_path):
     """A bf16 policy: with fp32 norms the noise is held as drawn; stock bf16 norms lose it."""
+    from transformers import AutoModelForCausalLM
+
     from qerl_pipeline.config import LoraConfig
     from qerl_pipeline.models import tiny_model_folder
     from qerl_pipeline.quantization import checkpoint
     from qerl_pipeline.quantization.policy import build_policy
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_folder(tmp_path / "tiny"))
     checkpoint.write_base(model, None, "nvfp4", tmp_path / "nvfp4")
@@ -164,7 +165,9 @@ def test_stock_bf16_engine_rounds_the_noise_away(tiny_model_dir):
     the engine after each push), so it starts no second engine here."""
     from qerl_pipeline.rollout.engine import RolloutEngine
 
-    with RolloutEngine(tiny_model_dir, max_model_len=128, max_lora_rank=None, dtype="bfloat16", norm_dtype=None) as engine:
+    with RolloutEngine(
+        tiny_model_dir, max_model_len=128, max_lora_rank=None, dtype="bfloat16", norm_dtype=None
+    ) as engine:
         assert engine.info["dtype"] == "bfloat16"
         names = aqn.noisy_target_names(engine.norm_weight_names())
         clean = engine.read_weights(names)

@@ -205,8 +205,10 @@ def test_byte_table_decode_is_the_code_by_code_decode(shape):
     """decode's byte table (both nibbles per lookup) gives exactly unpack -> code_values -> scales."""
     torch.manual_seed(1)
     q = nvfp4.encode(torch.randn(*shape) * 0.05)
-    ref = (nvfp4.code_values(nvfp4.unpack(q.packed)).unflatten(-1, (q.scale.shape[-1], nvfp4.GROUP_SIZE))
-           * nvfp4.effective_scale(q.scale, q.global_scale).unsqueeze(-1)).reshape(shape[0], -1)
+    ref = (
+        nvfp4.code_values(nvfp4.unpack(q.packed)).unflatten(-1, (q.scale.shape[-1], nvfp4.GROUP_SIZE))
+        * nvfp4.effective_scale(q.scale, q.global_scale).unsqueeze(-1)
+    ).reshape(shape[0], -1)
     assert torch.equal(nvfp4.decode(q.packed, q.scale, q.global_scale), ref)
     every_byte = torch.arange(256, dtype=torch.uint8)
     table = nvfp4.byte_table()

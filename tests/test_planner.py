@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_pipeline.planner import cli, inputs, sizing
 from qerl_pipeline.config import QerlConfig
+from qerl_pipeline.planner import cli, inputs, sizing
 from qerl_pipeline.quantization import checkpoint
 from qerl_pipeline.quantization.policy import PackedLinear, build_policy
 from qerl_pipeline.rl.update import completion_logprobs
@@ -31,8 +31,15 @@ NF4_BLOCK = 48  # not a divisor of every weight's numel: exercises the trailing 
 def _tiny(kind: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     if kind == "llama":  # untied head, no biases
         return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False)).eval()
@@ -54,18 +61,30 @@ def bases(tmp_path_factory):
     return out
 
 
-def _cfg(fmt: str, *, dtype: str = "bfloat16", train_norms: bool = True, gc: bool = False, rank: int = 4,
-         optim: str = "adamw", seq: int = 40, completion: int = 20, entropy_coef: float = 0.0) -> QerlConfig:
+def _cfg(
+    fmt: str,
+    *,
+    dtype: str = "bfloat16",
+    train_norms: bool = True,
+    gc: bool = False,
+    rank: int = 4,
+    optim: str = "adamw",
+    seq: int = 40,
+    completion: int = 20,
+    entropy_coef: float = 0.0,
+) -> QerlConfig:
     method = {"nvfp4": "qerl", "nf4": "qlora", "bf16": "lora"}[fmt]
-    return QerlConfig.model_validate({
-        "method": method,
-        "model": {"dtype": dtype, "max_seq_len": seq},
-        "quantize": {"nf4_blocksize": NF4_BLOCK},
-        "lora": {"rank": rank, "alpha": 2 * rank, "train_norms": train_norms, "gradient_checkpointing": gc},
-        "optim": {"name": optim},
-        "rollout": {"max_new_tokens": completion},
-        "grpo": {"entropy_coef": entropy_coef},
-    })
+    return QerlConfig.model_validate(
+        {
+            "method": method,
+            "model": {"dtype": dtype, "max_seq_len": seq},
+            "quantize": {"nf4_blocksize": NF4_BLOCK},
+            "lora": {"rank": rank, "alpha": 2 * rank, "train_norms": train_norms, "gradient_checkpointing": gc},
+            "optim": {"name": optim},
+            "rollout": {"max_new_tokens": completion},
+            "grpo": {"entropy_coef": entropy_coef},
+        }
+    )
 
 
 def _policy(bases, kind, fmt, cfg):
@@ -172,21 +191,25 @@ def _saved_bytes(policy, b: int, seq: int, completion: int, entropy_grad: bool =
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (b, seq), generator=g)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, _ = completion_logprobs(policy, ids, torch.full((b,), seq - completion), completion, 1.0,
-                                      entropy_grad=entropy_grad)
+        logp, _ = completion_logprobs(
+            policy, ids, torch.full((b,), seq - completion), completion, 1.0, entropy_grad=entropy_grad
+        )
     assert logp.requires_grad
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("kind,fmt,dtype,train_norms,gc", [
-    ("llama", "nvfp4", "bfloat16", False, False),
-    ("llama", "nvfp4", "bfloat16", True, False),
-    ("qwen2", "nf4", "bfloat16", True, False),
-    ("llama", "bf16", "bfloat16", False, False),
-    ("llama", "nvfp4", "float32", True, False),
-    ("llama", "nvfp4", "bfloat16", True, True),
-    ("qwen2", "bf16", "bfloat16", False, True),
-])
+@pytest.mark.parametrize(
+    "kind,fmt,dtype,train_norms,gc",
+    [
+        ("llama", "nvfp4", "bfloat16", False, False),
+        ("llama", "nvfp4", "bfloat16", True, False),
+        ("qwen2", "nf4", "bfloat16", True, False),
+        ("llama", "bf16", "bfloat16", False, False),
+        ("llama", "nvfp4", "float32", True, False),
+        ("llama", "nvfp4", "bfloat16", True, True),
+        ("qwen2", "bf16", "bfloat16", False, True),
+    ],
+)
 def test_saved_activations_equal_autograds(bases, kind, fmt, dtype, train_norms, gc):
     b, seq, completion = 3, 40, 20
     cfg = _cfg(fmt, dtype=dtype, train_norms=train_norms, gc=gc, seq=seq, completion=completion)
@@ -195,7 +218,9 @@ def test_saved_activations_equal_autograds(bases, kind, fmt, dtype, train_norms,
     acts = sizing.activation_bytes(cfg, shape, b)
     assert acts["saved"] == _saved_bytes(policy, b, seq, completion)
     if gc:  # checkpointing keeps less, and pays one layer's recompute in backward
-        full = sizing.activation_bytes(_cfg(fmt, dtype=dtype, train_norms=train_norms, seq=seq, completion=completion), shape, b)
+        full = sizing.activation_bytes(
+            _cfg(fmt, dtype=dtype, train_norms=train_norms, seq=seq, completion=completion), shape, b
+        )
         assert acts["saved"] < full["saved"] and acts["recompute"] == full["per_layer"] + full["rotary"]
 
 
@@ -241,7 +266,9 @@ def test_sleep_gradient_checkpointing_and_utilization_move_the_plan():
     asleep_cfg = _paper("paper_bigmath_14b", **{"rollout.sleep_between_steps": "true"})
     awake, asleep = sizing.plan(awake_cfg, shape, 80), sizing.plan(asleep_cfg, shape, 80, empty_cache=False)
     # the default follows the code: the sleeper empties the trainer's cache, an awake engine never has it emptied
-    assert sizing.plan(asleep_cfg, shape, 80).to_dict() == sizing.plan(asleep_cfg, shape, 80, empty_cache=True).to_dict()
+    assert (
+        sizing.plan(asleep_cfg, shape, 80).to_dict() == sizing.plan(asleep_cfg, shape, 80, empty_cache=True).to_dict()
+    )
     assert awake.to_dict() == sizing.plan(awake_cfg, shape, 80, empty_cache=False).to_dict()
     assert awake.update_phase - asleep.update_phase == awake.engine_reserved - asleep.engine_asleep
     # the trainer's cached activations meet the waking engine: sleep alone buys no larger micro-batch ...
@@ -258,7 +285,11 @@ def test_sleep_gradient_checkpointing_and_utilization_move_the_plan():
     low = sizing.plan(_paper("paper_bigmath_14b", **{"rollout.gpu_memory_utilization": 0.05}), shape, 80)
     assert not low.engine_starts and not low.fits and low.notes
     assert low.min_gpu_memory_utilization == asleep.min_gpu_memory_utilization
-    starts = sizing.plan(_paper("paper_bigmath_14b", **{"rollout.gpu_memory_utilization": asleep.min_gpu_memory_utilization + 1e-3}), shape, 80)
+    starts = sizing.plan(
+        _paper("paper_bigmath_14b", **{"rollout.gpu_memory_utilization": asleep.min_gpu_memory_utilization + 1e-3}),
+        shape,
+        80,
+    )
     assert starts.engine_starts and starts.max_concurrent_rollouts >= 1
 
 
@@ -286,8 +317,15 @@ def test_load_config_matches_kedros_loader(env):
     assert inputs.load_config(env, conf_dir=CONF).model_dump() == expected
 
 
-@pytest.mark.parametrize("text", ["train.micro_batch_size=3,lora.gradient_checkpointing=false",
-                                  "model.name=/tmp/a:b, rollout.gpu_memory_utilization=0.05,method=qlora", "a=", ""])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "train.micro_batch_size=3,lora.gradient_checkpointing=false",
+        "model.name=/tmp/a:b, rollout.gpu_memory_utilization=0.05,method=qlora",
+        "a=",
+        "",
+    ],
+)
 def test_params_parse_as_kedro_runs_callback(text):
     import click
     from kedro.framework.cli.utils import _split_params
@@ -309,12 +347,18 @@ def test_shape_from_a_local_config_folder(tmp_path):
     model.config.save_pretrained(tmp_path)
     cfg = inputs.load_config(None, f"model.name={tmp_path}", CONF)
     shape = inputs.resolve_shape(cfg)
-    assert shape.attention_bias and shape.tie_word_embeddings and shape.parameters() == sum(
-        p.numel() for p in model.parameters())
+    assert (
+        shape.attention_bias
+        and shape.tie_word_embeddings
+        and shape.parameters() == sum(p.numel() for p in model.parameters())
+    )
 
 
 def test_cli_prints_the_table_and_json(capsys):
-    assert cli.main(["--conf-dir", str(CONF), "--env", "paper_bigmath_32b", "--gpu-gb", "80", "--methods", "qerl,lora"]) == 0
+    assert (
+        cli.main(["--conf-dir", str(CONF), "--env", "paper_bigmath_32b", "--gpu-gb", "80", "--methods", "qerl,lora"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "qerl (nvfp4)" in out and "lora (bf16)" in out and "fits" in out
     assert cli.main(["--conf-dir", str(CONF), "--env", "paper_bigmath_32b", "--gpu-gb", "80", "--format", "json"]) == 0
@@ -323,9 +367,9 @@ def test_cli_prints_the_table_and_json(capsys):
 
 
 def test_cli_errors_are_one_line(capsys):
-    assert cli.main(["--conf-dir", str(CONF), "--gpu-gb", "80"]) == 0  # the base env's SmolLM2 resolves through its preset
+    assert (
+        cli.main(["--conf-dir", str(CONF), "--gpu-gb", "80"]) == 0
+    )  # the base env's SmolLM2 resolves through its preset
     capsys.readouterr()
     assert cli.main(["--conf-dir", str(CONF), "--gpu-gb", "80", "--params", "model.name=org/unknown-model"]) == 1
     assert "--model-preset" in capsys.readouterr().err
-
-

@@ -29,9 +29,16 @@ def bases(tmp_path_factory):
     (``store.ensure_serving``: what a CPU engine serves)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norms, so that norm gradients and values are meaningful
@@ -73,8 +80,9 @@ def test_logits_equal_the_decoded_dense_model(bases, fmt):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_lora_gradients_reach_every_target(bases, fmt, checkpointing):
     root, _ = bases
-    policy = build_policy(root / fmt, fmt, _lora(train_norms=True, gradient_checkpointing=checkpointing),
-                          dtype=torch.float32)
+    policy = build_policy(
+        root / fmt, fmt, _lora(train_norms=True, gradient_checkpointing=checkpointing), dtype=torch.float32
+    )
     policy.train()
     with torch.no_grad():  # B starts at zero (so A's gradient would be zero): make both sides live
         for name, p in policy.named_parameters():
@@ -193,8 +201,15 @@ def test_tied_lm_head_is_never_quantized(tmp_path):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg)
     stats = checkpoint.write_base(model, None, "nvfp4", tmp_path / "b", ignore=[])  # lm_head not ignored
     ignore = json.loads((tmp_path / "b" / "config.json").read_text())["quantization_config"]["ignore"]
@@ -234,7 +249,9 @@ def test_fused_lora_forward_equals_peft(bases, fmt, monkeypatch):
     peft = run()
     assert not fused_calls
     torch.testing.assert_close(fused[0], peft[0], atol=1e-5, rtol=1e-5)
-    assert fused[1].keys() == peft[1].keys() and any("lora_A" in k for k in peft[1]) and any("norm" in k for k in peft[1])
+    assert (
+        fused[1].keys() == peft[1].keys() and any("lora_A" in k for k in peft[1]) and any("norm" in k for k in peft[1])
+    )
     for name, want in peft[1].items():
         assert float((fused[1][name] - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-8, name
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qerl_pipeline.adapter import trained_norms
 from qerl_pipeline.config import QerlConfig
-from qerl_pipeline.quantization.policy import build_policy
 from qerl_pipeline.quantization import aqn
+from qerl_pipeline.quantization.policy import build_policy
 from qerl_pipeline.rl import grpo, losses, update
 from qerl_pipeline.rl.collect import SEED_SPACE, sampling_seeds
-from qerl_pipeline.rl.records import Batch
-from qerl_pipeline.adapter import trained_norms
 from qerl_pipeline.rl.optim import build_optimizer, lr_factor
+from qerl_pipeline.rl.records import Batch
 
 LR = 1e-3
 
@@ -70,7 +70,9 @@ def test_trained_norms_step_from_clean_values_and_keep_the_update(base_dir):
     clean = {n: p.detach().clone() for n, p in norm_params.items()}
     noisy = _noisy(clean, names)
     ids, p_lens, roll, mask, adv = _batch()
-    update.policy_update(policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv, noisy), cfg, 0)
+    update.policy_update(
+        policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv, noisy), cfg, 0
+    )
     moved = max(float((norm_params[n].detach() - clean[n]).abs().max()) for n in names)
     assert moved > 0.1 * LR, "trained norms did not move (the update was undone)"
     # Adam's first step moves each entry by at most ~lr; the noise (sigma 0.3) must not stay behind
@@ -98,11 +100,22 @@ def test_kl_reference_is_the_clean_base(base_dir, monkeypatch):
 
     monkeypatch.setattr(grpo, "policy_loss", spy)
     ref_norms = {n: base[n] for n in norm_params}
-    update.policy_update(policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv, noisy), cfg, 0, ref_norms=ref_norms)
+    update.policy_update(
+        policy,
+        update.Optim(opt, sched, params, norm_params),
+        Batch(ids, p_lens, roll, mask, adv, noisy),
+        cfg,
+        0,
+        ref_norms=ref_norms,
+    )
     got = torch.cat(seen, 0)
-    fresh = build_policy(base_dir, "nvfp4", cfg.lora, dtype=torch.float32).eval()  # the base: no adapter effect, base norms
+    fresh = build_policy(
+        base_dir, "nvfp4", cfg.lora, dtype=torch.float32
+    ).eval()  # the base: no adapter effect, base norms
     with torch.no_grad():
-        want = torch.cat([update.completion_logprobs(fresh, ids[s], p_lens[s], 6, 0.7)[0] for s in (slice(0, 2), slice(2, 4))], 0)
+        want = torch.cat(
+            [update.completion_logprobs(fresh, ids[s], p_lens[s], 6, 0.7)[0] for s in (slice(0, 2), slice(2, 4))], 0
+        )
     assert torch.allclose(got, want, atol=1e-6, rtol=0), float((got - want).abs().max())
     # and it is not what the noisy, trained policy computes (the check can fail)
     with torch.no_grad(), policy.disable_adapter(), aqn.noisy_norms(norm_params, noisy):
@@ -123,7 +136,9 @@ def test_missing_rollout_logprob_gets_pi_old_in_every_update(base_dir, monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(grpo, "policy_loss", spy)
-    update.policy_update(policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv), cfg, 0)
+    update.policy_update(
+        policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv), cfg, 0
+    )
     assert len(seen) == 4  # 2 updates x 2 micro-batches
     for u in range(2):
         first, second = seen[2 * u], seen[2 * u + 1]
@@ -147,14 +162,18 @@ def test_entropy_selection_is_over_the_whole_batch_and_pi_old_unchanged(base_dir
         return real(logp, old_logp, *args, **kwargs)
 
     monkeypatch.setattr(grpo, "policy_loss", spy)
-    out = update.policy_update(policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv), cfg, 0)
+    out = update.policy_update(
+        policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv), cfg, 0
+    )
     chosen = torch.cat([sel for sel, _ in seen], 0)
     assert chosen.shape == mask.shape and float((chosen * (1 - mask)).sum()) == 0.0
     n_real = int(mask.sum())
     assert int(chosen.sum()) == n_real // 2  # distinct float entropies: exactly half (ties would add)
     assert out["policy/selected_token_fraction"] == pytest.approx(int(chosen.sum()) / n_real)
     with torch.no_grad():
-        ent = torch.cat([update.completion_logprobs(policy, ids[s], p_lens[s], 6, 0.7)[1] for s in (slice(0, 2), slice(2, 4))])
+        ent = torch.cat(
+            [update.completion_logprobs(policy, ids[s], p_lens[s], 6, 0.7)[1] for s in (slice(0, 2), slice(2, 4))]
+        )
     # selected = the real tokens at or above the batch threshold (not per micro-batch)
     assert torch.equal(chosen.bool(), (ent >= out["policy/entropy_threshold"] - 1e-6) & mask.bool())
     assert all(float(d) == 0.0 for _, d in seen)
@@ -166,7 +185,9 @@ def test_each_is_mode_logs_its_ratios_and_fractions(base_dir, mode):
     cfg = _cfg(grpo={"kl_beta": 0.0, "log_kl_to_base": False, "is_mode": mode, "is_cap": 1.05, "is_lower": 0.95})
     policy, params, opt, sched, base, names, norm_params = _setup(base_dir, cfg)
     ids, p_lens, roll, mask, adv = _batch()
-    out = update.policy_update(policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv), cfg, 0)
+    out = update.policy_update(
+        policy, update.Optim(opt, sched, params, norm_params), Batch(ids, p_lens, roll, mask, adv), cfg, 0
+    )
     if mode == "none":
         assert not any(k.startswith("mismatch/is_") for k in out)
         return
@@ -217,8 +238,15 @@ def test_every_loss_type_reaches_the_loss_with_its_batch_counts(base_dir, monkey
 
     monkeypatch.setattr(grpo, "policy_loss", spy)
     for loss_type in losses.loss_names():
-        cfg = _cfg(grpo={"loss_type": loss_type, "kl_beta": 0.0, "log_kl_to_base": False, "sapo_temperature_neg": 1.3,
-                         "is_mode": "none" if loss_type == "vespo" else "token_truncate"})
+        cfg = _cfg(
+            grpo={
+                "loss_type": loss_type,
+                "kl_beta": 0.0,
+                "log_kl_to_base": False,
+                "sapo_temperature_neg": 1.3,
+                "is_mode": "none" if loss_type == "vespo" else "token_truncate",
+            }
+        )
         policy, params, opt, sched, *_ = _setup(base_dir, cfg)
         before = [p.detach().clone() for p in params]
         seen.clear()

@@ -26,8 +26,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def _model(arch: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
@@ -104,7 +111,11 @@ def test_shared_prompt_scores_and_gradients_equal_full_rows(arch):
     assert calls == [(3, 8), (ids.shape[0], t_max)]
     torch.testing.assert_close(shared[0], full[0], atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(shared[1], full[1], atol=2e-5, rtol=1e-5)
-    assert full[2].keys() == shared[2].keys() and any("norm" in k for k in full[2]) and any("lora_A" in k for k in full[2])
+    assert (
+        full[2].keys() == shared[2].keys()
+        and any("norm" in k for k in full[2])
+        and any("lora_A" in k for k in full[2])
+    )
     for name, want in full[2].items():
         got = shared[2][name]
         assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-7, name
@@ -142,7 +153,9 @@ def test_a_decoder_that_ignores_the_cache_falls_back_to_full_rows(caplog):
 
         def forward(self, input_ids, **kwargs):
             kwargs.pop("past_key_values", None)
-            return self.inner(input_ids=input_ids, **kwargs)  # a fresh cache each call: the suffix never sees the prefix
+            return self.inner(
+                input_ids=input_ids, **kwargs
+            )  # a fresh cache each call: the suffix never sees the prefix
 
     decoder = NoCache(_model("llama").model)
     ids, p_lens, t_max, _ = _grouped_batch()
@@ -204,10 +217,15 @@ def test_decoded_weights_decode_once_and_change_nothing(nvfp4_base, monkeypatch)
 def test_policy_update_keeps_weights_on_cpu_by_default(nvfp4_base, monkeypatch):
     from qerl_pipeline.rl.optim import build_optimizer
 
-    cfg = QerlConfig.model_validate({
-        "method": "qerl", "lora": {"rank": 4, "alpha": 8}, "grpo": {"num_generations": 3, "kl_beta": 0.0},
-        "rollout": {"temperature": TEMP}, "train": {"micro_batch_size": 9},
-    })
+    cfg = QerlConfig.model_validate(
+        {
+            "method": "qerl",
+            "lora": {"rank": 4, "alpha": 8},
+            "grpo": {"num_generations": 3, "kl_beta": 0.0},
+            "rollout": {"temperature": TEMP},
+            "train": {"micro_batch_size": 9},
+        }
+    )
     policy = build_policy(nvfp4_base, "nvfp4", cfg.lora, dtype=torch.float32)
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -229,16 +247,23 @@ def test_policy_update_keeps_weights_on_cpu_by_default(nvfp4_base, monkeypatch):
 
     monkeypatch.setattr(update, "completion_logprobs", spy)
     # step 0: the KL diagnostic's reference forward (no grad) runs; decodes stay one per linear for the whole update
-    out0 = update.policy_update(policy, update.Optim(opt, sched, params, {}), Batch(ids, p_lens, roll, mask, adv), cfg, 0)
+    out0 = update.policy_update(
+        policy, update.Optim(opt, sched, params, {}), Batch(ids, p_lens, roll, mask, adv), cfg, 0
+    )
     assert refs == [False, True] and "policy/kl_to_base" in out0
     assert len(decodes) == len(packed)
     # step 1 (log_kl_to_base_every 5): no reference forward, no KL logged
     refs.clear()
-    out1 = update.policy_update(policy, update.Optim(opt, sched, params, {}), Batch(ids, p_lens, roll, mask, adv), cfg, 1)
+    out1 = update.policy_update(
+        policy, update.Optim(opt, sched, params, {}), Batch(ids, p_lens, roll, mask, adv), cfg, 1
+    )
     assert refs == [True] and "policy/kl_to_base" not in out1
     assert update.reference_every(cfg) == 5
     assert update.reference_every(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"kl_beta": 0.1})})) == 1
-    assert update.reference_every(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"log_kl_to_base": False})})) == 0
+    assert (
+        update.reference_every(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"log_kl_to_base": False})}))
+        == 0
+    )
 
 
 def test_benchmark_batch_groups_share_their_prompt():
@@ -253,16 +278,29 @@ def test_benchmark_batch_groups_share_their_prompt():
 def test_training_flops_count_the_shared_prompt_once():
     from qerl_pipeline.benchmarking import hardware as hw
 
-    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 256}
+    config = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+    }
     s = hw.model_shape(config)
     body, lora = hw.matmul_params(config, include_lm_head=False), hw.lora_params(config, 4, TARGETS)
     head = s["hidden"] * s["vocab"]
 
     def oracle(tokens, pairs, logit_tokens=80):
         attn = s["layers"] * 4.0 * s["heads"] * s["head_dim"] * pairs
-        return (2 * (body + lora) * tokens + 2 * head * logit_tokens + attn
-                + 2 * body * tokens + 4 * lora * tokens + 2 * head * logit_tokens + 2 * attn)
+        return (
+            2 * (body + lora) * tokens
+            + 2 * head * logit_tokens
+            + attn
+            + 2 * body * tokens
+            + 4 * lora * tokens
+            + 2 * head * logit_tokens
+            + 2 * attn
+        )
 
     # 8 rows of 10 prompt + 10 completion tokens: full rows are 160 tokens, 8 x 20^2 / 2 attention pairs
     full = hw.training_step_flops(config, 8, 20, 4, TARGETS, logit_positions=10)
@@ -277,16 +315,38 @@ def test_planner_counts_what_the_head_keeps():
     from qerl_pipeline.planner import sizing as planner
     from qerl_pipeline.rl import logprobs
 
-    assert planner.KEEP_SOFTMAX_BYTES == logprobs.DEFAULT_KEEP_BYTES and planner.HEAD_CHUNK == logprobs.DEFAULT_CHUNK_TOKENS
+    assert (
+        planner.KEEP_SOFTMAX_BYTES == logprobs.DEFAULT_KEEP_BYTES
+        and planner.HEAD_CHUNK == logprobs.DEFAULT_CHUNK_TOKENS
+    )
     cfg = QerlConfig.model_validate({"method": "qerl"})
-    small = planner.ModelShape.from_config({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                                            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000})
+    small = planner.ModelShape.from_config(
+        {
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 1000,
+        }
+    )
     # 2 rows x 100 completion positions = 200 rows of 1000 fp32 probabilities: all kept
     assert planner.activation_bytes(cfg, small, 2, 200, 100)["kept_softmax"] == 200 * 1000 * 4
-    big = planner.ModelShape.from_config({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 152064})
+    big = planner.ModelShape.from_config(
+        {
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 152064,
+        }
+    )
     # V = 152k: one 512-row chunk is 311 MB > 256 MiB, nothing is kept
     assert planner.activation_bytes(cfg, big, 4, 2048, 1024)["kept_softmax"] == 0
     dense = cfg.model_copy(update={"train": cfg.train.model_copy(update={"keep_decoded_weights": True})})
-    extra = planner.activation_bytes(dense, small, 2, 200, 100)["transient"] - planner.activation_bytes(cfg, small, 2, 200, 100)["transient"]
+    extra = (
+        planner.activation_bytes(dense, small, 2, 200, 100)["transient"]
+        - planner.activation_bytes(cfg, small, 2, 200, 100)["transient"]
+    )
     assert extra > 0  # the dense base alive through the update is planned for when asked for

@@ -49,7 +49,7 @@ def test_viz_build_renders_lineage(project):
 
 
 # ----------------------------------------------------------------------------- the test tiers
-TIER_TESTS = '''
+TIER_TESTS = """
 import subprocess, sys
 from pathlib import Path
 
@@ -102,7 +102,7 @@ def test_engine(tmp_path):
 
 def test_plain_subprocess():
     assert subprocess.run([sys.executable, "-c", "print(1)"]).returncode == 0
-'''
+"""
 
 
 def test_fast_tier_deselects_integration_and_fails_tests_that_start_kedro_or_an_engine(pytester, monkeypatch):
@@ -118,7 +118,12 @@ def test_fast_tier_deselects_integration_and_fails_tests_that_start_kedro_or_an_
     out = result.stdout.str()
     outcomes = result.parseoutcomes()
     assert outcomes.get("deselected") == 2, out[-4000:]
-    for name in ("test_cli_error_swallowed", "test_cli_from_a_child_process", "test_in_process_session", "test_engine"):
+    for name in (
+        "test_cli_error_swallowed",
+        "test_cli_from_a_child_process",
+        "test_in_process_session",
+        "test_engine",
+    ):
         assert re.search(rf"ERROR at teardown of {name}\b", out), (name, out[-6000:])
     assert "fast tier: the Kedro CLI" in out and "fast tier: a KedroSession" in out
     assert "fast tier: the vLLM rollout engine" in out
@@ -153,7 +158,7 @@ def _readme_section(heading: str) -> str:
     text = (PROJECT / "README.md").read_text()
     start = text.index(f"\n## {heading}\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end >= 0 else None]
+    return text[start : end if end >= 0 else None]
 
 
 def test_readme_comparison_tables_are_the_committed_reports():
@@ -167,8 +172,11 @@ def test_readme_comparison_tables_are_the_committed_reports():
 
     section = _readme_section("The first comparison")
     results = PROJECT / "docs/results/cpu_compare"
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in section.splitlines() if line.startswith("| ")}
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in section.splitlines()
+        if line.startswith("| ")
+    }
     claims = list(csv.DictReader((results / "claims.csv").open()))
     assert claims
     for c in claims:
@@ -185,12 +193,15 @@ def test_readme_comparison_tables_are_the_committed_reports():
     methods = params["compare"]["methods"]
     assert [r["method"] for r in acc if r["policy"] == "trained"] == methods == list(step)
     for m in methods:
-        base, = [r for r in acc if r["method"] == m and r["policy"] == "base"]
-        trained, = [r for r in acc if r["method"] == m and r["policy"] == "trained"]
+        (base,) = [r for r in acc if r["method"] == m and r["policy"] == "base"]
+        (trained,) = [r for r in acc if r["method"] == m and r["policy"] == "trained"]
         assert int(trained["n_seeds"]) == len(params["compare"]["seeds"])
-        assert rows[m] == [f"{float(base['pass1']):.3f}", f"{float(trained['pass1']):.3f}",
-                           f"[{float(trained['pass1_ci_low']):.3f}, {float(trained['pass1_ci_high']):.3f}]",
-                           f"{step[m]:.1f}"], (m, rows[m])
+        assert rows[m] == [
+            f"{float(base['pass1']):.3f}",
+            f"{float(trained['pass1']):.3f}",
+            f"[{float(trained['pass1_ci_low']):.3f}, {float(trained['pass1_ci_high']):.3f}]",
+            f"{step[m]:.1f}",
+        ], (m, rows[m])
     assert "`kedro run --pipelines=compare --env cpu_compare`" in section
     assert f"{params['train']['steps']} steps x {params['train']['prompts_per_step']} prompts" in section
 

@@ -16,7 +16,6 @@ import torch
 from qerl_pipeline.datasets.hf_model_folder import HFModelFolderDataset
 from qerl_pipeline.quantization import checkpoint, nvfp4
 from qerl_pipeline.rollout.serving import served_model
-
 from tests.helpers.files import rewritten, snapshot
 from tests.helpers.project import project_copy, run_kedro, tracking_uri
 
@@ -130,7 +129,6 @@ def test_second_run_reuses_the_base_untouched(tmp_path):
     """`kedro run --pipelines=quantize` twice on one config: the second keeps every file and says so; force rewrites."""
     from mlflow.tracking import MlflowClient
 
-
     root = project_copy(tmp_path / "project")
     args = ("run", "--pipelines=quantize", "--env=smoke")
     base = root / "data" / "06_models" / "smoke" / "base_nf4"  # Kedro makes catalog paths absolute
@@ -180,9 +178,13 @@ def test_dataset_saves_folders_atomically_and_versioned(tmp_path):
     # versioned: each save its own folder, load takes the latest
     from kedro.io.core import Version
 
-    v1 = HFModelFolderDataset(str(tmp_path / "ver" / "m"), version=Version(None, "2026-01-01T00.00.00.000Z"), move=False)
+    v1 = HFModelFolderDataset(
+        str(tmp_path / "ver" / "m"), version=Version(None, "2026-01-01T00.00.00.000Z"), move=False
+    )
     v1.save(a)
-    v2 = HFModelFolderDataset(str(tmp_path / "ver" / "m"), version=Version(None, "2026-01-02T00.00.00.000Z"), move=False)
+    v2 = HFModelFolderDataset(
+        str(tmp_path / "ver" / "m"), version=Version(None, "2026-01-02T00.00.00.000Z"), move=False
+    )
     v2.save(b)
     latest = HFModelFolderDataset(str(tmp_path / "ver" / "m"), version=Version(None, None))
     assert (latest.load() / "w.txt").read_text() == "b2"

@@ -78,8 +78,18 @@ def _log_method_run(client, exp_id, method, i, seed=0, group="g1"):
     for bench in ("gsm8k", "math500"):
         for p in range(4):
             ok = (p <= i or (method == "qerl" and seed == 1 and p == 1)) if bench == "gsm8k" else p == 0
-            records.append({"id": f"{bench}-{p}", "source": bench, "policy": "trained", "correct": [ok, ok], "greedy_correct": ok})
-            records.append({"id": f"{bench}-{p}", "source": bench, "policy": "base", "correct": [False, p == 0], "greedy_correct": False})
+            records.append(
+                {"id": f"{bench}-{p}", "source": bench, "policy": "trained", "correct": [ok, ok], "greedy_correct": ok}
+            )
+            records.append(
+                {
+                    "id": f"{bench}-{p}",
+                    "source": bench,
+                    "policy": "base",
+                    "correct": [False, p == 0],
+                    "greedy_correct": False,
+                }
+            )
     for key, value in metric_dict(aggregate(records)).items():
         client.log_metric(rid, key, value)
     _log_records(client, rid, records)
@@ -103,7 +113,9 @@ def store(tmp_path_factory):
 
 def test_load_runs_picks_group_and_newest(store):
     runs = report_runs.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    assert [(r.method, r.seed) for r in runs] == [(m, k) for m in METHODS for k in SEEDS]  # one run per method and seed
+    assert [(r.method, r.seed) for r in runs] == [
+        (m, k) for m in METHODS for k in SEEDS
+    ]  # one run per method and seed
     assert [r.run_id for r in runs] == [store["ids"][m, k] for m in METHODS for k in SEEDS]
     assert runs[0].records and {"id", "source", "policy", "correct"} <= set(runs[0].records[0])
     # without group: newest per method, still never the compare parent run
@@ -112,7 +124,12 @@ def test_load_runs_picks_group_and_newest(store):
     assert runs[0].curve("reward")[:2] == [(1, pytest.approx(0.12)), (2, pytest.approx(0.22))]
     with pytest.raises(ValueError, match="no MLflow run for method.*lora.*group 'old'"):
         report_runs.load_runs(EXPERIMENT, ["qerl", "lora"], client=store["client"], group="old")
-    assert [r.method for r in report_runs.load_runs(EXPERIMENT, ["qerl", "lora"], client=store["client"], group="old", require_all=False)] == ["qerl"]
+    assert [
+        r.method
+        for r in report_runs.load_runs(
+            EXPERIMENT, ["qerl", "lora"], client=store["client"], group="old", require_all=False
+        )
+    ] == ["qerl"]
 
 
 def test_tables(store):
@@ -137,7 +154,9 @@ def test_accuracy_over_seeds_and_problems(store):
     row = summary.loc[("qerl", "trained", "gsm8k")]
     expected = stats.crossed_interval([[1, 0, 0, 0], [1, 1, 0, 0]])  # seeds x problems, aligned by problem id
     assert (row["n_seeds"], row["n_problems"], row["interval_over"]) == (2, 4, "seeds+problems")
-    assert (row["pass1"], row["pass1_ci_low"], row["pass1_ci_high"]) == pytest.approx((expected.mean, expected.low, expected.high))
+    assert (row["pass1"], row["pass1_ci_low"], row["pass1_ci_high"]) == pytest.approx(
+        (expected.mean, expected.low, expected.high)
+    )
     assert row["greedy"] == pytest.approx(0.375)
     # the base is one evaluation for every seed: its interval is over problems only
     base = summary.loc[("qlora", "base", "math500")]
@@ -159,12 +178,23 @@ def test_claims_by_hand(store):
     runs = report_runs.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
     assert report_claims.first_aqn_stage_steps(runs) == [2, 3]
     found = {c.id: c for c in report_claims.claims(runs)}
-    assert set(found) == {"a_qerl_entropy_gt_lora", "a_qerl_noaqn_entropy_gt_lora", "a_qlora_entropy_gt_lora",
-                          "b_qerl_ge_qerl_noaqn", "b_qerl_noaqn_ge_lora", "c_lora_aqn_ge_lora"}
+    assert set(found) == {
+        "a_qerl_entropy_gt_lora",
+        "a_qerl_noaqn_entropy_gt_lora",
+        "a_qlora_entropy_gt_lora",
+        "b_qerl_ge_qerl_noaqn",
+        "b_qerl_noaqn_ge_lora",
+        "c_lora_aqn_ge_lora",
+    }
     # (a) per-seed entropy differences over steps 2-3: 0.2, 0.22 / -0.3, -0.28 / 0, 0.02; half t(1) * 0.01 = 0.127
     assert found["a_qerl_entropy_gt_lora"].text == "supported: difference 0.210, 95% interval [0.083, 0.337], 2 seeds"
-    assert found["a_qerl_noaqn_entropy_gt_lora"].text == "contradicted: difference -0.290, 95% interval [-0.417, -0.163], 2 seeds"
-    assert found["a_qlora_entropy_gt_lora"].text == "cannot tell: difference 0.010, 95% interval [-0.117, 0.137], 2 seeds"
+    assert (
+        found["a_qerl_noaqn_entropy_gt_lora"].text
+        == "contradicted: difference -0.290, 95% interval [-0.417, -0.163], 2 seeds"
+    )
+    assert (
+        found["a_qlora_entropy_gt_lora"].text == "cannot tell: difference 0.010, 95% interval [-0.117, 0.137], 2 seeds"
+    )
     # (b) areas 3 * slope + seed term: differences 0.15, 0.16 (half t(1) * 0.005 = 0.064) / 0.00, 0.01 / (c) 0, 0
     assert found["b_qerl_ge_qerl_noaqn"].text == "supported: difference 0.155, 95% interval [0.091, 0.219], 2 seeds"
     assert found["b_qerl_noaqn_ge_lora"].text == "cannot tell: difference 0.005, 95% interval [-0.059, 0.069], 2 seeds"
@@ -178,23 +208,32 @@ def test_claims_by_hand(store):
     # compare.methods without qlora and lora_aqn: their claims are not stated at all (nothing was meant to run),
     # the others' are the same; a chosen method without runs still reads "no data"
     chosen = {c.id: c for c in report_claims.claims(runs, ["qerl", "qerl_noaqn", "lora"])}
-    assert set(chosen) == {"a_qerl_entropy_gt_lora", "a_qerl_noaqn_entropy_gt_lora", "b_qerl_ge_qerl_noaqn",
-                           "b_qerl_noaqn_ge_lora"}
+    assert set(chosen) == {
+        "a_qerl_entropy_gt_lora",
+        "a_qerl_noaqn_entropy_gt_lora",
+        "b_qerl_ge_qerl_noaqn",
+        "b_qerl_noaqn_ge_lora",
+    }
     assert all(chosen[k].text == found[k].text for k in chosen)
     assert report_claims.claims([r for r in runs if r.method != "lora_aqn"], ["lora", "lora_aqn"])[0].text == (
-        "cannot tell: no data for lora_aqn")
+        "cannot tell: no data for lora_aqn"
+    )
     # seeds that would tell a "cannot tell" difference from 0 at its measured spread (stats.seeds_needed):
     # differences 0, 0.01 and 0, 0.02 both have s_d / |d| = sqrt(2): t(n-1)/sqrt(n) < 0.70711 first at n = 11
     # (t(9)/sqrt(10) = 0.71535, t(10)/sqrt(11) = 0.67181); differences 0, 0 have no difference to tell
-    assert [(found[c].seeds_needed, found[c].seeds_note) for c in ("b_qerl_noaqn_ge_lora", "a_qlora_entropy_gt_lora")] == [
-        (11, "11 seeds"), (11, "11 seeds")]
+    assert [
+        (found[c].seeds_needed, found[c].seeds_note) for c in ("b_qerl_noaqn_ge_lora", "a_qlora_entropy_gt_lora")
+    ] == [(11, "11 seeds"), (11, "11 seeds")]
     assert found["c_lora_aqn_ge_lora"].seeds_note == "none: the measured difference is 0"
     assert found["b_qerl_ge_qerl_noaqn"].seeds_note == ""  # supported: nothing to estimate
     assert {c.seeds_note for c in one.values()} == {"needs ≥2 seeds to estimate"}
     metrics, tags = report_claims.claim_metrics(found.values())
     assert metrics["claims/b_qerl_ge_qerl_noaqn/difference"] == pytest.approx(0.155)
     assert metrics["claims/b_qerl_ge_qerl_noaqn/n_seeds"] == 2
-    assert metrics["claims/b_qerl_noaqn_ge_lora/seeds_needed"] == 11 and "claims/b_qerl_ge_qerl_noaqn/seeds_needed" not in metrics
+    assert (
+        metrics["claims/b_qerl_noaqn_ge_lora/seeds_needed"] == 11
+        and "claims/b_qerl_ge_qerl_noaqn/seeds_needed" not in metrics
+    )
     assert tags["claims.a_qlora_entropy_gt_lora"].startswith("cannot tell")
 
 
@@ -212,8 +251,12 @@ def test_report_files_through_the_catalog(store, tmp_path):
     files = report_artifacts(runs)
     assert tuple(files) == REPORT_FILES
     out = tmp_path / "report"
-    loader = OmegaConfigLoader(str(ROOT / "conf"), base_env="base", default_run_env="local",
-                               runtime_params={"compare": {"report_dir": str(out)}})
+    loader = OmegaConfigLoader(
+        str(ROOT / "conf"),
+        base_env="base",
+        default_run_env="local",
+        runtime_params={"compare": {"report_dir": str(out)}},
+    )
     catalog = DataCatalog.from_config(loader["catalog"])
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(store["uri"])
@@ -236,21 +279,28 @@ def test_report_files_through_the_catalog(store, tmp_path):
     assert "http" not in page.split("<body>")[1]  # nothing fetched from elsewhere
     assert not [p for p in out.iterdir() if p.name not in REPORT_FILES]  # atomic writes left no temp files
     csv = paths["accuracy.csv"].read_text().splitlines()
-    assert csv[0].startswith("method,seed,policy,benchmark") and len(csv) == 1 + 5 * 2 * 2 * 2  # methods x seeds x policies x benchmarks
+    assert (
+        csv[0].startswith("method,seed,policy,benchmark") and len(csv) == 1 + 5 * 2 * 2 * 2
+    )  # methods x seeds x policies x benchmarks
     claims = json.loads(paths["claims.json"].read_text())
     assert len(claims) == 6 and all(c["text"] in page for c in claims)
     assert "supported: difference 0.210, 95% interval [0.083, 0.337], 2 seeds" in paths["claims.csv"].read_text()
     import pandas as pd
 
     table = pd.read_csv(paths["claims.csv"]).set_index("claim")
-    assert table.at["b_qerl_noaqn_ge_lora", "seeds_needed"] == 11 and table.at["b_qerl_noaqn_ge_lora", "seeds_needed_note"] == "11 seeds"
+    assert (
+        table.at["b_qerl_noaqn_ge_lora", "seeds_needed"] == 11
+        and table.at["b_qerl_noaqn_ge_lora", "seeds_needed_note"] == "11 seeds"
+    )
     assert pd.isna(table.at["b_qerl_ge_qerl_noaqn", "seeds_needed"])
     assert "<th>seeds to tell it from 0</th>" in page and "<td>11 seeds</td>" in page and "t(0.975, n-1)" in page
     assert next(c for c in claims if c["id"] == "b_qerl_noaqn_ge_lora")["seeds_needed"] == 11
     curves = paths["curves.csv"].read_text().splitlines()
     assert curves[0] == "curve,method,step,mean,ci_low,ci_high,n_seeds" and len(curves) == 1 + 2 * 5 * 5
     assert paths["accuracy_summary.csv"].read_text().startswith("method,policy,benchmark,n_seeds")
-    assert paths["system.csv"].read_text() == report_tables.system_table(runs).to_csv()  # the method index as first column
+    assert (
+        paths["system.csv"].read_text() == report_tables.system_table(runs).to_csv()
+    )  # the method index as first column
     names = {Path(f.path).name for f in store["client"].list_artifacts(store["parent"], "report")}
     assert set(REPORT_FILES) <= names
 
@@ -262,7 +312,9 @@ def test_notebook_executes_headless(store, monkeypatch):
     monkeypatch.setenv("QERL_EXPERIMENT", EXPERIMENT)
     monkeypatch.setenv("QERL_COMPARE_GROUP", "g1")
     nb = nbformat.read(ROOT / "notebooks" / "compare_runs.ipynb", as_version=4)
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}
+    ).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     pngs = [o for o in outputs if "image/png" in o.get("data", {})]
@@ -297,13 +349,22 @@ def test_separate_train_and_evaluate_runs_are_paired(tmp_path):
 
 def test_training_figure_draws_every_curve_from_the_history():
     history = [
-        {"step": s, "reward/mean": 0.1 * s, "reward/accuracy": 0.05 * s, "reward/format": 0.02 * s, "policy/entropy": 1.0 - 0.1 * s,
-         "completion/length": 90.0 - s, "aqn/sigma": 0.01 / s}
+        {
+            "step": s,
+            "reward/mean": 0.1 * s,
+            "reward/accuracy": 0.05 * s,
+            "reward/format": 0.02 * s,
+            "policy/entropy": 1.0 - 0.1 * s,
+            "completion/length": 90.0 - s,
+            "aqn/sigma": 0.01 / s,
+        }
         for s in range(1, 6)
     ]
     fig = plots.plot_training(history, "qerl")
     axes = fig.get_axes()
-    assert [ax.get_title() for ax in axes] == [report_runs.CURVES[k][0] for k in ("reward", "accuracy", "format", "entropy", "length", "sigma")]
+    assert [ax.get_title() for ax in axes] == [
+        report_runs.CURVES[k][0] for k in ("reward", "accuracy", "format", "entropy", "length", "sigma")
+    ]
     for ax in axes:
         (line,) = ax.get_lines()
         assert list(line.get_xdata()) == [1, 2, 3, 4, 5]
@@ -323,22 +384,38 @@ def test_the_report_gains_the_4bit_policy_where_exports_exist(sqlite_store):
     client = MlflowClient()
     exp_id = client.create_experiment("exported")
     for seed in SEEDS:
-        rid = _log_method_run(client, exp_id, "qerl", 0, seed, group="gx")  # trained: gsm8k seed 0 1 of 4, seed 1 2 of 4
-        quantized = [{"id": f"{b}-{p}", "source": b, "policy": "merged_nvfp4", "seed": seed, "correct": [p == 0, p == 0],
-                      "greedy_correct": p == 0} for b in ("gsm8k", "math500") for p in range(4)]  # seed 1 loses gsm8k-1
+        rid = _log_method_run(
+            client, exp_id, "qerl", 0, seed, group="gx"
+        )  # trained: gsm8k seed 0 1 of 4, seed 1 2 of 4
+        quantized = [
+            {
+                "id": f"{b}-{p}",
+                "source": b,
+                "policy": "merged_nvfp4",
+                "seed": seed,
+                "correct": [p == 0, p == 0],
+                "greedy_correct": p == 0,
+            }
+            for b in ("gsm8k", "math500")
+            for p in range(4)
+        ]  # seed 1 loses gsm8k-1
         log_cost(rid, quantized, seed)
         _log_method_run(client, exp_id, "lora", 3, seed, group="gx")  # not exported
     runs = report_runs.load_runs("exported", ["qerl", "lora"], client=client, group="gx")
     summary = report_tables.accuracy_summary(runs).set_index(["method", "policy", "benchmark"])
     row = summary.loc[("qerl", "merged_nvfp4", "gsm8k")]
     expected = stats.crossed_interval([[1, 0, 0, 0], [1, 0, 0, 0]])
-    assert (row["pass1"], row["pass1_ci_low"], row["pass1_ci_high"]) == pytest.approx((expected.mean, expected.low, expected.high))
+    assert (row["pass1"], row["pass1_ci_low"], row["pass1_ci_high"]) == pytest.approx(
+        (expected.mean, expected.low, expected.high)
+    )
     assert row["interval_over"] == "seeds+problems" and ("lora", "merged_nvfp4", "gsm8k") not in summary.index
     cost = report_tables.paired_frame(runs, "merged_nvfp4").set_index(["method", "benchmark", "metric"])
     assert set(cost.index.get_level_values("method")) == {"qerl"}
     diff = stats.paired_difference([[1, 0, 0, 0], [1, 0, 0, 0]], [[1, 0, 0, 0], [1, 1, 0, 0]])
     got = cost.loc[("qerl", "gsm8k", "pass1")]
-    assert (got["difference"], got["difference_ci_low"], got["difference_ci_high"]) == pytest.approx((-0.125, diff.low, diff.high))
+    assert (got["difference"], got["difference_ci_low"], got["difference_ci_high"]) == pytest.approx(
+        (-0.125, diff.low, diff.high)
+    )
     assert got["trained"] == pytest.approx(0.375) and got["merged_nvfp4"] == pytest.approx(0.25)
     assert cost.loc[("qerl", "math500", "pass1"), "difference"] == 0.0
     page = render_html(runs, {s: b"\x89PNG" for s in ("accuracy", "reward_curves", "entropy_curves", "system")})

@@ -93,7 +93,9 @@ def degenerate_completions() -> dict[str, str]:
         "series": "\\boxed{\\sum_{k=1}^{10^9} k^k}",
         # long text of other kinds
         "letters_400": "\\boxed{" + "a" * 5000 + "}",
-        "matrix_30": "\\boxed{\\begin{pmatrix}" + "\\\\".join("&".join(["1"] * 30) for _ in range(30)) + "\\end{pmatrix}}",
+        "matrix_30": "\\boxed{\\begin{pmatrix}"
+        + "\\\\".join("&".join(["1"] * 30) for _ in range(30))
+        + "\\end{pmatrix}}",
         "dollars_5000": "answer: " + "$1$ " * 5000,
         "answer_word_5000": "answer " * 5000 + "5",
         "anchors_5000": "The answer is 1. " * 5000,
@@ -126,7 +128,18 @@ def _within_bounds(kind: str, text: str) -> None:
 
 def test_every_family_is_present():
     names = degenerate_completions()
-    for family in ("braces", "digits", "chain", "tower", "sum_3000", "control", "tags", "frac", "factorial", "binomial"):
+    for family in (
+        "braces",
+        "digits",
+        "chain",
+        "tower",
+        "sum_3000",
+        "control",
+        "tags",
+        "frac",
+        "factorial",
+        "binomial",
+    ):
         assert any(family in n for n in names), family
 
 
@@ -142,20 +155,44 @@ def test_degenerate_completions_are_rejected_or_bounded():
                 rejected[name] = trace["rejected"]
     # the families that math-verify cannot handle cheaply are stopped by the named check
     expect = {
-        "boxed_braces_500": "length", "parens_1000": "length", "braces_9": "nesting_depth",
-        "left_right_200": "length", "digits_5000_boxed": "length", "digits_150": "number_digits",
-        "chain_300": "length", "braced_tower_50": "nesting_depth", "tower_9_9_9": "exponent_value",
-        "tower_10_10_10": "exponent_value", "big_exponent": "exponent_value", "tower_2_5": "exponent_depth",
-        "exp_tower_e": "exponent_depth", "sum_3000_boxed": "length", "sum_3000_plain": "length",
-        "sum_3000_dollar": "length", "sum_3000_tag": "length", "sum_400000": "length", "poly_200": "length",
-        "frac_denominator_200": "length", "frac_nest_20": "nesting_depth", "control_boxed": "length",
-        "factorial_1e6": "combinatorial_arg", "factorial_digits": "combinatorial_arg",
+        "boxed_braces_500": "length",
+        "parens_1000": "length",
+        "braces_9": "nesting_depth",
+        "left_right_200": "length",
+        "digits_5000_boxed": "length",
+        "digits_150": "number_digits",
+        "chain_300": "length",
+        "braced_tower_50": "nesting_depth",
+        "tower_9_9_9": "exponent_value",
+        "tower_10_10_10": "exponent_value",
+        "big_exponent": "exponent_value",
+        "tower_2_5": "exponent_depth",
+        "exp_tower_e": "exponent_depth",
+        "sum_3000_boxed": "length",
+        "sum_3000_plain": "length",
+        "sum_3000_dollar": "length",
+        "sum_3000_tag": "length",
+        "sum_400000": "length",
+        "poly_200": "length",
+        "frac_denominator_200": "length",
+        "frac_nest_20": "nesting_depth",
+        "control_boxed": "length",
+        "factorial_1e6": "combinatorial_arg",
+        "factorial_digits": "combinatorial_arg",
         "factorial_plain": "combinatorial_arg",
-        "binomial_big": "combinatorial_arg", "multinomial_7_8": "power_expansion",
-        "binomial_power_1000": "power_expansion", "surd_power": "power_expansion",
-        "function_power": "power_expansion", "integral": "big_operator", "series": "big_operator",
-        "letters_400": "length", "matrix_30": "length", "boxed_text_huge": "length", "display_unclosed": "operators",
-        "boxes_chain_5000": "length", "boxes_display_env_2000": "length",
+        "binomial_big": "combinatorial_arg",
+        "multinomial_7_8": "power_expansion",
+        "binomial_power_1000": "power_expansion",
+        "surd_power": "power_expansion",
+        "function_power": "power_expansion",
+        "integral": "big_operator",
+        "series": "big_operator",
+        "letters_400": "length",
+        "matrix_30": "length",
+        "boxed_text_huge": "length",
+        "display_unclosed": "operators",
+        "boxes_chain_5000": "length",
+        "boxes_display_env_2000": "length",
     }
     for name, reason in expect.items():
         assert rejected[name] == reason, (name, rejected[name])
@@ -274,7 +311,9 @@ def test_numeric_magnitude():
     assert bounds.numeric_log10("2 \\cdot 10^{3}") == pytest.approx(3.30103)
     assert bounds.numeric_log10("\\frac{10^{6}}{3}") == pytest.approx(6)
     assert bounds.numeric_log10("9^{9^{9}}") > 1e8
-    assert bounds.numeric_log10("x+1") is None and bounds.numeric_log10("") is None and bounds.numeric_log10("(1") is None
+    assert (
+        bounds.numeric_log10("x+1") is None and bounds.numeric_log10("") is None and bounds.numeric_log10("(1") is None
+    )
 
 
 def test_thresholds_are_above_every_gold():
@@ -287,8 +326,10 @@ def test_thresholds_are_above_every_gold():
         text = normalise_tex_shorthand(gold)
         assert bounds_violation(text) is None, gold
         worst = {
-            "len": max(worst["len"], len(text)), "nest": max(worst["nest"], bounds.nesting_depth(text)),
-            "digits": max(worst["digits"], bounds.max_number_digits(text)), "ops": max(worst["ops"], bounds.operator_count(text)),
+            "len": max(worst["len"], len(text)),
+            "nest": max(worst["nest"], bounds.nesting_depth(text)),
+            "digits": max(worst["digits"], bounds.max_number_digits(text)),
+            "ops": max(worst["ops"], bounds.operator_count(text)),
             "exp": max(worst["exp"], bounds.exponent_depth(text)),
         }
     # comfortably above: at least twice the largest gold value of each measure
@@ -312,7 +353,9 @@ def ordinary_completions(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
             answer = str(int(gold) + 1)
         else:
             answer = pool[rng.randrange(len(pool))][0]
-        steps = " ".join(f"Step {k}: we compute {rng.randint(2, 99)} + {rng.randint(2, 99)} and simplify." for k in range(8))
+        steps = " ".join(
+            f"Step {k}: we compute {rng.randint(2, 99)} + {rng.randint(2, 99)} and simplify." for k in range(8)
+        )
         form = i % 3
         if form == 0:
             completions.append(f"<think>{steps}</think>\n<answer>{answer}</answer>")
@@ -338,10 +381,15 @@ def measure_batches(n: int = 1000) -> dict:
         scorer.score(degenerate, [str(i % 97) for i in range(n)])
         t_degenerate = time.monotonic() - t0
         return {
-            "n": n, "ordinary_s": round(t_ordinary, 2), "degenerate_s": round(t_degenerate, 2),
-            "ratio": round(t_degenerate / t_ordinary, 2), "ordinary_accuracy": sum(r["accuracy"] for r in rows) / n,
-            "timeouts": scorer.timeouts, "rejections": dict(scorer.rejections),
-            "max_workers": scorer.cfg.max_workers, "timeout_s": scorer.cfg.timeout_s,
+            "n": n,
+            "ordinary_s": round(t_ordinary, 2),
+            "degenerate_s": round(t_degenerate, 2),
+            "ratio": round(t_degenerate / t_ordinary, 2),
+            "ordinary_accuracy": sum(r["accuracy"] for r in rows) / n,
+            "timeouts": scorer.timeouts,
+            "rejections": dict(scorer.rejections),
+            "max_workers": scorer.cfg.max_workers,
+            "timeout_s": scorer.cfg.timeout_s,
         }
 
 

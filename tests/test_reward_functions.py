@@ -33,18 +33,34 @@ NOT_A_FUNCTION = 3
 @pytest.mark.parametrize(
     "train, field, expected",
     [
-        ({"reward_fn": "no_such_module_xyz:f"}, "train.reward_fn",
-         "'no_such_module_xyz:f' cannot be imported: ModuleNotFoundError"),
-        ({"reward_fn": ["math", "tests.helpers.rewards:nothing_here"]}, "train.reward_fn",
-         "module 'tests.helpers.rewards' has no attribute 'nothing_here'"),
+        (
+            {"reward_fn": "no_such_module_xyz:f"},
+            "train.reward_fn",
+            "'no_such_module_xyz:f' cannot be imported: ModuleNotFoundError",
+        ),
+        (
+            {"reward_fn": ["math", "tests.helpers.rewards:nothing_here"]},
+            "train.reward_fn",
+            "module 'tests.helpers.rewards' has no attribute 'nothing_here'",
+        ),
         ({"reward_fn": f"{__name__}:NOT_A_FUNCTION"}, "train.reward_fn", "is not callable: it is int 3"),
-        ({"reward_fn": [f"{__name__}:takes_two"]}, "train.reward_fn", "cannot be called as f(completions, golds, samples)"),
+        (
+            {"reward_fn": [f"{__name__}:takes_two"]},
+            "train.reward_fn",
+            "cannot be called as f(completions, golds, samples)",
+        ),
         ({"reward_fn": "justaname"}, "train.reward_fn", "expected an import path 'package.module:function'"),
         ({"reward_fn": []}, "train.reward_fn", "an empty list"),
-        ({"reward_fn": [LETTERS, "tests.helpers.rewards.letter_fraction"]}, "train.reward_fn",
-         "are both named 'letter_fraction'"),
-        ({"reward_fn": ["math", LETTERS], "reward_weights": [1.0]}, "train",
-         "reward_weights: 1 weight(s) for 2 reward function(s)"),
+        (
+            {"reward_fn": [LETTERS, "tests.helpers.rewards.letter_fraction"]},
+            "train.reward_fn",
+            "are both named 'letter_fraction'",
+        ),
+        (
+            {"reward_fn": ["math", LETTERS], "reward_weights": [1.0]},
+            "train",
+            "reward_weights: 1 weight(s) for 2 reward function(s)",
+        ),
         ({"reward_fn": ["math", LETTERS], "reward_weights": [1.0, float("nan")]}, "train", "finite number"),
         ({"reward_fn": LETTERS, "reward_weights": [2.0]}, "train", "goes with a reward_fn list"),
         ({"reward_weights": [2.0]}, "train", "goes with a reward_fn list"),
@@ -60,8 +76,16 @@ def test_reward_components_names_paths_and_weights():
     assert TrainConfig().reward_components() == [("math", "math", 1.0)]
     assert TrainConfig(reward_fn=LETTERS).reward_components() == [("letter_fraction", LETTERS, 1.0)]
     cfg = TrainConfig(reward_fn=["math", LETTERS, BREVITY], reward_weights=[1.0, 0.5, -2])
-    assert cfg.reward_components() == [("math", "math", 1.0), ("letter_fraction", LETTERS, 0.5), ("brevity", BREVITY, -2.0)]
-    assert TrainConfig(reward_fn=[LETTERS, BREVITY]).reward_components()[1] == ("brevity", BREVITY, 1.0)  # TRL: 1.0 each
+    assert cfg.reward_components() == [
+        ("math", "math", 1.0),
+        ("letter_fraction", LETTERS, 0.5),
+        ("brevity", BREVITY, -2.0),
+    ]
+    assert TrainConfig(reward_fn=[LETTERS, BREVITY]).reward_components()[1] == (
+        "brevity",
+        BREVITY,
+        1.0,
+    )  # TRL: 1.0 each
 
 
 def test_default_and_single_reward_keep_their_scorers():
@@ -79,8 +103,11 @@ def test_default_and_single_reward_keep_their_scorers():
 
 
 def test_weighted_sum_of_math_and_user_rewards():
-    cfg = QerlConfig(train={"reward_fn": ["math", LETTERS, BREVITY], "reward_weights": [1.0, 0.5, -2.0]},
-                     reward={"format_style": "answer_line"}, data={"system_prompt": "Say: The answer is N."})
+    cfg = QerlConfig(
+        train={"reward_fn": ["math", LETTERS, BREVITY], "reward_weights": [1.0, 0.5, -2.0]},
+        reward={"format_style": "answer_line"},
+        data={"system_prompt": "Say: The answer is N."},
+    )
     scorer = make_scorer(cfg)
     completions = ["So 6 * 7 = 42. The answer is 42", "The answer is 41", "zzz"]
     golds = ["42", "42", "42"]
@@ -99,14 +126,17 @@ def test_weighted_sum_of_math_and_user_rewards():
         assert (row["accuracy"], row["format"], row["extracted"]) == (m["accuracy"], m["format"], m["extracted"])
     assert [r["accuracy"] for r in rows] == [1.0, 0.0, 0.0]
     metrics = reward_component_metrics(rows)
-    assert set(metrics) == {f"rewards/{n}/{s}" for n in ("math", "letter_fraction", "brevity") for s in ("mean", "std")}
+    assert set(metrics) == {
+        f"rewards/{n}/{s}" for n in ("math", "letter_fraction", "brevity") for s in ("mean", "std")
+    }
     assert metrics[tracking.reward_component("brevity")] == pytest.approx(sum(short) / 3)
     assert metrics["rewards/math/mean"] == pytest.approx(sum(m["reward"] for m in math_rows) / 3)
 
 
 def test_without_math_entry_accuracy_comes_from_the_first_entry_that_gives_it():
-    scorer = make_scorer(QerlConfig(train={"reward_fn": [BREVITY, f"{__name__}:as_dicts_with_accuracy"],
-                                           "reward_weights": [0.0, 2.0]}))
+    scorer = make_scorer(
+        QerlConfig(train={"reward_fn": [BREVITY, f"{__name__}:as_dicts_with_accuracy"], "reward_weights": [0.0, 2.0]})
+    )
     rows = scorer.score(["a", "bb"], ["1", "2"], [])
     assert [r["reward"] for r in rows] == [1.0, 1.0]
     assert all(r["accuracy"] == 1.0 and r["format"] == 0.0 and r["note"] == "mine" for r in rows)

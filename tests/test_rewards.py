@@ -24,17 +24,33 @@ CASES = [
     (f"{TH}\n<answer>\\boxed{{18}}</answer>", "18", 1.0, True, "right, boxed in answer tags"),
     ("The total is \\boxed{18}.", "18", 1.0, False, "right, boxed, no tags"),
     (f"{TH}<answer>$\\frac{{1}}{{2}}$</answer>", "0.5", 1.0, True, "right, fraction vs decimal gold"),
-    (f"{TH}<answer>\\boxed{{\\frac{{14}}{{3}}}}</answer>", "\\frac{14}{3}", 1.0, True, "right, LaTeX gold (MATH-500 style)"),
+    (
+        f"{TH}<answer>\\boxed{{\\frac{{14}}{{3}}}}</answer>",
+        "\\frac{14}{3}",
+        1.0,
+        True,
+        "right, LaTeX gold (MATH-500 style)",
+    ),
     (f"{TH}<answer>1,000</answer>", "1000", 1.0, True, "right, thousands separator"),
-    (f"{TH}<answer>\\boxed{{(3, \\frac{{\\pi}}{{2}})}}</answer>", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0, True,
-     "right, tuple with \\left/\\right gold"),
+    (
+        f"{TH}<answer>\\boxed{{(3, \\frac{{\\pi}}{{2}})}}</answer>",
+        "\\left( 3, \\frac{\\pi}{2} \\right)",
+        1.0,
+        True,
+        "right, tuple with \\left/\\right gold",
+    ),
     (f"{TH}<answer>\\boxed{{x = 5}}</answer>", "5", 1.0, True, "right, equation x = 5"),
     ("<think>9 + 9</think> <answer> 18. </answer>", "18", 1.0, True, "right, trailing period and spaces"),
     ("<think>7 + 5 = 12 so 12</think><answer>\\boxed{12}</answer>", "3", 0.0, True, "wrong, boxed"),
     (f"{TH}<answer>17</answer>", "18", 0.0, True, "wrong, bare number"),
     ("The answer is \\boxed{17}", "18", 0.0, False, "wrong, boxed, no tags"),
-    ("<think>so it is 18</think><answer>\\boxed{17}</answer> \\boxed{18}", "18", 0.0, True,
-     "answer block wins over a later boxed"),
+    (
+        "<think>so it is 18</think><answer>\\boxed{17}</answer> \\boxed{18}",
+        "18",
+        0.0,
+        True,
+        "answer block wins over a later boxed",
+    ),
     ("I think the answer is 18", "18", 1.0, False, "unboxed, no tags, anchored plain number"),
     ("7 + 11 = 18. The answer is 18.", "18", 1.0, False, "anchored plain number after working"),
     ("So there are 18 apples.", "18", 0.0, False, "unboxed, no anchor: no anchorless fallback"),
@@ -80,7 +96,9 @@ def test_extracted_answer_reported(scorer):
 
 def test_unparseable_gold_never_full_reward(scorer):
     golds = ["", "   ", "???", "\\boxed{", "$$", "not a number ???"]
-    completions = [f"{TH}<answer>{g}</answer>" for g in golds] + [f"{TH}<answer>\\boxed{{{g}}}</answer>" for g in golds]
+    completions = [f"{TH}<answer>{g}</answer>" for g in golds] + [
+        f"{TH}<answer>\\boxed{{{g}}}</answer>" for g in golds
+    ]
     results = scorer.score(completions, golds + golds)
     for gold, r in zip(golds + golds, results):
         assert r["accuracy"] == 0.0 and r["reward"] < 1.0, (gold, r)
@@ -144,7 +162,9 @@ def test_answer_line_format_style():
 def test_scorer_uses_the_configured_format_style():
     cfg = RewardConfig(format_style="answer_line", format_reward=0.25, max_workers=1)
     with RewardScorer(cfg) as s:
-        right, wrong, rambling = s.score(["The answer is 18.", "The answer is 17.", "The answer is 18. Also 3"], ["18"] * 3)
+        right, wrong, rambling = s.score(
+            ["The answer is 18.", "The answer is 17.", "The answer is 18. Also 3"], ["18"] * 3
+        )
     assert (right["reward"], right["format"]) == (1.25, 0.25)
     assert (wrong["reward"], wrong["accuracy"], wrong["format"]) == (0.25, 0.0, 0.25)
     assert rambling["format"] == 0.0
@@ -180,8 +200,11 @@ def test_works_from_threads(scorer):
 
     def work(k: int) -> None:
         try:
-            out[k] = (accuracy_reward(f"<answer>{k}</answer>", str(k)), scorer.score([f"\\boxed{{{k}}}"], [str(k + 1)]))
-        except Exception as err:  # noqa: BLE001 - surfaced by the assert below
+            out[k] = (
+                accuracy_reward(f"<answer>{k}</answer>", str(k)),
+                scorer.score([f"\\boxed{{{k}}}"], [str(k + 1)]),
+            )
+        except Exception as err:
             out[k] = err
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]

@@ -26,9 +26,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file, save_file
 
-from qerl_pipeline.rollout.engine import EngineError, RolloutEngine, merged_weights  # noqa: E402
+from qerl_pipeline.rollout.engine import EngineError, RolloutEngine, merged_weights
 
 LOGPROB_ATOL = 2e-3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -129,9 +129,13 @@ def test_generate_shapes_seeds_and_finish_reasons(engine, prompts):
     assert res.output_tokens == sum(len(s.completion_ids) for g in res.samples for s in g)
     assert res.tokens_per_s > 0
     again = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=7)
-    assert [[s.completion_ids for s in g] for g in again.samples] == [[s.completion_ids for s in g] for g in res.samples]
+    assert [[s.completion_ids for s in g] for g in again.samples] == [
+        [s.completion_ids for s in g] for g in res.samples
+    ]
     # one seed must not replay the same random stream in every prompt
-    same = engine.generate([prompts[0]] * 2, n=1, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=7, ignore_eos=True)
+    same = engine.generate(
+        [prompts[0]] * 2, n=1, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=7, ignore_eos=True
+    )
     assert same.samples[0][0].completion_ids != same.samples[1][0].completion_ids
     assert all(len(g[0].completion_ids) == 6 and g[0].finish_reason == "length" for g in same.samples)
 
@@ -172,7 +176,9 @@ def test_norm_noise_changes_outputs_and_clean_weights_restore_bit_exactly(engine
     base_ids, base_lps = greedy(engine, prompts)
 
     targets = noisy_target_names(names)
-    noisy = apply_noise({n: clean[n] for n in targets}, draw_noise({n: clean[n] for n in targets}, 0.5, seed=0, step=3))
+    noisy = apply_noise(
+        {n: clean[n] for n in targets}, draw_noise({n: clean[n] for n in targets}, 0.5, seed=0, step=3)
+    )
     engine.update_weights(noisy)
     back = engine.read_weights(targets)
     assert all(torch.equal(back[n], noisy[n]) for n in targets)
@@ -180,7 +186,9 @@ def test_norm_noise_changes_outputs_and_clean_weights_restore_bit_exactly(engine
     assert noisy_ids != base_ids
 
     # a second draw is set from the clean weights, not added on top of the first
-    noisy2 = apply_noise({n: clean[n] for n in targets}, draw_noise({n: clean[n] for n in targets}, 0.5, seed=0, step=4))
+    noisy2 = apply_noise(
+        {n: clean[n] for n in targets}, draw_noise({n: clean[n] for n in targets}, 0.5, seed=0, step=4)
+    )
     engine.update_weights(noisy2)
     back2 = engine.read_weights(targets)
     assert all(torch.equal(back2[n], noisy2[n]) for n in targets)
@@ -256,8 +264,10 @@ def test_in_engine_merge_is_the_lora_policy_with_aqn_noise_and_trained_norms(eng
     clean_norms = engine.read_weights(norms)
     gen = torch.Generator().manual_seed(5)
     # trained norms (x1.5 on the first) plus AQN noise on all of them, as the trainer sends them each step
-    served_norms = {n: (t * (1.5 if i == 0 else 1.0)) + torch.randn(t.shape, generator=gen) * 0.05
-                    for i, (n, t) in enumerate(clean_norms.items())}
+    served_norms = {
+        n: (t * (1.5 if i == 0 else 1.0)) + torch.randn(t.shape, generator=gen) * 0.05
+        for i, (n, t) in enumerate(clean_norms.items())
+    }
     engine.update_weights(served_norms)
     try:
         lora_ids, lora_lps = greedy(engine, prompts, lora_path=adapters["a"])
@@ -348,11 +358,15 @@ def test_seeded_sampling_survives_more_prompt_tokens_than_one_step_schedules(eng
     from transformers import AutoTokenizer
 
     vocab = AutoTokenizer.from_pretrained(model_dir).vocab_size
-    long_prompts = [[(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(200)] for i in range(64)]  # 12 800 prompt tokens
+    long_prompts = [
+        [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(200)] for i in range(64)
+    ]  # 12 800 prompt tokens
     res = engine.generate(long_prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
     assert [len(g) for g in res.samples] == [2] * 64
     again = engine.generate(long_prompts[:3], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
-    assert [[s.completion_ids for s in g] for g in again.samples] == [[s.completion_ids for s in g] for g in res.samples[:3]]
+    assert [[s.completion_ids for s in g] for g in again.samples] == [
+        [s.completion_ids for s in g] for g in res.samples[:3]
+    ]
 
 
 def test_errors_in_the_engine_surface_with_their_message(engine, prompts):

@@ -75,7 +75,11 @@ def test_move_aside_never_overwrites_an_earlier_moved_aside_folder(tmp_path):
         (run_dir / "who").write_text(str(i))
         moved.append(ckpt.move_aside(run_dir, NOW))
         assert not run_dir.exists()
-    assert [p.name for p in moved] == [f"qerl.previous-{STAMP}", f"qerl.previous-{STAMP}-1", f"qerl.previous-{STAMP}-2"]
+    assert [p.name for p in moved] == [
+        f"qerl.previous-{STAMP}",
+        f"qerl.previous-{STAMP}-1",
+        f"qerl.previous-{STAMP}-2",
+    ]
     assert [(p / "who").read_text() for p in moved] == ["0", "1", "2"]  # each kept its own files
     later = NOW.replace(second=3)
     run_dir.mkdir()
@@ -99,7 +103,9 @@ def test_fresh_run_over_a_finished_run_moves_it_aside_and_says_so(tmp_path, capl
     assert [s for s, _ in ckpt.list_checkpoints(moved)] == [2, 3]
     assert sorted(p.name for p in (moved / "adapters").iterdir()) == ["step-000002", "step-000003"]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and str(moved) in warnings[0].getMessage() and "resume is false" in warnings[0].getMessage()
+    assert (
+        len(warnings) == 1 and str(moved) in warnings[0].getMessage() and "resume is false" in warnings[0].getMessage()
+    )
 
 
 def test_fresh_run_twice_keeps_both_earlier_runs(tmp_path):
@@ -145,6 +151,7 @@ def test_missing_or_empty_folder_is_used_as_it_is(tmp_path):
 # ------------------------------------------------------------------ adapter cleanup
 def _loop_saves(adapters: Path, start: int, steps: int) -> None:
     """What train() does with adapter folders: save start, then each step; prune after each step."""
+
     def save(step: int) -> Path:
         folder = adapters / f"step-{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -157,7 +164,9 @@ def _loop_saves(adapters: Path, start: int, steps: int) -> None:
         written = [*written[-1:], current]
         trainer.prune_adapters(adapters, written)
         assert (current / "step").read_text() == str(step + 1)  # the folder the engine loads next is there
-        assert sorted(p.name for p in adapters.iterdir() if ckpt.step_of(p) is not None) == sorted(p.name for p in written)
+        assert sorted(p.name for p in adapters.iterdir() if ckpt.step_of(p) is not None) == sorted(
+            p.name for p in written
+        )
 
 
 def test_cleanup_keeps_the_last_two_of_this_run(tmp_path):
@@ -211,7 +220,9 @@ def test_a_checkpoint_of_other_settings_is_never_resumed(tmp_path, caplog):
     """Resume only what this config would have trained: another lr (or model, data, ...) is another
     run, so its folder goes aside, named in the log with the keys that differ."""
     run_dir = tmp_path / "qerl"
-    other = QerlConfig.model_validate({"method": "qerl", "train": {"output_dir": str(tmp_path)}, "optim": {"lr": {"qerl": 1e-3}}})
+    other = QerlConfig.model_validate(
+        {"method": "qerl", "train": {"output_dir": str(tmp_path)}, "optim": {"lr": {"qerl": 1e-3}}}
+    )
     _checkpoint_with_config(run_dir, 2, other)
     with caplog.at_level(logging.WARNING, logger="qerl_pipeline.rl.trainer"):
         _, latest, moved = trainer.open_run_dir(_cfg(tmp_path, resume=True))
@@ -222,8 +233,9 @@ def test_a_checkpoint_of_other_settings_is_never_resumed(tmp_path, caplog):
 def test_a_checkpoint_of_the_same_settings_resumes_with_more_steps_or_another_folder(tmp_path):
     """What a resume may change: the step count, the save/log intervals, where the folder lives."""
     run_dir = tmp_path / "qerl"
-    before = QerlConfig.model_validate({"method": "qerl", "train": {"output_dir": "/elsewhere", "steps": 5,
-                                                                    "checkpoint_every": 1}})
+    before = QerlConfig.model_validate(
+        {"method": "qerl", "train": {"output_dir": "/elsewhere", "steps": 5, "checkpoint_every": 1}}
+    )
     _checkpoint_with_config(run_dir, 2, before)
     got, latest, moved = trainer.open_run_dir(_cfg(tmp_path, resume=True))
     assert latest == run_dir / "checkpoints" / "step-000002" and moved is None
@@ -239,7 +251,8 @@ def test_a_checkpoint_older_than_a_setting_resumes_when_the_setting_is_at_its_de
     torch.save({"trainer": {"step": 2, "run_id": "r", "config": saved}}, folder / "state.pt")
     _, latest, moved = trainer.open_run_dir(_cfg(tmp_path, resume=True))
     assert latest == folder and moved is None
-    bonus = _cfg(tmp_path, resume=True).model_copy(update={"grpo": _cfg(tmp_path, True).grpo.model_copy(
-        update={"entropy_coef": 0.01})})
+    bonus = _cfg(tmp_path, resume=True).model_copy(
+        update={"grpo": _cfg(tmp_path, True).grpo.model_copy(update={"entropy_coef": 0.01})}
+    )
     _, latest, moved = trainer.open_run_dir(bonus)
     assert latest is None and moved is not None

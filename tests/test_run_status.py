@@ -39,7 +39,6 @@ from qerl_pipeline.hooks import (
     node_roles,
 )
 from qerl_pipeline.tracking import MlflowLogger, TrainingRun
-
 from tests.helpers.project import PROJECT, project_copy, run_kedro
 
 
@@ -59,7 +58,9 @@ def test_status_and_tags_follow_the_exception():
     assert tracking.end_tags(tracking.Interrupted("SIGTERM")) == {tracking.KILLED_BY_TAG: "SIGTERM"}
     assert tracking.end_tags(KeyboardInterrupt()) == {tracking.KILLED_BY_TAG: "KeyboardInterrupt"}
     err = RuntimeError("\n  engine process died (exit code -9) during 'generate'\n--- engine log tail ---\nvllm line")
-    assert tracking.end_tags(err) == {tracking.FAILURE_TAG: "RuntimeError: engine process died (exit code -9) during 'generate'"}
+    assert tracking.end_tags(err) == {
+        tracking.FAILURE_TAG: "RuntimeError: engine process died (exit code -9) during 'generate'"
+    }
     assert len(tracking.one_line(ValueError("y" * 2000))) == 500
 
 
@@ -72,7 +73,9 @@ def test_a_failed_training_run_is_failed_with_the_error_and_its_last_step(sqlite
     run.fail(ValueError("lora.rank 1024 exceeds vLLM's largest max_lora_rank (512)\nmore detail"))
     got = MlflowClient().get_run(branch.run_id)
     assert got.info.status == "FAILED"
-    assert got.data.tags[tracking.FAILURE_TAG] == "ValueError: lora.rank 1024 exceeds vLLM's largest max_lora_rank (512)"
+    assert (
+        got.data.tags[tracking.FAILURE_TAG] == "ValueError: lora.rank 1024 exceeds vLLM's largest max_lora_rank (512)"
+    )
     assert got.data.tags[tracking.LAST_STEP_TAG] == "2"
     run.fail(KeyboardInterrupt())  # ended already (the training loop's own mark): left as it is
     assert MlflowClient().get_run(branch.run_id).info.status == "FAILED"
@@ -100,8 +103,13 @@ def test_a_killed_run_resumed_runs_again_and_finishes_with_its_earlier_end_kept(
 
 
 def _node(name: str) -> Node:
-    return Node(lambda: None, None, name.rsplit(".", 1)[-1] + "_out", name=name.rsplit(".", 1)[-1],
-                namespace=name.rsplit(".", 1)[0] if "." in name else None)
+    return Node(
+        lambda: None,
+        None,
+        name.rsplit(".", 1)[-1] + "_out",
+        name=name.rsplit(".", 1)[-1],
+        namespace=name.rsplit(".", 1)[0] if "." in name else None,
+    )
 
 
 def test_a_pipeline_error_tags_the_kedro_run_with_its_summary_and_last_node(sqlite_store):
@@ -166,8 +174,9 @@ time.sleep(120)
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_process_ends_its_run_killed_not_finished(sqlite_store, sig):
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, sqlite_store], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, sqlite_store], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         run_id = proc.stdout.readline().strip()
         assert run_id, proc.stderr.read()
@@ -218,14 +227,24 @@ def test_a_sqlite_store_in_a_read_only_folder_is_named(tmp_path):
     folder = tmp_path / "ro"
     folder.mkdir()
     uri = f"sqlite:///{folder}/mlflow.db"
-    code = ("from qerl_pipeline.tracking import check_store, TrackingStoreError\n"
-            f"try:\n    check_store({uri!r})\nexcept TrackingStoreError as e:\n    print(e)\n")
+    code = (
+        "from qerl_pipeline.tracking import check_store, TrackingStoreError\n"
+        f"try:\n    check_store({uri!r})\nexcept TrackingStoreError as e:\n    print(e)\n"
+    )
     if os.geteuid() != 0:
         folder.chmod(0o555)
         cmd = [sys.executable, "-c", code]
     else:
-        cmd = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$1" -c "$2"',
-               str(folder), sys.executable, code]
+        cmd = [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$1" -c "$2"',
+            str(folder),
+            sys.executable,
+            code,
+        ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
@@ -250,8 +269,9 @@ def _context(tmp_path: Path, uri: str) -> SimpleNamespace:
     (conf / "base").mkdir(parents=True)
     (conf / "local").mkdir()
     (conf / "base" / "mlflow.yml").write_text(yaml.safe_dump({"server": {"mlflow_tracking_uri": uri}}))
-    return SimpleNamespace(config_loader=OmegaConfigLoader(conf_source=str(conf), base_env="base",
-                                                           default_run_env="local"))
+    return SimpleNamespace(
+        config_loader=OmegaConfigLoader(conf_source=str(conf), base_env="base", default_run_env="local")
+    )
 
 
 def test_the_hook_stops_a_run_on_an_unreachable_server_with_one_line(tmp_path, monkeypatch):
@@ -261,16 +281,22 @@ def test_the_hook_stops_a_run_on_an_unreachable_server_with_one_line(tmp_path, m
         ValidateConfigHook().after_context_created(_context(tmp_path, uri))
     assert isinstance(err.value, click.ClickException)
     message = err.value.format_message()
-    assert "\n" not in message and message.startswith(f"MLflow tracking server {uri} is unreachable") and \
-        "nothing ran" in message, message
+    assert (
+        "\n" not in message
+        and message.startswith(f"MLflow tracking server {uri} is unreachable")
+        and "nothing ran" in message
+    ), message
 
 
 # ------------------------------------------------------------------ settings that do not fit together
 def _params(env: str = "smoke") -> dict:
     from qerl_pipeline import settings
 
-    loader = OmegaConfigLoader(conf_source=str(PROJECT / "conf"), env=env,
-                               **{k: v for k, v in settings.CONFIG_LOADER_ARGS.items() if k != "default_run_env"})
+    loader = OmegaConfigLoader(
+        conf_source=str(PROJECT / "conf"),
+        env=env,
+        **{k: v for k, v in settings.CONFIG_LOADER_ARGS.items() if k != "default_run_env"},
+    )
     return dict(loader["parameters"])
 
 
@@ -289,22 +315,27 @@ def test_an_unknown_benchmark_is_an_error_naming_the_allowed_sets():
     assert "evaluate.benchmarks: 'gsm8kk' not an evaluation set; allowed: generator, gsm8k" in text, text
     assert text.startswith("invalid parameters (nothing ran):")
     assert cross_field_errors(validate(params), {"train_policy"}) == []  # a run without evaluation is not refused
-    assert "'gsm8kk' not an evaluation set" in _refused(params, ["export_policy", "evaluate_export"])  # the export scores too
+    assert "'gsm8kk' not an evaluation set" in _refused(
+        params, ["export_policy", "evaluate_export"]
+    )  # the export scores too
 
 
 def test_an_evaluation_length_without_prompt_budget_is_refused():
     params = _params()
     params["evaluate"] = {**params["evaluate"], "max_new_tokens": 600}
     text = _refused(params, ["compare.qerl.evaluate_policies"])
-    assert ("evaluate.max_new_tokens: 600 must be below model.max_seq_len (512): the prompt budget, "
-            "max_seq_len - max_new_tokens, is -88 tokens") in text, text
+    assert (
+        "evaluate.max_new_tokens: 600 must be below model.max_seq_len (512): the prompt budget, "
+        "max_seq_len - max_new_tokens, is -88 tokens"
+    ) in text, text
 
 
 def test_compare_with_several_ranks_is_refused_before_data_prep():
     params = _params()
     params["train"] = {**params["train"], "nproc": 2}
     assert "train.nproc: 2 (x train.nnodes 1) ranks are not supported in compare branches" in _refused(
-        params, ["prepare_train_prompts", "compare.qerl.train_policy"])
+        params, ["prepare_train_prompts", "compare.qerl.train_policy"]
+    )
     assert node_roles(Pipeline([_node("compare.qerl.train_policy")])) == {"train_policy", "compare:train_policy"}
     assert cross_field_errors(validate(params), {"train_policy"}) == []  # a standalone training may use ranks
 
@@ -320,7 +351,9 @@ def test_a_compare_branch_called_outside_kedro_refuses_several_ranks_with_the_sa
     assert str(err.value) == cfg.train.compare_ranks_error() != ""
 
 
-@pytest.mark.parametrize("env", sorted(p.name for p in (PROJECT / "conf").iterdir() if p.is_dir() and p.name != "local"))
+@pytest.mark.parametrize(
+    "env", sorted(p.name for p in (PROJECT / "conf").iterdir() if p.is_dir() and p.name != "local")
+)
 def test_every_shipped_env_fits_together(env):
     assert cross_field_errors(validate(_params(env))) == []
 
@@ -330,8 +363,9 @@ def test_every_shipped_env_fits_together(env):
 def test_kedro_run_with_an_unreachable_server_stops_before_any_node(tmp_path):
     root = project_copy(tmp_path / "project")
     uri = f"http://127.0.0.1:{_dead_port()}"
-    proc = run_kedro(root, "run", "--pipelines=data_prep", "--env=smoke", env={"MLFLOW_TRACKING_URI": uri},
-                     check=False, timeout=300)
+    proc = run_kedro(
+        root, "run", "--pipelines=data_prep", "--env=smoke", env={"MLFLOW_TRACKING_URI": uri}, check=False, timeout=300
+    )
     text = proc.stdout
     assert proc.returncode == 1, text
     assert f"Error: MLflow tracking server {uri} is unreachable" in text, text

@@ -141,7 +141,9 @@ def test_served_tags_report_what_the_engine_uses():
         info = {"dtype": "bfloat16"}
 
     assert served_tags(decide("nvfp4", "cuda"), FakeEngine()) == {
-        "rollout.served_format": "nvfp4", "rollout.served_dtype": "bfloat16"}
+        "rollout.served_format": "nvfp4",
+        "rollout.served_dtype": "bfloat16",
+    }
     assert served_tags(decide("nf4", "cpu"), FakeEngine())["rollout.served_format"] == "dense-decoded-nf4"
 
 
@@ -200,20 +202,27 @@ def test_open_engine_passes_the_kv_cache_size_on_cpu_only(tmp_path, monkeypatch)
             seen.update(kw)
 
     monkeypatch.setattr(serving, "RolloutEngine", Recorder)
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64})
+    )
     served = ServedModel(tmp_path, "bf16", True, {}, "bf16", "cpu")
     mc = ModelConfig(dtype="float32", max_seq_len=256)
     serving.open_engine(served, mc, rollout=RolloutConfig(), kv_need=(8, 100))
     assert seen["extra_engine_args"]["kv_cache_memory_bytes"] == serving.cpu_kv_cache_bytes(
-        json.loads((tmp_path / "config.json").read_text()), "float32", sequences=8, tokens_per_sequence=100,
-        max_model_len=256)
+        json.loads((tmp_path / "config.json").read_text()),
+        "float32",
+        sequences=8,
+        tokens_per_sequence=100,
+        max_model_len=256,
+    )
     serving.open_engine(served, mc, rollout=RolloutConfig(cpu_kv_cache_gib=0.5), kv_need=(8, 100))
     assert seen["extra_engine_args"]["kv_cache_memory_bytes"] == 2**29  # the config wins over the sizing
     serving.open_engine(served, mc, rollout=RolloutConfig())
     assert "kv_cache_memory_bytes" not in seen["extra_engine_args"]  # the engine process's 2 GiB default
     cuda = ServedModel(tmp_path, "bf16", True, {}, "bf16", "cuda")
-    serving.open_engine(cuda, ModelConfig(dtype="bfloat16", max_seq_len=256), rollout=RolloutConfig(), kv_need=(8, 100))
+    serving.open_engine(
+        cuda, ModelConfig(dtype="bfloat16", max_seq_len=256), rollout=RolloutConfig(), kv_need=(8, 100)
+    )
     assert "kv_cache_memory_bytes" not in seen["extra_engine_args"]
 
 
@@ -239,9 +248,15 @@ def test_bnb_folder_is_what_transformers_writes(tiny_model, bases, tmp_path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     folder, _, _ = tiny_model
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
-                           llm_int8_skip_modules=["lm_head"])
-    theirs = AutoModelForCausalLM.from_pretrained(folder, quantization_config=q, dtype=torch.bfloat16, device_map="cpu")
+    q = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        llm_int8_skip_modules=["lm_head"],
+    )
+    theirs = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=q, dtype=torch.bfloat16, device_map="cpu"
+    )
     theirs.save_pretrained(tmp_path / "theirs")
     ours_dir = ensure_bnb_nf4(bases["nf4"])
     ours, ref = checkpoint.read_tensors(ours_dir), checkpoint.read_tensors(tmp_path / "theirs")
@@ -268,8 +283,9 @@ def test_bnb_folder_loads_in_transformers_with_our_nf4_values(bases):
     linears = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert len(linears) == 2 * 7  # every projection of both layers; lm_head stays dense (tied, ignored)
     for name, mod in linears.items():
-        code = nf4.NF4Weight(base[f"{name}.weight_nf4"], base[f"{name}.weight_absmax"],
-                             (mod.out_features, mod.in_features), blocksize)
+        code = nf4.NF4Weight(
+            base[f"{name}.weight_nf4"], base[f"{name}.weight_absmax"], (mod.out_features, mod.in_features), blocksize
+        )
         theirs = dequantize_4bit(mod.weight.data, mod.weight.quant_state)
         assert theirs.dtype == torch.bfloat16
         assert torch.equal(theirs.view(torch.uint16), code.decode(torch.bfloat16).view(torch.uint16)), name
@@ -315,8 +331,14 @@ def test_vllm_cpu_parses_the_nvfp4_folder_into_the_w4a16_scheme(bases, tmp_path)
     served = served_model(bases["nvfp4"], platform="cuda")
     log_file = tmp_path / "engine.log"
     with pytest.raises(EngineError):
-        RolloutEngine(served.path, max_model_len=256, max_lora_rank=8, dtype="bfloat16",
-                      extra_engine_args=served.engine_args, log_file=log_file)
+        RolloutEngine(
+            served.path,
+            max_model_len=256,
+            max_lora_rank=8,
+            dtype="bfloat16",
+            extra_engine_args=served.engine_args,
+            log_file=log_file,
+        )
     text = log_file.read_text(errors="replace")
     assert "Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported: Marlin FP4 not available" in text
     # raised while building the scheme (the traceback prints the source line)
@@ -325,7 +347,9 @@ def test_vllm_cpu_parses_the_nvfp4_folder_into_the_w4a16_scheme(bases, tmp_path)
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not serving.vllm_has_bitsandbytes(), reason="vLLM without bitsandbytes (pip install vllm-bnb-plugin)")
+@pytest.mark.skipif(
+    not serving.vllm_has_bitsandbytes(), reason="vLLM without bitsandbytes (pip install vllm-bnb-plugin)"
+)
 def test_vllm_serves_the_bnb_folder(bases, tiny_model):
     """vLLM (CPU here) loads bnb/ through its bitsandbytes loader, with LoRA enabled, and decodes our NF4 model.
 
@@ -341,8 +365,9 @@ def test_vllm_serves_the_bnb_folder(bases, tiny_model):
     served = served_model(bases["nf4"], platform="cuda")
     assert served.served_format == "nf4-bnb"
     prompts = [[1, 15, 27, 99, 4], [2, 300, 7]]
-    with RolloutEngine(served.path, max_model_len=256, max_lora_rank=8, dtype="bfloat16",
-                       extra_engine_args=served.engine_args) as engine:
+    with RolloutEngine(
+        served.path, max_model_len=256, max_lora_rank=8, dtype="bfloat16", extra_engine_args=served.engine_args
+    ) as engine:
         assert served_tags(served, engine)["rollout.served_dtype"] == "bfloat16"
         res = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=6, ignore_eos=True)
     ref = AutoModelForCausalLM.from_pretrained(checkpoint.serving_dir(bases["nf4"]), dtype=torch.bfloat16).eval()

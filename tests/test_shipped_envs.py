@@ -38,11 +38,14 @@ def test_every_method_of_every_shipped_env_fits_the_gpu_its_header_names(env):
     planned = guard.plans(cfg, methods, shape, gpu)
     misfits = [m for m, p in planned.items() if not p.fits]
     # the line validation would print on such a GPU, which names the value that fits
-    assert not misfits, f"{env} on {gpu} GiB: " + guard.refusal(cfg, methods, shape, gpu, methods_field="compare.methods")
+    assert not misfits, f"{env} on {gpu} GiB: " + guard.refusal(
+        cfg, methods, shape, gpu, methods_field="compare.methods"
+    )
     assert guard.refusal(cfg, methods, shape, gpu, methods_field="compare.methods") == ""
 
 
 @pytest.mark.parametrize("env", ENVS)
 def test_every_shipped_env_names_its_gpu(env):
-    assert GPU_LINE.search(header(env)), f"conf/{env}/parameters.yml: no '# GPU: planned at <N> GiB' line in its header"
-
+    assert GPU_LINE.search(header(env)), (
+        f"conf/{env}/parameters.yml: no '# GPU: planned at <N> GiB' line in its header"
+    )

@@ -33,10 +33,10 @@ MAX_PARAMETERS = 10
 EXEMPT = {"config.py"}
 
 HISTORY = [
-    re.compile(r"\bissues?\s*#?\d+", re.I),          # "issue #13", "issue 12"
-    re.compile(r"(?<![\w\-.])\(#\d+\)"),               # a bare "(#13)"
-    re.compile(r"\bissue\s+['\"]", re.I),             # issue 'Faster than TRL'
-    re.compile(r"\b20\d\d-\d\d-\d\d\b"),              # a date
+    re.compile(r"\bissues?\s*#?\d+", re.I),  # "issue #13", "issue 12"
+    re.compile(r"(?<![\w\-.])\(#\d+\)"),  # a bare "(#13)"
+    re.compile(r"\bissue\s+['\"]", re.I),  # issue 'Faster than TRL'
+    re.compile(r"\b20\d\d-\d\d-\d\d\b"),  # a date
     re.compile(r"\b(before this change|previously|until now|this session|last round)\b", re.I),
 ]
 
@@ -65,8 +65,11 @@ def history_in(path: Path) -> list[str]:
 
 
 def test_no_module_over_600_lines():
-    long = {str(p.relative_to(SRC)): n for p in modules()
-            if p.name not in EXEMPT and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in modules()
+        if p.name not in EXEMPT and (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
@@ -77,8 +80,10 @@ def test_no_history_in_comments_or_docstrings():
 
 def test_the_history_check_sees_what_it_looks_for(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text('"""Design (issue #13).\n\nMeasured 2026-12-01."""\nx = 1  # previously 2, see (#7)\n'
-                 'y = "vLLM #53888 is a citation"\n')
+    f.write_text(
+        '"""Design (issue #13).\n\nMeasured 2026-12-01."""\nx = 1  # previously 2, see (#7)\n'
+        'y = "vLLM #53888 is a citation"\n'
+    )
     found = [p.pattern for _, text in prose(f) for p in HISTORY if p.search(text)]
     assert len(found) == 4  # the issue number and the date, "previously" and the bare (#7); not the citation
 
@@ -88,15 +93,21 @@ def parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool) 
     """The parameters a caller can pass (``MAX_PARAMETERS``'s count)."""
     a = fn.args
     names = [*a.posonlyargs, *a.args]
-    bound = in_class and names and names[0].arg in ("self", "cls") and not any(
-        isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
+    bound = (
+        in_class
+        and names
+        and names[0].arg in ("self", "cls")
+        and not any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
+    )
     return len(names) - bool(bound) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
 
 
 def is_triton_kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     a = fn.args
-    return any(p.annotation is not None and ast.unparse(p.annotation) == "tl.constexpr"
-               for p in [*a.posonlyargs, *a.args, *a.kwonlyargs])
+    return any(
+        p.annotation is not None and ast.unparse(p.annotation) == "tl.constexpr"
+        for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]
+    )
 
 
 def node_functions(root: Path = SRC) -> set[tuple[str, str]]:
@@ -110,8 +121,13 @@ def node_functions(root: Path = SRC) -> set[tuple[str, str]]:
                 where = Path(*stmt.module.split(".")[1:]).with_suffix(".py")
                 imported.update({alias.asname or alias.name: where for alias in stmt.names})
         for call in ast.walk(tree):
-            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in ("Node", "node")
-                    and call.args and isinstance(call.args[0], ast.Name)):
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Name)
+                and call.func.id in ("Node", "node")
+                and call.args
+                and isinstance(call.args[0], ast.Name)
+            ):
                 name = call.args[0].id
                 where = imported.get(name, pipeline.relative_to(root))
                 found.add((str(where), name))
@@ -152,11 +168,13 @@ def test_the_parameter_check_sees_what_it_looks_for(tmp_path):
         f"def fine({ten}): pass\n"
         f"def spread({ten}, **kw): pass\n"
         f"class C:\n    def __init__(self, {ten}): pass\n"
-        f"def kernel({eleven}, BLOCK: tl.constexpr): pass\n")
+        f"def kernel({eleven}, BLOCK: tl.constexpr): pass\n"
+    )
     (root / "pipelines" / "p" / "nodes.py").write_text(f"def wired({eleven}): pass\ndef unwired({eleven}): pass\n")
     (root / "pipelines" / "p" / "pipeline.py").write_text(
         "from kedro.pipeline import Node\nfrom qerl_pipeline.pipelines.p.nodes import wired\n"
-        "def create_pipeline():\n    return [Node(wired, 'x', 'y')]\n")
+        "def create_pipeline():\n    return [Node(wired, 'x', 'y')]\n"
+    )
     found = [line.split(": ", 1)[1] for line in long_signatures(root)]
     assert found == ["wide takes 11 parameters", "spread takes 11 parameters", "unwired takes 11 parameters"], found
 
@@ -167,8 +185,11 @@ def one_letter_aliases(paths, root: Path = ROOT) -> list[str]:
     for path in paths:
         for stmt in ast.walk(ast.parse(path.read_text())):
             if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-                found += [f"{path.relative_to(root)}:{stmt.lineno}: {ast.unparse(stmt)}"
-                          for alias in stmt.names if alias.asname and len(alias.asname) == 1]
+                found += [
+                    f"{path.relative_to(root)}:{stmt.lineno}: {ast.unparse(stmt)}"
+                    for alias in stmt.names
+                    if alias.asname and len(alias.asname) == 1
+                ]
     return found
 
 
@@ -180,7 +201,9 @@ def test_no_one_letter_module_aliases():
 
 def test_the_alias_check_sees_what_it_looks_for(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("import numpy as np\nfrom qerl_pipeline import tracking as T\n\ndef g():\n"
-                 "    import torch.nn.functional as F\n\nfrom a import b as bee\n")
+    f.write_text(
+        "import numpy as np\nfrom qerl_pipeline import tracking as T\n\ndef g():\n"
+        "    import torch.nn.functional as F\n\nfrom a import b as bee\n"
+    )
     found = [line.split(": ", 1)[1] for line in one_letter_aliases([f], tmp_path)]
     assert found == ["from qerl_pipeline import tracking as T", "import torch.nn.functional as F"]

@@ -6,8 +6,7 @@ import math
 
 import pytest
 
-from qerl_pipeline.evaluation import metrics
-from qerl_pipeline.evaluation import stats
+from qerl_pipeline.evaluation import metrics, stats
 
 T1 = 12.706204736174698  # t(0.975, 1), from tables
 T2 = 4.302652729749464  # t(0.975, 2)
@@ -65,8 +64,10 @@ def test_paired_difference_by_hand():
     var, df = stats._crossed_variance(d)
     iv = stats.paired_difference(a, b)
     assert iv.mean == pytest.approx(-0.375) and iv.over == "seeds+problems" and iv.n == 8
-    assert (iv.low, iv.high) == (pytest.approx(-0.375 - stats.t_quantile(df) * math.sqrt(var)),
-                                 pytest.approx(-0.375 + stats.t_quantile(df) * math.sqrt(var)))
+    assert (iv.low, iv.high) == (
+        pytest.approx(-0.375 - stats.t_quantile(df) * math.sqrt(var)),
+        pytest.approx(-0.375 + stats.t_quantile(df) * math.sqrt(var)),
+    )
     assert iv.low < -0.375 < iv.high < 0.5
     # the same policy twice: a difference of exactly 0 with no width
     same = stats.paired_difference(a, a)
@@ -95,32 +96,50 @@ def test_curve_auc_and_window_mean():
     assert stats.curve_auc(pts) == pytest.approx((0.5 + 1.0) / 2)  # trapezoids 0.5 + 1.0 over a span of 2 steps
     assert stats.curve_auc(pts, steps=[2, 3]) == 1.0
     assert stats.curve_auc([(4, 0.3)]) == 0.3 and math.isnan(stats.curve_auc([]))
-    assert stats.window_mean(pts, [2, 3]) == 1.0 and stats.window_mean(pts, [1]) == 0.0 and math.isnan(stats.window_mean(pts, [9]))
+    assert (
+        stats.window_mean(pts, [2, 3]) == 1.0
+        and stats.window_mean(pts, [1]) == 0.0
+        and math.isnan(stats.window_mean(pts, [9]))
+    )
 
 
 def test_step_bands_over_seeds():
     bands = stats.step_bands({0: [(1, 1.0), (2, 2.0)], 1: [(1, 3.0), (2, 2.0)], 2: [(1, 2.0)]})
     assert [b["step"] for b in bands] == [1, 2]
     # step 1: 1, 3, 2 -> mean 2, sd 1; step 2: 2, 2 -> sd 0
-    assert bands[0]["mean"] == 2.0 and bands[0]["ci_high"] == pytest.approx(2 + T2 / math.sqrt(3)) and bands[0]["n_seeds"] == 3
+    assert (
+        bands[0]["mean"] == 2.0
+        and bands[0]["ci_high"] == pytest.approx(2 + T2 / math.sqrt(3))
+        and bands[0]["n_seeds"] == 3
+    )
     assert (bands[1]["mean"], bands[1]["ci_low"], bands[1]["ci_high"], bands[1]["n_seeds"]) == (2.0, 2.0, 2.0, 2)
 
 
 def test_verdict_wording():
     assert stats.verdict(stats.Interval(0.01, -0.03, 0.05, 2, "seeds")) == (
-        "cannot tell", "cannot tell: difference 0.010, 95% interval [-0.030, 0.050], 2 seeds")
+        "cannot tell",
+        "cannot tell: difference 0.010, 95% interval [-0.030, 0.050], 2 seeds",
+    )
     assert stats.verdict(stats.Interval(0.01, math.nan, math.nan, 1, "")) == (
-        "cannot tell", "cannot tell: difference 0.010, 1 seed (no interval from one seed)")
+        "cannot tell",
+        "cannot tell: difference 0.010, 1 seed (no interval from one seed)",
+    )
     assert stats.verdict(stats.Interval(0.2, 0.1, 0.3, 3, "seeds"))[0] == "supported"
     assert stats.verdict(stats.Interval(-0.2, -0.3, -0.1, 3, "seeds")) == (
-        "contradicted", "contradicted: difference -0.200, 95% interval [-0.300, -0.100], 3 seeds")
-    assert stats.verdict(stats.Interval(0.0, 0.0, 0.0, 2, "seeds"))[0] == "cannot tell"  # no difference at all is no support
+        "contradicted",
+        "contradicted: difference -0.200, 95% interval [-0.300, -0.100], 3 seeds",
+    )
+    assert (
+        stats.verdict(stats.Interval(0.0, 0.0, 0.0, 2, "seeds"))[0] == "cannot tell"
+    )  # no difference at all is no support
     # differences below 0.001 keep 3 significant digits instead of reading 0.000
     assert stats.verdict(stats.Interval(-7.77e-05, -1.44e-04, -1.11e-05, 2, "seeds"))[1] == (
-        "contradicted: difference -7.77e-05, 95% interval [-1.44e-04, -1.11e-05], 2 seeds")
+        "contradicted: difference -7.77e-05, 95% interval [-1.44e-04, -1.11e-05], 2 seeds"
+    )
     # a round small value keeps its decimal point (":.3g" wrote "2e-05", which the report's readers did not parse)
     assert stats.verdict(stats.Interval(2e-05, -6.48e-05, 1.05e-04, 2, "seeds"))[1] == (
-        "cannot tell: difference 2.00e-05, 95% interval [-6.48e-05, 1.05e-04], 2 seeds")
+        "cannot tell: difference 2.00e-05, 95% interval [-6.48e-05, 1.05e-04], 2 seeds"
+    )
 
 
 def test_claim_pairs_seeds():
@@ -132,7 +151,9 @@ def test_claim_pairs_seeds():
     assert c.text == "supported: difference 0.210, 95% interval [0.083, 0.337], 2 seeds"
     missing = stats.claim("c", "z >= y", "z", "y", "auc", {}, {0: 1.0})
     assert missing.verdict == "cannot tell" and missing.text == "cannot tell: no data for z"
-    assert stats.claim("c", "z >= y", "z", "y", "auc", {0: float("nan")}, {0: 1.0}).text == "cannot tell: no data for z"
+    assert (
+        stats.claim("c", "z >= y", "z", "y", "auc", {0: float("nan")}, {0: 1.0}).text == "cannot tell: no data for z"
+    )
     d = c.as_dict()
     assert d["seeds"] == [0, 1] and d["difference"]["mean"] == pytest.approx(0.21)
 
@@ -153,7 +174,10 @@ def test_seeds_needed_by_hand():
     one = stats.claim("b_x", "x >= y", "x", "y", "auc", {0: 0.1}, {0: 0.0})
     assert (one.seeds_needed, one.seeds_note) == (None, "needs ≥2 seeds to estimate")
     zero = stats.claim("b_x", "x >= y", "x", "y", "auc", {0: 0.1, 1: -0.1}, {0: 0.0, 1: 0.0})
-    assert zero.verdict == "cannot tell" and (zero.seeds_needed, zero.seeds_note) == (None, "none: the measured difference is 0")
+    assert zero.verdict == "cannot tell" and (zero.seeds_needed, zero.seeds_note) == (
+        None,
+        "none: the measured difference is 0",
+    )
     assert stats.claim("c", "z >= y", "z", "y", "auc", {}, {0: 1.0}).seeds_note == "n/a: no paired data"
     told = stats.claim("a_x", "x above y", "x", "y", "entropy", {0: 1.2, 1: 1.22}, {0: 1.0, 1: 1.0})
     assert told.verdict == "supported" and (told.seeds_needed, told.seeds_note) == (None, "")

@@ -52,57 +52,129 @@ def trained(tiny_model_dir, tmp_path_factory):
     base = tokenized_base(tiny_model_dir, "bf16", work / "bf16")
     with safe_open(str(base / "model.safetensors"), "pt") as fh:
         norms = {k: fh.get_tensor(k).float() for k in fh.keys() if k.endswith("norm.weight")}
-    cfg = QerlConfig.model_validate({
-        "method": "lora_aqn", "model": {"dtype": "float32", "max_seq_len": 256}, "lora": {"rank": 4, "alpha": 8},
-        "aqn": {"num_stages": 2},
-        "grpo": {"num_generations": 2, "kl_beta": 0.05, "top_entropy_quantile": 0.5, "is_mode": "token_truncate",
-                 "dynamic_sampling": True, "max_refill_rounds": 1, "loss_type": "dapo",
-                 "overlong": {"enabled": True, "buffer_tokens": 2}},
-        "rollout": {"max_new_tokens": 4, "temperature": 1.0, "sync": "adapter"},
-        "train": {"steps": 3, "prompts_per_step": 2, "micro_batch_size": 4, "checkpoint_every": 3,
-                  "output_dir": str(work / "out"),
-                  "reward_fn": ["tests.helpers.rewards:letter_fraction", "tests.helpers.rewards:odd_first_token"]},
-    })
-    records = [{"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
-               for i in range(1, 7)]
+    cfg = QerlConfig.model_validate(
+        {
+            "method": "lora_aqn",
+            "model": {"dtype": "float32", "max_seq_len": 256},
+            "lora": {"rank": 4, "alpha": 8},
+            "aqn": {"num_stages": 2},
+            "grpo": {
+                "num_generations": 2,
+                "kl_beta": 0.05,
+                "top_entropy_quantile": 0.5,
+                "is_mode": "token_truncate",
+                "dynamic_sampling": True,
+                "max_refill_rounds": 1,
+                "loss_type": "dapo",
+                "overlong": {"enabled": True, "buffer_tokens": 2},
+            },
+            "rollout": {"max_new_tokens": 4, "temperature": 1.0, "sync": "adapter"},
+            "train": {
+                "steps": 3,
+                "prompts_per_step": 2,
+                "micro_batch_size": 4,
+                "checkpoint_every": 3,
+                "output_dir": str(work / "out"),
+                "reward_fn": ["tests.helpers.rewards:letter_fraction", "tests.helpers.rewards:odd_first_token"],
+            },
+        }
+    )
+    records = [
+        {"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
+        for i in range(1, 7)
+    ]
     logger = MemoryLogger()
-    trainer.train(cfg, base, records, engine=FakeEngine(cuda=True, norms=norms),
-                  reporting=Reporting(make_logger=lambda _rid: logger, progress=False))
+    trainer.train(
+        cfg,
+        base,
+        records,
+        engine=FakeEngine(cuda=True, norms=norms),
+        reporting=Reporting(make_logger=lambda _rid: logger, progress=False),
+    )
     return logger
 
 
 def test_every_metric_a_training_writes_is_named_in_tracking(trained):
     names = set(trained.metrics)
     # the options are on: their metrics are there (a check that cannot pass on a run that logs few names)
-    for want in (tracking.SLEEP_TIME_S, tracking.IS_RATIO_MAX, tracking.SELECTED_TOKEN_FRACTION, tracking.KL_TO_BASE,
-                 tracking.REWARD_OVERLONG, tracking.GROUPS_REFILL_ROUNDS, tracking.reward_component("letter_fraction"),
-                 tracking.AQN_SIGMA_EFFECTIVE, tracking.LEARNING_RATE, tracking.TOTAL_TIME_S, tracking.WORLD_SIZE):
+    for want in (
+        tracking.SLEEP_TIME_S,
+        tracking.IS_RATIO_MAX,
+        tracking.SELECTED_TOKEN_FRACTION,
+        tracking.KL_TO_BASE,
+        tracking.REWARD_OVERLONG,
+        tracking.GROUPS_REFILL_ROUNDS,
+        tracking.reward_component("letter_fraction"),
+        tracking.AQN_SIGMA_EFFECTIVE,
+        tracking.LEARNING_RATE,
+        tracking.TOTAL_TIME_S,
+        tracking.WORLD_SIZE,
+    ):
         assert want in names, want
     # quantize/<name>: the base's quantize report as it was stored (its own names; none for this bf16 base)
     assert not [n for n in names if not n.startswith("quantize/") and not declared(n)]
 
 
 def test_update_stats_read_as_their_metrics():
-    full = UpdateStats(lr=1e-3, loss=0.5, grad_norm=2.0, entropy=1.5, clip_fraction=0.1, clip_low_fraction=0.04,
-                       clip_high_fraction=0.06, mismatch_kl=0.01, selected_token_fraction=0.25, entropy_threshold=0.9,
-                       importance=grpo.ISStats("token", torch.tensor([0.5, 1.0, 2.0]), masked=1),
-                       is_weight_mean=0.8, kl_to_base=0.02)
+    full = UpdateStats(
+        lr=1e-3,
+        loss=0.5,
+        grad_norm=2.0,
+        entropy=1.5,
+        clip_fraction=0.1,
+        clip_low_fraction=0.04,
+        clip_high_fraction=0.06,
+        mismatch_kl=0.01,
+        selected_token_fraction=0.25,
+        entropy_threshold=0.9,
+        importance=grpo.ISStats("token", torch.tensor([0.5, 1.0, 2.0]), masked=1),
+        is_weight_mean=0.8,
+        kl_to_base=0.02,
+    )
     assert dict(full) == full.metrics() and len(full) == 17
-    assert full[tracking.LOSS] == 0.5 and full[tracking.IS_RATIO_MAX] == 2.0 and full[tracking.IS_MASKED_FRACTION] == 1 / 3
+    assert (
+        full[tracking.LOSS] == 0.5
+        and full[tracking.IS_RATIO_MAX] == 2.0
+        and full[tracking.IS_MASKED_FRACTION] == 1 / 3
+    )
     assert {**full}[tracking.ENTROPY_THRESHOLD] == 0.9
-    bare = UpdateStats(lr=1e-3, loss=0.5, grad_norm=2.0, entropy=1.5, clip_fraction=0.0, clip_low_fraction=0.0,
-                       clip_high_fraction=0.0, mismatch_kl=0.0)
-    assert set(bare) == {tracking.LEARNING_RATE, tracking.LOSS, tracking.GRAD_NORM, tracking.POLICY_ENTROPY,
-                         tracking.CLIP_FRACTION, tracking.CLIP_LOW_FRACTION, tracking.CLIP_HIGH_FRACTION,
-                         tracking.MISMATCH_KL}
+    bare = UpdateStats(
+        lr=1e-3,
+        loss=0.5,
+        grad_norm=2.0,
+        entropy=1.5,
+        clip_fraction=0.0,
+        clip_low_fraction=0.0,
+        clip_high_fraction=0.0,
+        mismatch_kl=0.0,
+    )
+    assert set(bare) == {
+        tracking.LEARNING_RATE,
+        tracking.LOSS,
+        tracking.GRAD_NORM,
+        tracking.POLICY_ENTROPY,
+        tracking.CLIP_FRACTION,
+        tracking.CLIP_LOW_FRACTION,
+        tracking.CLIP_HIGH_FRACTION,
+        tracking.MISMATCH_KL,
+    }
 
 
 def _rollout(rewards: list[float], lengths: list[int], seconds: float, tokens: float) -> Rollout:
     samples = [Sample([1, 2], list(range(n)), "x", [-1.0] * n, "length" if n == 4 else "stop") for n in lengths]
     rows = [{"reward": r, "accuracy": float(r > 0.5), "format": 0.0} for r in rewards]
-    return Rollout(groups=[samples[i:i + 2] for i in range(0, len(samples), 2)], rewards=rows,
-                   prompts=list(range(len(samples) // 2)), sampled=rows, rounds=1, zero_std_fraction=0.0,
-                   sampled_groups=len(samples) // 2, kept_groups=len(samples) // 2, seconds=seconds, tokens=tokens)
+    return Rollout(
+        groups=[samples[i : i + 2] for i in range(0, len(samples), 2)],
+        rewards=rows,
+        prompts=list(range(len(samples) // 2)),
+        sampled=rows,
+        rounds=1,
+        zero_std_fraction=0.0,
+        sampled_groups=len(samples) // 2,
+        kept_groups=len(samples) // 2,
+        seconds=seconds,
+        tokens=tokens,
+    )
 
 
 def test_two_ranks_shares_join_as_one_process_and_split_the_advantages_back():

@@ -26,7 +26,6 @@ from qerl_pipeline import tracking
 from qerl_pipeline.config import ConfigError, QerlConfig, validate
 from qerl_pipeline.hooks import WHERE, ParameterError, ValidateConfigHook, config_error_message, section_keys
 from qerl_pipeline.terminal import TrainProgress
-
 from tests.helpers.project import project_copy, run_kedro
 
 
@@ -39,7 +38,10 @@ def _error(params: dict) -> ConfigError:
 def test_message_names_field_value_and_allowed_values():
     msg = config_error_message(_error({"method": "foo"}))
     assert msg.splitlines()[0] == "invalid parameters (nothing ran):"
-    assert "  method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8' (got 'foo')" in msg.splitlines()
+    assert (
+        "  method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8' (got 'foo')"
+        in msg.splitlines()
+    )
     assert msg.splitlines()[-1] == WHERE and "conf/base/parameters.yml" in WHERE
     assert "Traceback" not in msg and len(msg.splitlines()) == 3
 
@@ -102,13 +104,17 @@ def test_hook_turns_config_errors_into_parameter_errors_and_lets_bugs_through():
 @pytest.mark.kedro_run
 def test_kedro_run_with_bad_parameters_prints_a_short_error(tmp_path):
     root = project_copy(tmp_path / "project")
-    proc = run_kedro(root, "run", "--pipelines=train", "--env=smoke", "--params", "method=foo,optim.lrr=1",
-                     check=False, timeout=300)
+    proc = run_kedro(
+        root, "run", "--pipelines=train", "--env=smoke", "--params", "method=foo,optim.lrr=1", check=False, timeout=300
+    )
     text = proc.stdout
     lines = text.splitlines()
     assert proc.returncode != 0, text
     assert "Traceback" not in text and "Error: invalid parameters (nothing ran):" in text, text
-    assert "method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8' (got 'foo')" in text, text
+    assert (
+        "method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8' (got 'foo')"
+        in text
+    ), text
     assert "optim.lrr: unknown key (got 1); allowed: name, lr," in text, text
     assert len(lines) < 15, f"{len(lines)} lines:\n{text}"
     assert "Running node" not in text and "has started" not in text, text  # no node, no MLflow run (tryfirst)
@@ -128,12 +134,16 @@ def test_the_training_progress_line_is_whole_at_80_columns(total, steps, tokens_
     clock = itertools.count(0.0, 2.0)  # two seconds a step: the ETA has a rate to go by
     bar = TrainProgress(total, total - steps, console=console, get_time=lambda: next(clock))
     for _ in range(steps - 1):
-        bar.advance({tracking.REWARD_MEAN: -0.123, tracking.REWARD_ACCURACY: 0.22, tracking.ROLLOUT_TOKENS_PER_S: tokens_per_s})
+        bar.advance(
+            {tracking.REWARD_MEAN: -0.123, tracking.REWARD_ACCURACY: 0.22, tracking.ROLLOUT_TOKENS_PER_S: tokens_per_s}
+        )
     bar.close()
     line = out.getvalue().rstrip("\n")
     assert "\n" not in line and len(line) <= 80 and "…" not in line, line
-    expected = (rf"train ━+[╸ ]* +{total - 1}/{total} reward -0\.123 acc 0\.22 {tokens_per_s:.0f} tok/s "
-                r"ETA \d+:\d\d:\d\d")
+    expected = (
+        rf"train ━+[╸ ]* +{total - 1}/{total} reward -0\.123 acc 0\.22 {tokens_per_s:.0f} tok/s "
+        r"ETA \d+:\d\d:\d\d"
+    )
     assert re.fullmatch(expected, line), line
 
 
@@ -175,7 +185,9 @@ def test_known_harmless_noise_is_silenced_at_its_source_only(caplog, monkeypatch
     assert logged() == [("py.warnings", "mine.py:1: UserWarning: Add type hints to the `predict` method\n")]
 
     caplog.clear()
-    logging.getLogger(BNB_CPU_LOGGER).warning(BNB_CPU_KERNEL_NOTE + ": %s. Please make sure ...", "No module named 'kernels'")
+    logging.getLogger(BNB_CPU_LOGGER).warning(
+        BNB_CPU_KERNEL_NOTE + ": %s. Please make sure ...", "No module named 'kernels'"
+    )
     logging.getLogger(BNB_CPU_LOGGER).warning("another bitsandbytes warning")
     logging.getLogger("mine").warning(BNB_CPU_KERNEL_NOTE)
     assert logged() == [(BNB_CPU_LOGGER, "another bitsandbytes warning"), ("mine", BNB_CPU_KERNEL_NOTE)]

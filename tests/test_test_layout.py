@@ -44,15 +44,27 @@ def test_no_test_imports_another_test_module_or_conftest(path):
     assert not bad, f"{path.name} imports {bad}: move the shared helper to tests/helpers/ (a fixture to conftest.py)"
 
 
-@pytest.mark.parametrize("source", [
-    "from tests.test_x import y", "from .test_x import y", "import tests.test_x", "from .conftest import y",
-    "from tests.conftest import y", "import conftest", "from conftest import y", "from . import conftest",
-    "from tests import test_x", "def f():\n    from tests.test_x import y",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from tests.test_x import y",
+        "from .test_x import y",
+        "import tests.test_x",
+        "from .conftest import y",
+        "from tests.conftest import y",
+        "import conftest",
+        "from conftest import y",
+        "from . import conftest",
+        "from tests import test_x",
+        "def f():\n    from tests.test_x import y",
+    ],
+)
 def test_the_check_sees_each_form(source):
     assert imported_test_modules(source)
 
 
 def test_the_check_lets_helpers_through():
-    assert not imported_test_modules("from tests.helpers.project import run_kedro\nfrom .helpers import models\n"
-                                     "import tests.helpers.rewards\nfrom qerl_pipeline.rl import step")
+    assert not imported_test_modules(
+        "from tests.helpers.project import run_kedro\nfrom .helpers import models\n"
+        "import tests.helpers.rewards\nfrom qerl_pipeline.rl import step"
+    )

@@ -6,7 +6,15 @@ import json
 
 import mlflow
 
-from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG, MemoryLogger, MetricsLogger, MlflowLogger, TrainingRun, label_run
+from qerl_pipeline.tracking import (
+    GROUP_TAG,
+    ROLE_TAG,
+    MemoryLogger,
+    MetricsLogger,
+    MlflowLogger,
+    TrainingRun,
+    label_run,
+)
 
 
 def _exercise(logger: MetricsLogger):
@@ -98,5 +106,10 @@ def test_training_run_in_a_branch_is_a_child_of_the_compare_run(sqlite_store):
     got = client.get_run(child)
     assert got.info.status == "FINISHED" and got.data.params == {"lora.rank": "4"}
     assert {k: got.data.tags[k] for k in (GROUP_TAG, "mlflow.parentRunId", "method", "seed", ROLE_TAG)} == {
-        GROUP_TAG: parent, "mlflow.parentRunId": parent, "method": "qlora", "seed": "1", ROLE_TAG: "train"}
+        GROUP_TAG: parent,
+        "mlflow.parentRunId": parent,
+        "method": "qlora",
+        "seed": "1",
+        ROLE_TAG: "train",
+    }
     mlflow.end_run()

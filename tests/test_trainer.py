@@ -32,11 +32,13 @@ from tests.helpers.hub import closed_port_url
 from tests.helpers.project import project_copy, start_kedro, stop_kedro, tracking_uri, wait_kedro
 from tests.helpers.rewards import letter_fraction
 
-
 STEPS = 4
 REWARD_FN = "tests.helpers.rewards:letter_fraction"
 # lr 1e-3 (paper: 1e-5) so that 4 steps move the adapter well above the comparison tolerance
-PARAMS = "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},optim.lr.qerl=1e-3,train.reward_fn=" + REWARD_FN
+PARAMS = (
+    "train.steps={steps},train.checkpoint_every=2,train.output_dir={out},optim.lr.qerl=1e-3,train.reward_fn="
+    + REWARD_FN
+)
 #: resumed vs uninterrupted final adapter: fp32 on CPU, same seeds -> equal up to float rounding
 ATOL = 1e-7
 #: per-tensor tolerance of the resume comparison, relative to the tensor's largest entry (see the test)
@@ -86,7 +88,9 @@ def _start(project: Path, out: Path, resume: bool = True) -> subprocess.Popen:
     listens (a Hub call would show in the log as its client's retries)."""
     params = PARAMS.format(steps=STEPS, out=out) + ("" if resume else ",train.resume=false")
     no_hub = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_ENDPOINT": closed_port_url()}
-    return start_kedro(project, "run", "--pipelines=train", "--env", "smoke", "--params", params, log=_log(out), env=no_hub)
+    return start_kedro(
+        project, "run", "--pipelines=train", "--env", "smoke", "--params", params, log=_log(out), env=no_hub
+    )
 
 
 def _log(out: Path) -> Path:
@@ -148,7 +152,11 @@ def resumed(project, reference, tracking, tmp_path_factory) -> tuple[Path, bool,
 
 def _tree(folder: Path) -> dict[str, str]:
     """Every file under ``folder``: relative path -> sha256."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.rglob("*")
+        if p.is_file()
+    }
 
 
 @pytest.mark.vllm
@@ -162,7 +170,9 @@ def test_reference_run_trains_and_logs(reference, tracking):
     run_dir = reference / "qerl"
     adapter = _adapter(run_dir / "final_adapter")
     lora_b = [t for k, t in adapter.items() if "lora_B" in k]
-    assert lora_b and max(float(t.abs().max()) for t in lora_b) > 100 * ATOL, "the adapter never moved from its zero init"
+    assert lora_b and max(float(t.abs().max()) for t in lora_b) > 100 * ATOL, (
+        "the adapter never moved from its zero init"
+    )
     client = MlflowClient(tracking)
     run = _run_for(client, reference)
     assert run.info.status == "FINISHED"
@@ -175,22 +185,39 @@ def test_reference_run_trains_and_logs(reference, tracking):
     import yaml
 
     conf = Path(__file__).parents[1] / "conf"
-    grpo_conf = {**yaml.safe_load((conf / "base/parameters.yml").read_text())["grpo"],
-                 **(yaml.safe_load((conf / "smoke/parameters.yml").read_text()).get("grpo") or {})}
+    grpo_conf = {
+        **yaml.safe_load((conf / "base/parameters.yml").read_text())["grpo"],
+        **(yaml.safe_load((conf / "smoke/parameters.yml").read_text()).get("grpo") or {}),
+    }
     every = grpo_conf["log_kl_to_base_every"]
     kl_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "policy/kl_to_base"))
     assert kl_steps == list(range(1, STEPS + 1, every)), kl_steps
-    for key in ("reward/mean", "reward/std", "reward/accuracy", "reward/format", "policy/entropy",
-                "policy/clip_fraction", "mismatch/kl", "completion/length", "groups/zero_std_fraction", "aqn/sigma", "aqn/sigma_effective",
-                "optim/lr", "rollout/tokens_per_s", "time/update_s", "memory/peak_gb"):
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "reward/accuracy",
+        "reward/format",
+        "policy/entropy",
+        "policy/clip_fraction",
+        "mismatch/kl",
+        "completion/length",
+        "groups/zero_std_fraction",
+        "aqn/sigma",
+        "aqn/sigma_effective",
+        "optim/lr",
+        "rollout/tokens_per_s",
+        "time/update_s",
+        "memory/peak_gb",
+    ):
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == list(range(1, STEPS + 1)), key
     # the text reward differs within groups: the loss had a signal
     stds = [m.value for m in client.get_metric_history(run.info.run_id, "reward/std")]
     assert max(stds) > 0
     # sigma follows the schedule of the smoke config (stage 0 = 0, then decaying)
-    from qerl_pipeline.config import validate
     import yaml
+
+    from qerl_pipeline.config import validate
 
     params = yaml.safe_load((Path(__file__).parents[1] / "conf/base/parameters.yml").read_text())["aqn"]
     params.update(yaml.safe_load((Path(__file__).parents[1] / "conf/smoke/parameters.yml").read_text()).get("aqn", {}))
@@ -229,12 +256,17 @@ def test_resume_after_sigkill_continues_the_same_mlflow_run(reference, resumed, 
     # one name from its start: while it ran and when killed, and after the resume finished it
     assert killed_name == run.info.run_name == "train qerl · random · seed 0" and run.data.tags["qerl.role"] == "train"
     (resuming,) = client.search_runs([run.info.experiment_id], f"tags.`qerl.resumed_run_id` = '{run.info.run_id}'")
-    assert resuming.info.run_name == "train qerl · random · seed 0 · resume" and resuming.data.tags["qerl.role"] == "resume"
+    assert (
+        resuming.info.run_name == "train qerl · random · seed 0 · resume"
+        and resuming.data.tags["qerl.role"] == "resume"
+    )
     # the curves of the resumed run are drawn from the whole MLflow history, not only the steps after the resume
     from qerl_pipeline.rl.trainer import _full_history
     from qerl_pipeline.tracking import MlflowLogger
 
-    assert [h["step"] for h in _full_history(MlflowLogger(run_id=run.info.run_id, tracking_uri=tracking))] == list(range(1, STEPS + 1))
+    assert [h["step"] for h in _full_history(MlflowLogger(run_id=run.info.run_id, tracking_uri=tracking))] == list(
+        range(1, STEPS + 1)
+    )
     assert (out / "qerl" / "train_curves.png").stat().st_size > 0
 
 
@@ -245,16 +277,27 @@ def test_the_runs_log_on_a_machine_without_the_hub_says_only_what_matters(refere
     no warning of the kinds the project knows to be harmless, no warning at all; the progress line is whole."""
     log = _log(reference).read_text()
     assert "Pipeline execution completed successfully" in log, log[-3000:]
-    for text in ("WARNING", "Warning", "Retrying", "Name or service not known", "Replacing dataset",
-                 "gemm_4bit_forward", "…"):
+    for text in (
+        "WARNING",
+        "Warning",
+        "Retrying",
+        "Name or service not known",
+        "Replacing dataset",
+        "gemm_4bit_forward",
+        "…",
+    ):
         assert text not in log, f"{text!r} in the log:\n{log}"
     (line,) = [line for line in log.splitlines() if line.startswith("train ━")]
-    assert re.fullmatch(rf"train ━+ +{STEPS}/{STEPS} reward \d\.\d{{3}} acc \d\.\d\d \d+ tok/s ETA 0:00:00", line.rstrip()), line
+    assert re.fullmatch(
+        rf"train ━+ +{STEPS}/{STEPS} reward \d\.\d{{3}} acc \d\.\d\d \d+ tok/s ETA 0:00:00", line.rstrip()
+    ), line
 
 
 def _completions(client, run_id: str, step: int, dest: Path) -> list[str]:
     dest.mkdir(parents=True, exist_ok=True)
-    table = json.loads(Path(client.download_artifacts(run_id, f"completions/step_{step:05d}.json", str(dest))).read_text())
+    table = json.loads(
+        Path(client.download_artifacts(run_id, f"completions/step_{step:05d}.json", str(dest))).read_text()
+    )
     col = table["columns"].index("completion")
     return [row[col] for row in table["data"]]
 
@@ -279,7 +322,9 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking
     client = MlflowClient(tracking)
     ref_run, res_run = _run_for(client, reference).info.run_id, _run_for(client, out).info.run_id
     for step in range(1, STEPS + 1):  # smoke logs the completions of every step
-        assert _completions(client, res_run, step, tmp_path / "res") == _completions(client, ref_run, step, tmp_path / "ref"), step
+        assert _completions(client, res_run, step, tmp_path / "res") == _completions(
+            client, ref_run, step, tmp_path / "ref"
+        ), step
     ref_rewards = [m.value for m in sorted(client.get_metric_history(ref_run, "reward/mean"), key=lambda m: m.step)]
     res_rewards = [m.value for m in sorted(client.get_metric_history(res_run, "reward/mean"), key=lambda m: m.step)]
     assert res_rewards == pytest.approx(ref_rewards)
@@ -360,12 +405,15 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(project, reference, track
         {"id": str(i), "messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "gold": str(2 * i)}
         for i in range(1, 9)
     ]
-    cfg = QerlConfig.model_validate({
-        "model": {"source": "random", "max_seq_len": 512},
-        "lora": {"rank": 4, "alpha": 8}, "rollout": {"max_new_tokens": 8},
-        "grpo": {"num_generations": 2},
-        "train": {"steps": 3, "prompts_per_step": 2, "checkpoint_every": 2, "output_dir": str(tmp_path)},
-    })
+    cfg = QerlConfig.model_validate(
+        {
+            "model": {"source": "random", "max_seq_len": 512},
+            "lora": {"rank": 4, "alpha": 8},
+            "rollout": {"max_new_tokens": 8},
+            "grpo": {"num_generations": 2},
+            "train": {"steps": 3, "prompts_per_step": 2, "checkpoint_every": 2, "output_dir": str(tmp_path)},
+        }
+    )
     calls = []
 
     def nan_at_step_3(completions, golds, samples):  # one call per step (no dynamic sampling)
@@ -383,8 +431,13 @@ def test_nan_loss_stops_with_step_and_marks_run_failed(project, reference, track
 
     try:
         with pytest.raises(TrainingDiverged, match=r"at step 3\b"):
-            trainer.train(cfg, base, records, reporting=Reporting(make_logger=make_logger, progress=False),
-                          reward_fn=nan_at_step_3)
+            trainer.train(
+                cfg,
+                base,
+                records,
+                reporting=Reporting(make_logger=make_logger, progress=False),
+                reward_fn=nan_at_step_3,
+            )
     finally:
         if mlflow.active_run() is not None:
             mlflow.end_run("FAILED")  # the fluent run MlflowLogger(None) opened in this process
@@ -453,12 +506,16 @@ def test_two_ranks_log_one_run_and_train_the_reference_adapter(reference, two_ra
     client = MlflowClient(tracking)
     run = _run_for(client, out)
     assert run.info.status == "FINISHED" and run.data.metrics["dist/world_size"] == 2
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")) == list(range(1, STEPS + 1))
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")) == list(
+        range(1, STEPS + 1)
+    )
     ref_run = _run_for(client, reference)
     assert "dist/world_size" in ref_run.data.metrics and ref_run.data.metrics["dist/world_size"] == 1
     # the same completions were sampled: the per-step rewards agree
     ours = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "reward/mean"), key=lambda m: m.step)]
-    theirs = [m.value for m in sorted(client.get_metric_history(ref_run.info.run_id, "reward/mean"), key=lambda m: m.step)]
+    theirs = [
+        m.value for m in sorted(client.get_metric_history(ref_run.info.run_id, "reward/mean"), key=lambda m: m.step)
+    ]
     assert ours == pytest.approx(theirs, abs=1e-6)
     two, one = _adapter(out / "qerl" / "final_adapter"), _adapter(reference / "qerl" / "final_adapter")
     assert set(two) == set(one)
@@ -490,13 +547,19 @@ def test_a_checkpoint_of_two_ranks_is_not_resumed_by_one(project, two_ranks):
             node = node.setdefault(p, {})
         node[leaf] = value
     with pytest.raises(ValueError, match=r"2 rank\(s\); this run has 1 "):
-        trainer.train(QerlConfig.model_validate(nested), project / "data/06_models/smoke/base_nvfp4", [],
-                      reporting=Reporting(progress=False))
+        trainer.train(
+            QerlConfig.model_validate(nested),
+            project / "data/06_models/smoke/base_nvfp4",
+            [],
+            reporting=Reporting(progress=False),
+        )
 
 
 # ------------------------------------- DAPO's dynamic sampling on 2 ranks (the paper's recipe, scaled out)
-DAPO_PARAMS = ("train.nproc=2,grpo.dynamic_sampling=true,train.steps={steps},train.output_dir={out},optim.lr.qerl=1e-3,"
-               "train.reward_fn=tests.helpers.rewards:odd_first_token")
+DAPO_PARAMS = (
+    "train.nproc=2,grpo.dynamic_sampling=true,train.steps={steps},train.output_dir={out},optim.lr.qerl=1e-3,"
+    "train.reward_fn=tests.helpers.rewards:odd_first_token"
+)
 
 
 @pytest.fixture(scope="module")
@@ -505,8 +568,16 @@ def two_ranks_dapo(project, tmp_path_factory) -> tuple[Path, str]:
     reward (the random model's math reward is 0 everywhere: every group would be dropped), so groups are kept,
     dropped and refilled over two gloo ranks with real engines."""
     out = tmp_path_factory.mktemp("two_ranks_dapo") / "out"
-    proc = start_kedro(project, "run", "--pipelines=train", "--env", "smoke", "--params",
-                       DAPO_PARAMS.format(steps=STEPS, out=out), log=_log(out))
+    proc = start_kedro(
+        project,
+        "run",
+        "--pipelines=train",
+        "--env",
+        "smoke",
+        "--params",
+        DAPO_PARAMS.format(steps=STEPS, out=out),
+        log=_log(out),
+    )
     return out, wait_kedro(proc, _log(out), timeout=600).stdout
 
 
@@ -526,11 +597,16 @@ def test_dynamic_sampling_on_two_ranks_refills_and_decides_once_for_both(two_ran
         return [m.value for m in sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.step)]
 
     sampled, kept, refills = series("groups/sampled"), series("groups/kept"), series("groups/refill_rounds")
-    assert len(kept) == STEPS and all(1 <= k <= 2 for k in kept)  # smoke: 2 prompts per step, a group of 2 samples each
+    assert len(kept) == STEPS and all(
+        1 <= k <= 2 for k in kept
+    )  # smoke: 2 prompts per step, a group of 2 samples each
     assert any(r > 0 for r in refills) and any(s > k for s, k in zip(sampled, kept)), (sampled, kept, refills)
     assert all(s >= 2 + r for s, r in zip(sampled, refills))  # each refill round draws at least one prompt
     # each rank logs its step line; the reward, accuracy and entropy in it are the global ones, equal on both ranks
-    lines = {r: re.findall(rf"rank {r}: INFO .*?step (\d+)/{STEPS} reward (\S+) acc (\S+) entropy (\S+)", log) for r in (0, 1)}
+    lines = {
+        r: re.findall(rf"rank {r}: INFO .*?step (\d+)/{STEPS} reward (\S+) acc (\S+) entropy (\S+)", log)
+        for r in (0, 1)
+    }
     assert len(lines[0]) == STEPS and lines[0] == lines[1], lines
     adapter = _adapter(out / "qerl" / "final_adapter")
     assert max(float(t.abs().max()) for n, t in adapter.items() if "lora_B" in n) > 0, "the adapter did not train"

@@ -178,8 +178,14 @@ def test_nf4_and_bad_kernel_names():
 
 # ----------------------------------------------------------------------------- the decision
 def _decide(**kw):
-    args = dict(platform="cuda", available=True, check=lambda: 1e-6, time_triton=lambda: 1.0,
-                time_torch=lambda: 2.0, tolerance=1e-3)
+    args = dict(
+        platform="cuda",
+        available=True,
+        check=lambda: 1e-6,
+        time_triton=lambda: 1.0,
+        time_torch=lambda: 2.0,
+        tolerance=1e-3,
+    )
     return tn.decide(**{**args, **kw})
 
 

@@ -60,8 +60,9 @@ def user_run(tmp_path_factory):
     _jsonl(root / "my_eval.jsonl", _math_solutions())
     smoke = root / "conf" / "smoke" / "parameters.yml"  # a list cannot be given with --params (it splits on commas)
     params = yaml.safe_load(smoke.read_text())
-    params["train"].update(reward_fn=["math", "tests.helpers.rewards:letter_fraction"],
-                           reward_weights=list(WEIGHTS.values()))
+    params["train"].update(
+        reward_fn=["math", "tests.helpers.rewards:letter_fraction"], reward_weights=list(WEIGHTS.values())
+    )
     smoke.write_text(yaml.safe_dump(params, sort_keys=False))
     run_kedro(root, "run", "--pipelines=train", "--env=smoke", f"--params={TRAIN_PARAMS},{EVAL_PARAMS}", timeout=900)
     run_kedro(root, "run", "--pipelines=evaluate", "--env=smoke", f"--params={EVAL_PARAMS}", timeout=900)
@@ -82,19 +83,27 @@ def test_user_jsonl_trains_with_two_rewards_and_is_evaluated_beside_the_built_in
     train, evaluate = runs["train"], runs["evaluate"]
 
     # trained on the user's rows as published, as the data report says: every gold read after its "####"
-    report = json.loads(Path(client.download_artifacts(train.info.run_id, "data/report.json", str(user_run / "dl"))).read_text())
+    report = json.loads(
+        Path(client.download_artifacts(train.info.run_id, "data/report.json", str(user_run / "dl"))).read_text()
+    )
     assert report["train"]["origin"] == "file:gsm8k_train.jsonl" and report["train"]["dropped"] == 0
     assert report["train"]["kept"] == N_TRAIN and report["train"]["answer_forms"] == {"gsm8k": N_TRAIN}
     assert report["eval"]["mine"]["kept"] == N_EVAL and report["eval"]["mine"]["answer_forms"] == {"boxed": N_EVAL}
     records = json.loads(_latest(user_run / "data" / "05_model_input" / "smoke" / "train_prompts.json").read_text())
     golds = {r["question"]: r["gold"] for r in records}
-    assert {r["question"].strip(): r["answer"].rsplit("####", 1)[1].strip().replace(",", "") for r in _gsm8k_train()} == golds
+    assert {
+        r["question"].strip(): r["answer"].rsplit("####", 1)[1].strip().replace(",", "") for r in _gsm8k_train()
+    } == golds
     evals = json.loads(_latest(user_run / "data" / "05_model_input" / "smoke" / "eval_prompts.json").read_text())
-    assert {r["question"]: r["gold"] for r in evals["mine"]} == {r["problem"].strip(): r["answer"] for r in _math_solutions()}
+    assert {r["question"]: r["gold"] for r in evals["mine"]} == {
+        r["problem"].strip(): r["answer"] for r in _math_solutions()
+    }
 
     # each reward entry under its name, and reward/mean their weighted sum, at every step
-    history = {name: {m.step: m.value for m in client.get_metric_history(train.info.run_id, name)}
-               for name in ("reward/mean", "rewards/math/mean", "rewards/letter_fraction/mean")}
+    history = {
+        name: {m.step: m.value for m in client.get_metric_history(train.info.run_id, name)}
+        for name in ("reward/mean", "rewards/math/mean", "rewards/letter_fraction/mean")
+    }
     assert sorted(history["reward/mean"]) == [1, 2]
     for step, total in history["reward/mean"].items():
         parts = {n: history[f"rewards/{n}/mean"][step] for n in WEIGHTS}

@@ -36,7 +36,7 @@ def hf_name(peft_name: str, *, unwrap: bool = False) -> str:
     ``unwrap``: also drop PEFT's wrapper parts (``.original_module``,
     ``.modules_to_save.default``, ``.base_layer``) of trainable or adapted modules.
     """
-    name = peft_name[len(PEFT_PREFIX):] if peft_name.startswith(PEFT_PREFIX) else peft_name
+    name = peft_name[len(PEFT_PREFIX) :] if peft_name.startswith(PEFT_PREFIX) else peft_name
     if unwrap:
         name = name.replace(".original_module", "").replace(".modules_to_save.default", "").replace(".base_layer", "")
     return name
@@ -127,17 +127,23 @@ def trained_adapter(root: str | Path, method: str, seed: int | None = None, *, w
     if seed is not None:
         path = root / f"seed-{seed}"
         if not is_adapter(path):
-            raise MissingTraining(f"no trained adapter for method {method!r} seed {seed} at {path}; run "
-                                  f"`kedro run --pipelines=compare --namespaces=compare.{method}` first (same --env, "
-                                  f"compare.seeds listing {seed})")
+            raise MissingTraining(
+                f"no trained adapter for method {method!r} seed {seed} at {path}; run "
+                f"`kedro run --pipelines=compare --namespaces=compare.{method}` first (same --env, "
+                f"compare.seeds listing {seed})"
+            )
         return path
     path = root / method
     if not is_adapter(path):
-        raise MissingTraining(f"no trained adapter for method {method!r} at {path}; run "
-                              f"`kedro run --pipelines=train --params method={method}` first (same --env)")
+        raise MissingTraining(
+            f"no trained adapter for method {method!r} at {path}; run "
+            f"`kedro run --pipelines=train --params method={method}` first (same --env)"
+        )
     got = adapter_meta(path).get("seed")
     if want_seed is not None and got is not None and int(got) != int(want_seed):
-        raise MissingTraining(f"the trained adapter of method {method!r} at {path} is seed {got}, not train.seed "
-                              f"{want_seed}: run `kedro run --pipelines=train --params method={method},"
-                              f"train.seed={want_seed}` first (same --env), or set train.seed={got}")
+        raise MissingTraining(
+            f"the trained adapter of method {method!r} at {path} is seed {got}, not train.seed "
+            f"{want_seed}: run `kedro run --pipelines=train --params method={method},"
+            f"train.seed={want_seed}` first (same --env), or set train.seed={got}"
+        )
     return path

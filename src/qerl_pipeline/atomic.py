@@ -123,7 +123,9 @@ def write_atomic(path: str | Path, data: bytes | str | Any, *, as_json: bool = F
 
 
 @contextmanager
-def staged_dir(target: str | Path, *, create: bool = True, replace: bool = True, what: str | None = None) -> Iterator[Path]:
+def staged_dir(
+    target: str | Path, *, create: bool = True, replace: bool = True, what: str | None = None
+) -> Iterator[Path]:
     """Build the folder ``target`` in a stage that replaces it only when the block succeeds.
 
     Yields ``<parent>/.<name>.tmp-XXXX/<name>``: a path on ``target``'s filesystem, created
@@ -193,11 +195,16 @@ def sha256_file(path: str | Path) -> str:
 def file_manifest(folder: str | Path, *, skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """``{relative posix path: {"size": bytes, "sha256": hex}}`` of every file under ``folder`` but ``skip``."""
     folder = Path(folder)
-    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.relative_to(folder).as_posix() not in skip}
+    return {
+        p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.relative_to(folder).as_posix() not in skip
+    }
 
 
-def manifest_damage(folder: str | Path, files: dict[str, dict[str, Any]], *, hashes: bool = True) -> tuple[str, str] | None:
+def manifest_damage(
+    folder: str | Path, files: dict[str, dict[str, Any]], *, hashes: bool = True
+) -> tuple[str, str] | None:
     """``(relative path, what is wrong)`` for the first listed file that is missing, of another size or
     (``hashes``) another sha256 than ``files`` records; None when every one matches. An entry without
     ``sha256`` is checked by size, one without ``size`` by presence."""

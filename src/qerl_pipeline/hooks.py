@@ -113,8 +113,9 @@ class TrackingStoreUnusable(click.ClickException):
     """The tracking store cannot be used: printed by the Kedro CLI as one ``Error:`` line, exit code 1."""
 
     def __init__(self, err: tracking.TrackingStoreError) -> None:
-        super().__init__(f"{err} (nothing ran; set MLFLOW_TRACKING_URI, or server.mlflow_tracking_uri in "
-                         f"conf/local/mlflow.yml)")
+        super().__init__(
+            f"{err} (nothing ran; set MLFLOW_TRACKING_URI, or server.mlflow_tracking_uri in conf/local/mlflow.yml)"
+        )
 
 
 def tracking_uri(context) -> str | None:
@@ -153,20 +154,26 @@ def cross_field_errors(cfg: QerlConfig, nodes: set[str] | None = None) -> list[s
         sets = [*cfg.data.eval_sources, *cfg.data.eval_files]  # the user's sets are evaluated anyway, listed or not
         unknown = [b for b in cfg.evaluate.benchmarks if b not in sets]
         if unknown:
-            errors.append(f"  evaluate.benchmarks: {', '.join(map(repr, unknown))} not an evaluation set; allowed: "
-                          f"{', '.join(sets)} (data.eval_sources, data.eval_files: data_prep writes prompts only for those)")
+            errors.append(
+                f"  evaluate.benchmarks: {', '.join(map(repr, unknown))} not an evaluation set; allowed: "
+                f"{', '.join(sets)} (data.eval_sources, data.eval_files: data_prep writes prompts only for those)"
+            )
         budget = cfg.model.max_seq_len - cfg.evaluate.max_new_tokens
         if budget <= 0:
-            errors.append(f"  evaluate.max_new_tokens: {cfg.evaluate.max_new_tokens} must be below model.max_seq_len "
-                          f"({cfg.model.max_seq_len}): the prompt budget, max_seq_len - max_new_tokens, is {budget} tokens")
+            errors.append(
+                f"  evaluate.max_new_tokens: {cfg.evaluate.max_new_tokens} must be below model.max_seq_len "
+                f"({cfg.model.max_seq_len}): the prompt budget, max_seq_len - max_new_tokens, is {budget} tokens"
+            )
     if runs("compare:train_policy") and (ranks := cfg.train.compare_ranks_error()):
         errors.append(f"  {ranks}")
     if runs("train_policy") or runs("compare:train_policy"):
         if cfg.lora.rank > VLLM_LORA_RANKS[-1]:
             errors.append(f"  lora.rank: {cfg.lora.rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
         if cfg.rollout.sync == "merge" and cfg.rollout.tensor_parallel_size > 1:
-            errors.append(f"  rollout.sync: merge needs each engine worker to hold whole linears, but "
-                          f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} shards them; use adapter or auto")
+            errors.append(
+                f"  rollout.sync: merge needs each engine worker to hold whole linears, but "
+                f"rollout.tensor_parallel_size {cfg.rollout.tensor_parallel_size} shards them; use adapter or auto"
+            )
     return errors
 
 
@@ -202,8 +209,10 @@ def planner_refusal(cfg: QerlConfig, pipeline, gpu_gib: float) -> str:
     if not runs:
         return ""
     if cfg.rollout.tensor_parallel_size > 1:
-        log.info("memory planner: not asked (rollout.tensor_parallel_size %d: it plans one GPU)",
-                 cfg.rollout.tensor_parallel_size)
+        log.info(
+            "memory planner: not asked (rollout.tensor_parallel_size %d: it plans one GPU)",
+            cfg.rollout.tensor_parallel_size,
+        )
         return ""
     from qerl_pipeline.planner.guard import refusal  # the planner imports the model's pieces: only when a run starts
     from qerl_pipeline.planner.inputs import resolve_shape
@@ -217,9 +226,12 @@ def planner_refusal(cfg: QerlConfig, pipeline, gpu_gib: float) -> str:
         line = refusal(cfg, methods, shape, gpu_gib, methods_field=field, engine_only=engine_only)
         if line:
             return line
-    log.info("memory planner: %s fit this %.1f GiB GPU at rollout.gpu_memory_utilization %g",
-             ", ".join(dict.fromkeys(m for methods, _f, _e in runs for m in methods)), gpu_gib,
-             cfg.rollout.gpu_memory_utilization)
+    log.info(
+        "memory planner: %s fit this %.1f GiB GPU at rollout.gpu_memory_utilization %g",
+        ", ".join(dict.fromkeys(m for methods, _f, _e in runs for m in methods)),
+        gpu_gib,
+        cfg.rollout.gpu_memory_utilization,
+    )
     return ""
 
 
@@ -356,7 +368,7 @@ class RunStatusHook:
 
             for key, value in tags.items():
                 MlflowClient().set_tag(self._run_id, key, value)
-        except Exception as err:  # noqa: BLE001 - recording the end must not hide the error
+        except Exception as err:
             log.warning("could not tag MLflow run %s: %s", self._run_id, err)
 
     def _at_exit(self) -> None:
@@ -378,5 +390,5 @@ class RunStatusHook:
                 mlflow.end_run(status)
             if self._run_id not in ended:  # started in another thread
                 mlflow.tracking.MlflowClient().set_terminated(self._run_id, status)
-        except Exception as err:  # noqa: BLE001 - the process is ending anyway
+        except Exception as err:
             log.warning("could not end MLflow run %s: %s", self._run_id, err)

@@ -34,8 +34,10 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 _TRUE = ("1", "on", "yes", "true")  # huggingface_hub's reading of the variable
 #: The offline switches of the Hub's clients, by module: read from the environment once, at import
 #: (transformers asks ``huggingface_hub.constants``).
-OFFLINE_SWITCHES = {"huggingface_hub.constants": ("HF_HUB_OFFLINE",),
-                    "datasets.config": ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+OFFLINE_SWITCHES = {
+    "huggingface_hub.constants": ("HF_HUB_OFFLINE",),
+    "datasets.config": ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
+}
 #: The probe's answer per endpoint (None: reachable), once per process.
 _probed: dict[str, str | None] = {}
 _said: set[str] = set()
@@ -60,13 +62,18 @@ def offline_reason() -> str | None:
     if url in _probed:  # decided by the probe (which may have set HF_HUB_OFFLINE itself)
         return _probed[url]
     if offline_by_env():
-        _say("HF_HUB_OFFLINE is set", "Hugging Face Hub: offline (HF_HUB_OFFLINE is set); local copies and caches only")
+        _say(
+            "HF_HUB_OFFLINE is set", "Hugging Face Hub: offline (HF_HUB_OFFLINE is set); local copies and caches only"
+        )
         return "HF_HUB_OFFLINE is set"
     reason = _probed[url] = _probe(url)
     if reason is not None:
         go_offline()
-        _say(reason, f"Hugging Face Hub unreachable ({reason}): offline for this run (HF_HUB_OFFLINE=1), no retries; "
-                     "local copies and caches only")
+        _say(
+            reason,
+            f"Hugging Face Hub unreachable ({reason}): offline for this run (HF_HUB_OFFLINE=1), no retries; "
+            "local copies and caches only",
+        )
     return reason
 
 

@@ -207,8 +207,9 @@ def load_base_model(cfg: ModelConfig, dtype: torch.dtype | None = None):
             model.generation_config.pad_token_id = tok.pad_token_id
         model.config.name_or_path = BUNDLED_MODEL
     else:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                                     **_hub_revision(cfg, kind))
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **_hub_revision(cfg, kind)
+        )
     return model.eval(), tok
 
 

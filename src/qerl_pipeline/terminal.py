@@ -42,17 +42,24 @@ class TrainProgress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(bar_width=BAR_WIDTH), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
-            console=console, get_time=get_time,
+            TextColumn("[bold]train"),
+            BarColumn(bar_width=BAR_WIDTH),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            get_time=get_time,
         )
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.progress.start()
 
     def advance(self, metrics: dict[str, float]) -> None:
         """One step done, with its metrics (the trainer's names)."""
-        info = (f"reward {metrics[tracking.REWARD_MEAN]:.3f} acc {metrics[tracking.REWARD_ACCURACY]:.2f} "
-                f"{metrics[tracking.ROLLOUT_TOKENS_PER_S]:.0f} tok/s")
+        info = (
+            f"reward {metrics[tracking.REWARD_MEAN]:.3f} acc {metrics[tracking.REWARD_ACCURACY]:.2f} "
+            f"{metrics[tracking.ROLLOUT_TOKENS_PER_S]:.0f} tok/s"
+        )
         self.progress.update(self.task, advance=1, info=info)
 
     def close(self) -> None:
@@ -87,7 +94,10 @@ def quiet_known_noise() -> None:
     # call it (their concern, not a user's): the new API is called underneath, same result. Five 13-line
     # blocks at every run start otherwise; only calls from those two packages are matched.
     warnings.filterwarnings(
-        "ignore", message=r"register_new_resolver\(\) is deprecated", category=UserWarning, module=r"(kedro|kedro_mlflow)\."
+        "ignore",
+        message=r"register_new_resolver\(\) is deprecated",
+        category=UserWarning,
+        module=r"(kedro|kedro_mlflow)\.",
     )
     # MLflow warns when a pyfunc model class defines predict() without type hints, at the class's definition.
     # kedro-mlflow's CLI defines one (KedroPipelineModel, its pipeline_ml model flavour) when Kedro loads

@@ -55,7 +55,9 @@ class MetricsLogger(Protocol):
 
 def scalar_metrics(values: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """The numbers of a report dict (ints and floats, not bools) as metrics ``<prefix><name>``."""
-    return {f"{prefix}{k}": float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        f"{prefix}{k}": float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def _finite(metrics: dict[str, Any]) -> dict[str, float]:
@@ -111,13 +113,17 @@ class MlflowLogger:
     in ``experiment`` when none is active (library use outside Kedro).
     """
 
-    def __init__(self, run_id: str | None = None, *, experiment: str = "qerl_pipeline", tracking_uri: str | None = None):
+    def __init__(
+        self, run_id: str | None = None, *, experiment: str = "qerl_pipeline", tracking_uri: str | None = None
+    ):
         import mlflow
         from mlflow.tracking import MlflowClient
 
         if tracking_uri:
             mlflow.set_tracking_uri(tracking_uri)
-        elif not os.environ.get("MLFLOW_TRACKING_URI") and mlflow.get_tracking_uri().startswith(("file:", "/", "./", "mlruns")):
+        elif not os.environ.get("MLFLOW_TRACKING_URI") and mlflow.get_tracking_uri().startswith(
+            ("file:", "/", "./", "mlruns")
+        ):
             # never fall back to the file store (maintenance mode): use the embedded SQLite
             mlflow.set_tracking_uri(DEFAULT_TRACKING_URI)
         self.client = MlflowClient()
@@ -135,8 +141,9 @@ class MlflowLogger:
         self.run_id = run_id
 
     def log_metrics(self, metrics, step=None):
-        from mlflow.entities import Metric
         import time
+
+        from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         batch = [Metric(k, v, now, step or 0) for k, v in _finite(metrics).items()]
@@ -202,8 +209,12 @@ def git_commit(cwd: str | Path | None = None) -> str:
     import subprocess
 
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except Exception:
         return "unknown"
@@ -268,7 +279,7 @@ def mark_ended(logger: MetricsLogger, exc: BaseException, last_step: int | None 
         logger.set_tags(tags)
         if hasattr(logger, "end"):
             logger.end(end_status(exc))
-    except Exception as err:  # noqa: BLE001 - see the docstring
+    except Exception as err:
         log.warning("could not record how the run ended (%s): %s", end_status(exc), err)
 
 
@@ -279,8 +290,11 @@ def reopen(logger: MlflowLogger) -> None:
     if run.info.status in ("RUNNING", "FINISHED"):
         return
     ended = {k: run.data.tags[k] for k in END_TAGS if k in run.data.tags}
-    logger.client.set_tag(logger.run_id, PREVIOUS_END_TAG,
-                          "; ".join([run.info.status, *(f"{k.removeprefix('qerl.')}={v}" for k, v in ended.items())]))
+    logger.client.set_tag(
+        logger.run_id,
+        PREVIOUS_END_TAG,
+        "; ".join([run.info.status, *(f"{k.removeprefix('qerl.')}={v}" for k, v in ended.items())]),
+    )
     for key in ended:
         logger.client.delete_tag(logger.run_id, key)
     logger.client.update_run(logger.run_id, status="RUNNING")
@@ -294,8 +308,11 @@ class TrackingStoreError(RuntimeError):
 #: MLflow's HTTP retry settings where the user set none. MLflow's own (7 retries, backoff factor 2,
 #: a 120 s timeout) retry one call for about four minutes, so a server that dies mid-run held a
 #: training ~12 minutes; these give up after ~15 s of refused connections (a hung server: ~2 min).
-HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2",
-                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+HTTP_RETRY_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
 
 
 def bound_http_retries(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -327,7 +344,7 @@ def check_store(uri: str, timeout_s: float = 5.0) -> None:
         except OSError as err:
             raise TrackingStoreError(f"MLflow tracking server {uri} is unreachable: {err.strerror or err}") from None
     elif parsed.scheme == "sqlite":
-        path = uri[len("sqlite:///"):].split("?", 1)[0] if uri.startswith("sqlite:///") else ""
+        path = uri[len("sqlite:///") :].split("?", 1)[0] if uri.startswith("sqlite:///") else ""
         if path and path != ":memory:":
             _check_sqlite(uri, Path(path))
     elif parsed.scheme in ("", "file"):
@@ -339,7 +356,7 @@ def _check_sqlite(uri: str, path: Path) -> None:
         if not path.is_file():
             raise TrackingStoreError(f"MLflow tracking store {uri}: {path} is not a file")
         try:
-            open(path, "r+b").close()  # noqa: SIM115 - opened for writing, nothing written
+            open(path, "r+b").close()
         except OSError as err:
             raise TrackingStoreError(f"MLflow tracking store {uri}: cannot write {path} ({err.strerror})") from None
     _check_folder(uri, path.parent)
@@ -399,7 +416,8 @@ def child_run(parent_id: str, name: str, tags: dict[str, str] | None = None) -> 
     client = MlflowClient()
     parent = client.get_run(parent_id)
     run = client.create_run(
-        parent.info.experiment_id, run_name=name,
+        parent.info.experiment_id,
+        run_name=name,
         tags={**(tags or {}), GROUP_TAG: parent_id, "mlflow.parentRunId": parent_id},
     )
     return run.info.run_id
@@ -444,8 +462,15 @@ class TrainingRun:
     ``rl/trainer.py``).
     """
 
-    def __init__(self, name: str, method: str, params: dict[str, Any], parent: str | None = None,
-                 tags: dict[str, str] | None = None, active_run_id: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        method: str,
+        params: dict[str, Any],
+        parent: str | None = None,
+        tags: dict[str, str] | None = None,
+        active_run_id: str | None = None,
+    ):
         self.name, self.method, self.params, self.parent = name, method, params, parent
         self.tags = dict(tags or {})
         self.active_run_id = active_run_id
@@ -465,7 +490,7 @@ class TrainingRun:
             logger.set_tags({"qerl.resumed_run_id": run_id})
             try:
                 logger.client.get_run(run_id)
-            except Exception:  # noqa: BLE001 - e.g. a different tracking store: keep the new run
+            except Exception:
                 log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
             else:
                 name_run(logger.run_id, RESUME_NAME.format(name=self.name), "resume", client=logger.client)
@@ -492,8 +517,12 @@ class TrainingRun:
         import mlflow
 
         self.active_run_id = MlflowLogger(self.active_run_id).run_id
-        return {"uri": mlflow.get_tracking_uri(), "active_run_id": self.active_run_id, "name": self.name,
-                "params": self.params}
+        return {
+            "uri": mlflow.get_tracking_uri(),
+            "active_run_id": self.active_run_id,
+            "name": self.name,
+            "params": self.params,
+        }
 
     def adopt(self, run_id: str | None) -> None:
         """The run a distributed training's rank 0 logged into (the active one or its checkpoint's)."""
@@ -511,7 +540,7 @@ class TrainingRun:
             if run.client.get_run(run.run_id).info.status != "RUNNING":
                 return
             steps = [s for s, _ in run.history([REWARD_MEAN])[REWARD_MEAN]]
-        except Exception as err:  # noqa: BLE001 - must not hide exc
+        except Exception as err:
             log.warning("could not read MLflow run %s: %s", run.run_id, err)
             return
         mark_ended(run, exc, last_step=max(steps, default=0))

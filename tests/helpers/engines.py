@@ -35,8 +35,13 @@ class FakeEngine:
     (rollout/sleep.py), with no sleep involved.
     """
 
-    def __init__(self, fault: str | None = None, cuda: bool = True, norms: dict[str, torch.Tensor] | None = None,
-                 near_tie: tuple[float, int] | None = None):
+    def __init__(
+        self,
+        fault: str | None = None,
+        cuda: bool = True,
+        norms: dict[str, torch.Tensor] | None = None,
+        near_tie: tuple[float, int] | None = None,
+    ):
         self.fault = fault
         self.flip = near_tie[0] if near_tie else 0.0
         self.noise = random.Random(near_tie[1]) if near_tie else None
@@ -71,8 +76,16 @@ class FakeEngine:
         return self.merge_adapter(None)
 
     def generate(self, prompts, *, n, temperature, top_p, max_new_tokens, seed=None, lora_path=None, ignore_eos=False):
-        self.calls.append(("generate", [list(p) for p in prompts], n, temperature, None if lora_path is None else str(lora_path),
-                           self.asleep))
+        self.calls.append(
+            (
+                "generate",
+                [list(p) for p in prompts],
+                n,
+                temperature,
+                None if lora_path is None else str(lora_path),
+                self.asleep,
+            )
+        )
         self.asleep = False  # the real server wakes first; so does this one
         content = b""
         if lora_path is not None:

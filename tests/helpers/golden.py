@@ -75,9 +75,19 @@ def vllm_cpu_scheme_log(tiny_model_dir: Path, fmt: str, work: Path) -> str:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     checkpoint.write_base(model, AutoTokenizer.from_pretrained(tiny_model_dir), fmt, work / f"base_{fmt}")
     served = served_model(work / f"base_{fmt}", platform="cuda")
-    assert (served.served_format, served.dense, served.engine_args) == (fmt, False, {"quantization": "compressed-tensors"})
+    assert (served.served_format, served.dense, served.engine_args) == (
+        fmt,
+        False,
+        {"quantization": "compressed-tensors"},
+    )
     log_file = work / "engine.log"
     with pytest.raises(EngineError):
-        RolloutEngine(served.path, max_model_len=256, max_lora_rank=8, dtype="bfloat16",
-                      extra_engine_args=served.engine_args, log_file=log_file)
+        RolloutEngine(
+            served.path,
+            max_model_len=256,
+            max_lora_rank=8,
+            dtype="bfloat16",
+            extra_engine_args=served.engine_args,
+            log_file=log_file,
+        )
     return log_file.read_text(errors="replace")

@@ -20,9 +20,14 @@ from qerl_pipeline import hub
 
 #: The values the Hub's clients derive from HF_ENDPOINT at import: module -> {name: template over the endpoint}.
 ENDPOINT_VALUES = {
-    "huggingface_hub.constants": {"ENDPOINT": "{url}",
-                                  "HUGGINGFACE_CO_URL_TEMPLATE": "{url}/{{repo_id}}/resolve/{{revision}}/{{filename}}"},
-    "datasets.config": {"HF_ENDPOINT": "{url}", "HUB_DATASETS_URL": "{url}/datasets/{{repo_id}}/resolve/{{revision}}/{{path}}"},
+    "huggingface_hub.constants": {
+        "ENDPOINT": "{url}",
+        "HUGGINGFACE_CO_URL_TEMPLATE": "{url}/{{repo_id}}/resolve/{{revision}}/{{filename}}",
+    },
+    "datasets.config": {
+        "HF_ENDPOINT": "{url}",
+        "HUB_DATASETS_URL": "{url}/datasets/{{repo_id}}/resolve/{{revision}}/{{path}}",
+    },
 }
 
 
@@ -52,7 +57,7 @@ def closed_port_url() -> str:
 
 
 class _NotFound(BaseHTTPRequestHandler):
-    def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+    def do_HEAD(self) -> None:
         self.send_response(404)
         self.end_headers()
 

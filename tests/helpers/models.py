@@ -19,8 +19,16 @@ def tiny_llama():
     # transformers' model classes take seconds to import: only the tests that build a base pay for them
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -49,10 +57,20 @@ def tokenized_base(model_dir: Path, fmt: str, folder: Path) -> Path:
 def fake_base(folder: Path, dtype_bytes: int) -> None:
     """A base folder with config.json and a serving/ copy: one q_proj, a separate lm_head (zeros;
     for the benchmark's size and memory arithmetic, never loaded as a model)."""
-    config = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 16,
-              "vocab_size": 10}
+    config = {
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "intermediate_size": 16,
+        "vocab_size": 10,
+    }
     for f, dt in ((folder, torch.uint8 if dtype_bytes == 1 else torch.float32), (folder / "serving", torch.float32)):
         f.mkdir(parents=True)
         (f / "config.json").write_text(json.dumps(config))
-        save_file({"lm_head.weight": torch.zeros(10, 16), "model.layers.0.self_attn.q_proj.weight": torch.zeros(16, 16, dtype=dt)},
-                  str(f / "model.safetensors"))
+        save_file(
+            {
+                "lm_head.weight": torch.zeros(10, 16),
+                "model.layers.0.self_attn.q_proj.weight": torch.zeros(16, 16, dtype=dt),
+            },
+            str(f / "model.safetensors"),
+        )

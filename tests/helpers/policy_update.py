@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
+from qerl_pipeline.adapter import trained_norms
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.quantization import aqn
 from qerl_pipeline.quantization.policy import build_policy
 from qerl_pipeline.rl import grpo, update
-from qerl_pipeline.rl.records import Batch
-from qerl_pipeline.rl.ranks import Dist
-from qerl_pipeline.adapter import trained_norms
 from qerl_pipeline.rl.optim import build_optimizer, lr_factor
+from qerl_pipeline.rl.ranks import Dist
+from qerl_pipeline.rl.records import Batch
 
 #: the batch: sequences, prompt and completion lengths
 N_SEQ, P_LEN, C_LEN = 8, 5, 6
@@ -34,19 +34,30 @@ def free_port() -> int:
 
 
 def update_cfg() -> QerlConfig:
-    return QerlConfig.model_validate({
-        "method": "qerl",
-        "lora": {"rank": 4, "alpha": 8, "train_norms": True},
-        "optim": {"lr": {"qerl": 1e-2}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 0.5},
-        # token aggregation and batch-scaled advantages need the global counts; entropy selection the global threshold;
-        # two updates per rollout: the second starts from the first's (synchronised) parameters
-        "grpo": {"num_generations": 2, "kl_beta": 0.05, "log_kl_to_base": True, "is_mode": "token_mask", "is_cap": 1.5,
-                 "is_lower": 0.5, "loss_type": "dapo", "top_entropy_quantile": 0.5, "updates_per_rollout": 2},
-        "rollout": {"temperature": 0.7, "max_new_tokens": C_LEN},
-        # micro-batches of 4 rows: the same row groups in one process and on each rank, so the forwards are bit-equal
-        # and only the cross-rank sums differ (a masked ratio or an entropy at a threshold cannot flip on rounding)
-        "train": {"micro_batch_size": 4, "prompts_per_step": 4},
-    })
+    return QerlConfig.model_validate(
+        {
+            "method": "qerl",
+            "lora": {"rank": 4, "alpha": 8, "train_norms": True},
+            "optim": {"lr": {"qerl": 1e-2}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 0.5},
+            # token aggregation and batch-scaled advantages need the global counts; entropy selection the global threshold;
+            # two updates per rollout: the second starts from the first's (synchronised) parameters
+            "grpo": {
+                "num_generations": 2,
+                "kl_beta": 0.05,
+                "log_kl_to_base": True,
+                "is_mode": "token_mask",
+                "is_cap": 1.5,
+                "is_lower": 0.5,
+                "loss_type": "dapo",
+                "top_entropy_quantile": 0.5,
+                "updates_per_rollout": 2,
+            },
+            "rollout": {"temperature": 0.7, "max_new_tokens": C_LEN},
+            # micro-batches of 4 rows: the same row groups in one process and on each rank, so the forwards are bit-equal
+            # and only the cross-rank sums differ (a masked ratio or an entropy at a threshold cannot flip on rounding)
+            "train": {"micro_batch_size": 4, "prompts_per_step": 4},
+        }
+    )
 
 
 def update_batch():
@@ -87,6 +98,14 @@ def update_rows(base_dir: Path, d: Dist, rows: slice) -> tuple[dict, dict]:
     policy, opt, ref_norms = update_policy(base_dir, cfg)
     start = {n: prm.detach().clone() for n, prm in policy.named_parameters() if prm.requires_grad}
     ids, p_lens, roll, mask, adv = update_batch()
-    out = update.policy_update(policy, opt, Batch(ids[rows], p_lens[rows], roll[rows], mask[rows], adv[rows]), cfg, 0, ref_norms=ref_norms, dist=d)
+    out = update.policy_update(
+        policy,
+        opt,
+        Batch(ids[rows], p_lens[rows], roll[rows], mask[rows], adv[rows]),
+        cfg,
+        0,
+        ref_norms=ref_norms,
+        dist=d,
+    )
     state = {n: prm.detach().clone() for n, prm in policy.named_parameters() if prm.requires_grad}
     return state, {**out, "start": start}

@@ -64,8 +64,12 @@ def kedro_env(root: Path, extra: dict[str, str] | None = None) -> dict[str, str]
     the checkout root on ``PYTHONPATH`` (``train.reward_fn=tests.helpers.rewards:...``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(
-        MLFLOW_TRACKING_URI=tracking_uri(root), KEDRO_DISABLE_TELEMETRY="true", HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1", COLUMNS="400",
+        MLFLOW_TRACKING_URI=tracking_uri(root),
+        KEDRO_DISABLE_TELEMETRY="true",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        COLUMNS="400",
         PYTHONPATH=os.pathsep.join(p for p in (str(PROJECT), os.environ.get("PYTHONPATH", "")) if p),
     )
     env.update(extra or {})
@@ -79,8 +83,15 @@ def start_kedro(root: Path, *args: str, log: Path, env: dict[str, str] | None = 
     variables over ``kedro_env``.
     """
     with open(log, "ab") as fh:
-        return subprocess.Popen([str(KEDRO), *args], cwd=root, env=kedro_env(root, env), stdin=subprocess.DEVNULL,
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [str(KEDRO), *args],
+            cwd=root,
+            env=kedro_env(root, env),
+            stdin=subprocess.DEVNULL,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def stop_kedro(proc: subprocess.Popen) -> None:
@@ -93,22 +104,32 @@ def stop_kedro(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-def wait_kedro(proc: subprocess.Popen, log: Path, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+def wait_kedro(
+    proc: subprocess.Popen, log: Path, timeout: float = 900, check: bool = True
+) -> subprocess.CompletedProcess:
     """Wait for a ``start_kedro`` process: its exit code and whole log (``stdout``); a timeout
     kills it and fails the test, so does a non-zero exit with ``check``, with the log's tail."""
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         stop_kedro(proc)
-        pytest.fail(f"kedro {' '.join(proc.args[1:])}: no exit within {timeout} s\n{log.read_text(errors='replace')[-6000:]}")
+        pytest.fail(
+            f"kedro {' '.join(proc.args[1:])}: no exit within {timeout} s\n{log.read_text(errors='replace')[-6000:]}"
+        )
     text = log.read_text(errors="replace")
     if check and rc != 0:
         pytest.fail(f"kedro {' '.join(proc.args[1:])}: exit {rc} (log {log})\n{text[-6000:]}")
     return subprocess.CompletedProcess(proc.args, rc, text, "")
 
 
-def run_kedro(root: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 900,
-              check: bool = True, log: Path | None = None) -> subprocess.CompletedProcess:
+def run_kedro(
+    root: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    check: bool = True,
+    log: Path | None = None,
+) -> subprocess.CompletedProcess:
     """``kedro <args>`` in the project copy at ``root``, to the end: ``stdout`` holds stdout and
     stderr in order (also kept in ``log``, by default ``<root>/kedro-<n>.log``)."""
     if log is None:

@@ -18,8 +18,13 @@ import torch
 
 from qerl_pipeline.quantization import triton_nvfp4_kernels
 
-_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
-         torch.float8_e4m3fn: "fp8e4nv"}
+_TYPE = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
 
 
 @dataclass
@@ -37,6 +42,7 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.seen.append(Launch(self.name, tuple(grid), args, kwargs))
+
         return launch
 
 
@@ -61,10 +67,10 @@ def _arg_type(value) -> str:
 
 def ttir(launch: Launch) -> str:
     """Triton's TTIR of the compiled kernel ``launch`` names, for the recorded arguments."""
+    from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
-    from triton._C.libtriton import ir
 
     fn = getattr(triton_nvfp4_kernels.jit_functions(False), launch.name)
     names = list(fn.arg_names)

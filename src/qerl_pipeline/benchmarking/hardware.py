@@ -44,10 +44,21 @@ import torch
 
 #: Bytes per element of each safetensors dtype string.
 _DTYPE_BYTES = {
-    "F64": 8, "I64": 8, "U64": 8,
-    "F32": 4, "I32": 4, "U32": 4,
-    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
 }
 
 
@@ -56,9 +67,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_memory_bandwidth(
-    nbytes: int | None = None, repeats: int = 5, device: str | torch.device = "cpu"
-) -> float:
+def measure_memory_bandwidth(nbytes: int | None = None, repeats: int = 5, device: str | torch.device = "cpu") -> float:
     """Best copy bandwidth in GB/s (1e9 bytes/s), bytes read plus bytes written.
 
     ``nbytes`` is the size of one buffer; default 256 MiB on CPU, 2 GiB on CUDA (both far
@@ -215,8 +224,13 @@ def lora_params(config: dict[str, Any], rank: int, target_modules: list[str]) ->
     s = model_shape(config)
     h, q_out, kv_out, inter = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["intermediate"]
     dims = {
-        "q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h),
-        "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+        "q_proj": (h, q_out),
+        "k_proj": (h, kv_out),
+        "v_proj": (h, kv_out),
+        "o_proj": (q_out, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
     }
     unknown = [m for m in target_modules if m not in dims]
     if unknown:

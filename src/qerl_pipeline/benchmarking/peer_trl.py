@@ -85,7 +85,7 @@ def trl_status() -> tuple[bool, str]:
         from importlib.metadata import version
 
         return True, version("trl")
-    except Exception as err:  # noqa: BLE001 - metadata problems only make the version unknown
+    except Exception as err:
         return True, f"unknown ({err})"
 
 
@@ -122,8 +122,12 @@ def trl_loss_args(grpo: Any) -> dict[str, Any]:
     loss = loss_spec(grpo.loss_type)
     if loss.trl_name is None:
         raise ValueError(f"grpo.loss_type {loss.name!r} has no TRL counterpart")
-    return {"loss_type": loss.trl_name, "epsilon": grpo.clip_eps_low, "epsilon_high": grpo.clip_eps_high,
-            **loss.trl_options(grpo)}
+    return {
+        "loss_type": loss.trl_name,
+        "epsilon": grpo.clip_eps_low,
+        "epsilon_high": grpo.clip_eps_high,
+        **loss.trl_options(grpo),
+    }
 
 
 def measure_trl_step(
@@ -200,8 +204,14 @@ def measure_trl_step(
         vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
     )
     lora = cfg.lora
-    peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                 target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
+    peft_config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
     step_times: list[float] = []
     gen_times: list[float] = []
@@ -215,8 +225,15 @@ def measure_trl_step(
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - self.t0)
 
-    trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=dataset,
-                          processing_class=tok, peft_config=peft_config, callbacks=[_Timer()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        peft_config=peft_config,
+        callbacks=[_Timer()],
+    )
     generate = trainer._generate
 
     def timed_generate(*a, **kw):
@@ -256,8 +273,9 @@ def measure_trl_step(
     }
 
 
-def measure_trl_isolated(model_dir: str | Path, cfg: QerlConfig, *, generation: str = "auto",
-                         timeout_s: float = 900.0, **kwargs) -> dict[str, Any]:
+def measure_trl_isolated(
+    model_dir: str | Path, cfg: QerlConfig, *, generation: str = "auto", timeout_s: float = 900.0, **kwargs
+) -> dict[str, Any]:
     """The TRL step in a fresh process; ``{"skipped": True, "reason": ...}`` without TRL.
 
     ``generation``: auto | vllm_colocate | transformers (see the module docstring). A failed
@@ -280,8 +298,13 @@ def measure_trl_isolated(model_dir: str | Path, cfg: QerlConfig, *, generation: 
     if use_vllm:
         env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         try:
-            result = run_isolated(__name__, {**spec, "use_vllm": True}, timeout_s=timeout_s,
-                                  label="TRL GRPO step (vLLM colocate)", env=env)
+            result = run_isolated(
+                __name__,
+                {**spec, "use_vllm": True},
+                timeout_s=timeout_s,
+                label="TRL GRPO step (vLLM colocate)",
+                env=env,
+            )
             return {**result, "skipped": False, "generation_note": note}
         except RuntimeError as err:
             last = [line for line in str(err).splitlines() if line.strip()][-1]
@@ -302,12 +325,23 @@ def measure_peer(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkConfig) 
         log.info("TRL peer skipped: %s", err)
         return {"skipped": True, "reason": str(err)}
     result = measure_trl_isolated(
-        bases["bf16"], cfg, generation=bcfg.trl_generation, timeout_s=bcfg.timeout_s, num_prompts=bcfg.train_prompts,
-        prompt_len=bcfg.prompt_len, completion_len=bcfg.completion_len, steps=bcfg.train_steps,
+        bases["bf16"],
+        cfg,
+        generation=bcfg.trl_generation,
+        timeout_s=bcfg.timeout_s,
+        num_prompts=bcfg.train_prompts,
+        prompt_len=bcfg.prompt_len,
+        completion_len=bcfg.completion_len,
+        steps=bcfg.train_steps,
     )
     if not result.get("skipped"):
-        log.info("TRL %s step: %.2f s (generation %.2f s, %s)", result["trl_version"], result["step_time_s"],
-                 result["generation_s"], result["generation"])
+        log.info(
+            "TRL %s step: %.2f s (generation %.2f s, %s)",
+            result["trl_version"],
+            result["step_time_s"],
+            result["generation_s"],
+            result["generation"],
+        )
     return result
 
 

@@ -57,12 +57,15 @@ def to_markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
 def to_html(rows: list[dict[str, Any]], columns: list[str], title: str) -> str:
     """A standalone HTML page holding one table."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(format_value(r.get(c)))}</td>" for c in columns) + "</tr>"
-                   for r in rows)
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-            "padding:2px 6px;text-align:right}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}</style>"
-            f"</head><body><h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table></body></html>")
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(format_value(r.get(c)))}</td>" for c in columns) + "</tr>" for r in rows
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+        "padding:2px 6px;text-align:right}td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}</style>"
+        f"</head><body><h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table></body></html>"
+    )
 
 
 def title(table: dict[str, Any]) -> str:
@@ -83,10 +86,16 @@ def write_report_files(table: dict[str, Any], out_dir: str | Path) -> dict[str, 
     head = headline(table)
     head_cols = list(head[0]) if head else []
     when = time.strftime("%Y-%m-%d %H:%M")
-    write_atomic(paths["markdown"], f"# {name}\n\n{when}\n\n## Per method\n\n{to_markdown(head, head_cols)}\n\n"
-                 f"## Every figure\n\n{to_markdown(rows, COLUMNS)}\n")
-    write_atomic(paths["html"], to_html(head, head_cols, name).replace("</body></html>", "")
-                 + to_html(rows, COLUMNS, "Every figure").split("<body>", 1)[1])
+    write_atomic(
+        paths["markdown"],
+        f"# {name}\n\n{when}\n\n## Per method\n\n{to_markdown(head, head_cols)}\n\n"
+        f"## Every figure\n\n{to_markdown(rows, COLUMNS)}\n",
+    )
+    write_atomic(
+        paths["html"],
+        to_html(head, head_cols, name).replace("</body></html>", "")
+        + to_html(rows, COLUMNS, "Every figure").split("<body>", 1)[1],
+    )
     write_atomic(paths["raw"], json.dumps({k: v for k, v in table.items() if k != "rows"}, indent=1, default=str))
     return paths
 
@@ -112,7 +121,9 @@ def served_run_tags(served: dict[str, dict[str, Any]]) -> dict[str, str]:
         return {}
     tags = {"rollout.served_format": ",".join(f"{fmt}={s['served_format']}" for fmt, s in served.items())}
     dtypes = list(dict.fromkeys(str(s.get("dtype", "")) for s in served.values()))
-    tags["rollout.served_dtype"] = dtypes[0] if len(dtypes) == 1 else ",".join(f"{f}={s.get('dtype')}" for f, s in served.items())
+    tags["rollout.served_dtype"] = (
+        dtypes[0] if len(dtypes) == 1 else ",".join(f"{f}={s.get('dtype')}" for f, s in served.items())
+    )
     for fmt, s in served.items():
         tags[f"rollout.served_format.{fmt}"] = s["served_format"]
         tags[f"rollout.served_dtype.{fmt}"] = str(s.get("dtype", ""))
@@ -122,13 +133,16 @@ def served_run_tags(served: dict[str, dict[str, Any]]) -> dict[str, str]:
 def log_report(table: dict[str, Any], paths: dict[str, Path], metrics: dict[str, float], logger=None) -> str | None:
     """Metrics, tags and the report files into the MLflow run (the active one by default); its run id."""
     if logger is None:
-
         logger = MlflowLogger()
     trl = table["trl"]
     logger.log_metrics(metrics)
-    logger.set_tags({"benchmark.device": table["hardware"]["device"],
-                     "benchmark.trl": "skipped" if trl.get("skipped") else trl.get("trl_version", ""),
-                     **served_run_tags(table["rollout"].get("served", {}))})
+    logger.set_tags(
+        {
+            "benchmark.device": table["hardware"]["device"],
+            "benchmark.trl": "skipped" if trl.get("skipped") else trl.get("trl_version", ""),
+            **served_run_tags(table["rollout"].get("served", {})),
+        }
+    )
     for p in paths.values():
         logger.log_artifact(p, artifact_path="benchmark")
     return logger.run_id

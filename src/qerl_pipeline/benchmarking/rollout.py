@@ -95,28 +95,46 @@ def measure_rollout(
     ``keep_samples``: when given, filled with ``{batch_size: the batch's Samples, flat}``
     (the reward phase scores the training batch's completions).
     """
-    engine.generate(synthetic_prompts(1, prompt_len, seed=0), n=1, temperature=1.0, top_p=1.0,
-                    max_new_tokens=min(4, completion_len), seed=0, lora_path=lora_path, ignore_eos=True)  # warm-up
+    engine.generate(
+        synthetic_prompts(1, prompt_len, seed=0),
+        n=1,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=min(4, completion_len),
+        seed=0,
+        lora_path=lora_path,
+        ignore_eos=True,
+    )  # warm-up
     rows = []
     for i, bs in enumerate(batch_sizes):
         prompts = synthetic_prompts(bs, prompt_len, seed=1000 + i)
         t0 = time.perf_counter()
-        res = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=completion_len,
-                              seed=i, lora_path=lora_path, ignore_eos=True)
+        res = engine.generate(
+            prompts,
+            n=1,
+            temperature=1.0,
+            top_p=1.0,
+            max_new_tokens=completion_len,
+            seed=i,
+            lora_path=lora_path,
+            ignore_eos=True,
+        )
         wall = time.perf_counter() - t0
         if keep_samples is not None:
             keep_samples[bs] = [s for group in res.samples for s in group]
-        rows.append({
-            "batch_size": bs,
-            "prompt_len": prompt_len,
-            "completion_len": completion_len,
-            "lora": lora_path is not None,
-            "output_tokens": res.output_tokens,
-            "expected_tokens": bs * completion_len,
-            "seconds": res.seconds,
-            "wall_seconds": wall,
-            "tokens_per_s": res.tokens_per_s,
-        })
+        rows.append(
+            {
+                "batch_size": bs,
+                "prompt_len": prompt_len,
+                "completion_len": completion_len,
+                "lora": lora_path is not None,
+                "output_tokens": res.output_tokens,
+                "expected_tokens": bs * completion_len,
+                "seconds": res.seconds,
+                "wall_seconds": wall,
+                "tokens_per_s": res.tokens_per_s,
+            }
+        )
     return rows
 
 
@@ -149,9 +167,14 @@ def measure_adapter_sync(engine: RolloutEngine, adapter_dirs: list[str | Path]) 
 
 def merge_unsupported() -> dict:
     """The ``merge`` entries of a packed served base (nothing is tried)."""
-    return {"merge_supported": False, "merge_sync_s": None, "merge_error": (
-        "the served base is quantized: a merge writes dense weights, which only a dense served base takes "
-        "(rollout.sync: adapter)")}
+    return {
+        "merge_supported": False,
+        "merge_sync_s": None,
+        "merge_error": (
+            "the served base is quantized: a merge writes dense weights, which only a dense served base takes "
+            "(rollout.sync: adapter)"
+        ),
+    }
 
 
 def measure_merge_sync(engine: RolloutEngine, adapter_dirs: list[str | Path]) -> dict:
@@ -263,12 +286,20 @@ def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkCon
         engine_kw = dict(max_model_len=tokens_per_sequence + 16, kv_need=(max(sizes), tokens_per_sequence))
 
         def timed_rows(engine, lora_path, path, start_s):
-            for row in measure_rollout(engine, sizes, bcfg.prompt_len, bcfg.completion_len, lora_path=lora_path,
-                                       keep_samples=kept[path]):
-                rows.append({**row, "format": fmt, "engine_start_s": start_s,
-                             "is_train_batch": int(row["batch_size"]) == train_batch,
-                             "served_format": served.served_format, "served_dtype": served_info[fmt]["dtype"],
-                             "engine_lora": engine_lora})
+            for row in measure_rollout(
+                engine, sizes, bcfg.prompt_len, bcfg.completion_len, lora_path=lora_path, keep_samples=kept[path]
+            ):
+                rows.append(
+                    {
+                        **row,
+                        "format": fmt,
+                        "engine_start_s": start_s,
+                        "is_train_batch": int(row["batch_size"]) == train_batch,
+                        "served_format": served.served_format,
+                        "served_dtype": served_info[fmt]["dtype"],
+                        "engine_lora": engine_lora,
+                    }
+                )
 
         with tempfile.TemporaryDirectory(prefix="qerl-bench-lora-") as tmp:
             adapters = lora_adapters(base, fmt, lcfg, Path(tmp), bcfg.sync_steps + 1)
@@ -277,8 +308,12 @@ def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkCon
             with open_engine(served, cfg.model, rollout=rcfg, lora_rank=lcfg.rank, **engine_kw) as engine:
                 start_s, engine_lora = time.perf_counter() - t0, True
                 tags = served_tags(served, engine)
-                served_info[fmt] = {"path": str(served.path), "served_format": served.served_format,
-                                    "dense": served.dense, "dtype": tags["rollout.served_dtype"]}
+                served_info[fmt] = {
+                    "path": str(served.path),
+                    "served_format": served.served_format,
+                    "dense": served.dense,
+                    "dtype": tags["rollout.served_dtype"],
+                }
                 timed_rows(engine, adapters[0], "adapter", start_s)
                 s = measure_adapter_sync(engine, adapters[1:])
                 if not served.dense:  # packed: no merge; the plain rows are the base without an adapter
@@ -298,14 +333,28 @@ def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkCon
         reward[fmt] = measure_reward(cfg, kept[used or "adapter"][train_batch])
         with_lora = {r["batch_size"]: r for r in rows if r["format"] == fmt and r["lora"]}
         merged = {r["batch_size"]: r for r in rows if r["format"] == fmt and not r["lora"]}
-        rec = recommend_sync(s, with_lora[train_batch]["tokens_per_s"], merged[train_batch]["tokens_per_s"],
-                             train_batch * bcfg.completion_len)
-        sync[fmt] = {**{k: v for k, v in s.items() if not isinstance(v, list)},
-                     "configured": rcfg.sync, "recommended": rec["sync"], "used": used,
-                     "adapter_step_s": rec["adapter_step_s"], "merge_step_s": rec["merge_step_s"]}
+        rec = recommend_sync(
+            s,
+            with_lora[train_batch]["tokens_per_s"],
+            merged[train_batch]["tokens_per_s"],
+            train_batch * bcfg.completion_len,
+        )
+        sync[fmt] = {
+            **{k: v for k, v in s.items() if not isinstance(v, list)},
+            "configured": rcfg.sync,
+            "recommended": rec["sync"],
+            "used": used,
+            "adapter_step_s": rec["adapter_step_s"],
+            "merge_step_s": rec["merge_step_s"],
+        }
         if used_error:
             sync[fmt]["used_error"] = used_error
-        log.info("rollout %s: %s; adapter sync %.3f s; sync used: %s; reward %.3f s", fmt, ", ".join(
-            f"b{r['batch_size']}={r['tokens_per_s']:.0f}" for r in with_lora.values()),
-            sync[fmt].get("adapter_sync_s") or float("nan"), used, reward[fmt]["reward_s"])
+        log.info(
+            "rollout %s: %s; adapter sync %.3f s; sync used: %s; reward %.3f s",
+            fmt,
+            ", ".join(f"b{r['batch_size']}={r['tokens_per_s']:.0f}" for r in with_lora.values()),
+            sync[fmt].get("adapter_sync_s") or float("nan"),
+            used,
+            reward[fmt]["reward_s"],
+        )
     return {"rows": rows, "sync": sync, "reward": reward, "train_batch": train_batch, "served": served_info}

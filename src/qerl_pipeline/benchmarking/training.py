@@ -59,6 +59,7 @@ from qerl_pipeline.rl.update import Optim, policy_update, reference_every
 
 log = logging.getLogger(__name__)
 
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in the optimiser state (AdamW: two moments per trainable weight)."""
     total = 0
@@ -80,8 +81,13 @@ def make_batch(vocab: int, num_prompts: int, group: int, prompt_len: int, comple
     prompts = torch.randint(3, vocab, (num_prompts, prompt_len), generator=gen).repeat_interleave(group, dim=0)
     ids = torch.cat([prompts, torch.randint(3, vocab, (n, completion_len), generator=gen)], dim=1)
     rewards = torch.rand(n, generator=gen)
-    return Batch(ids=ids, p_lens=torch.full((n,), prompt_len, dtype=torch.long), roll_logp=torch.full((n, completion_len), -2.0),
-                 mask=torch.ones(n, completion_len), adv=grpo.group_advantages(rewards, group, "group", 1e-4))
+    return Batch(
+        ids=ids,
+        p_lens=torch.full((n,), prompt_len, dtype=torch.long),
+        roll_logp=torch.full((n, completion_len), -2.0),
+        mask=torch.ones(n, completion_len),
+        adv=grpo.group_advantages(rewards, group, "group", 1e-4),
+    )
 
 
 def _reference_forwards(every: int) -> float:
@@ -111,8 +117,14 @@ def measure_training(
     torch.manual_seed(seed)
     limit_heap_fragmentation()  # as the trainer does (qerl_pipeline.memory)
     t0 = time.perf_counter()
-    policy = build_policy(Path(base_dir), fmt, cfg.lora, dtype=resolve_dtype(cfg.model, device), device=device,
-                          norm_dtype=cfg.model.norm_dtype)
+    policy = build_policy(
+        Path(base_dir),
+        fmt,
+        cfg.lora,
+        dtype=resolve_dtype(cfg.model, device),
+        device=device,
+        norm_dtype=cfg.model.norm_dtype,
+    )
     build_s = time.perf_counter() - t0
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -152,11 +164,19 @@ def measure_training(
     n_seq = num_prompts * group
     tokens = n_seq * (prompt_len + completion_len)
     pbytes = parameter_bytes(policy)
-    plan = share_plan(batch.ids, batch.p_lens, completion_len, cfg.lora.gradient_checkpointing) \
-        if cfg.train.share_prompt_forward else None
+    plan = (
+        share_plan(batch.ids, batch.p_lens, completion_len, cfg.lora.gradient_checkpointing)
+        if cfg.train.share_prompt_forward
+        else None
+    )
     flops = hardware.training_step_flops(
-        model_config, n_seq, prompt_len + completion_len, cfg.lora.rank, list(cfg.lora.target_modules),
-        logit_positions=completion_len, gradient_checkpointing=cfg.lora.gradient_checkpointing,
+        model_config,
+        n_seq,
+        prompt_len + completion_len,
+        cfg.lora.rank,
+        list(cfg.lora.target_modules),
+        logit_positions=completion_len,
+        gradient_checkpointing=cfg.lora.gradient_checkpointing,
         forwards_without_grad=_reference_forwards(every) / updates,
         shared_prompts=(len(plan[0]), prompt_len) if plan else None,
     )
@@ -200,7 +220,9 @@ def run_isolated(module: str, spec: dict, *, timeout_s: float, label: str, env: 
         with log_path.open("w") as log_file:
             proc = subprocess.Popen(
                 [sys.executable, "-m", module, str(spec_path), str(out_path)],
-                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env={**os.environ, **(env or {})},
             )
             try:
@@ -217,7 +239,9 @@ def run_isolated(module: str, spec: dict, *, timeout_s: float, label: str, env: 
         return json.loads(out_path.read_text())
 
 
-def measure_training_isolated(base_dir: str | Path, method: str, cfg: QerlConfig, *, timeout_s: float = 900.0, **kwargs) -> dict:
+def measure_training_isolated(
+    base_dir: str | Path, method: str, cfg: QerlConfig, *, timeout_s: float = 900.0, **kwargs
+) -> dict:
     """:func:`measure_training` in its own process (see the module docstring)."""
     spec = {"base_dir": str(base_dir), "method": method, "config": cfg.model_dump(mode="json"), **kwargs}
     return run_isolated(__name__, spec, timeout_s=timeout_s, label=f"training benchmark ({method})")
@@ -228,11 +252,22 @@ def measure_methods(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkConfi
     rows = []
     for method in bcfg.methods:
         row = measure_training_isolated(
-            bases[METHOD_FORMAT[method]], method, cfg, timeout_s=bcfg.timeout_s, num_prompts=bcfg.train_prompts,
-            prompt_len=bcfg.prompt_len, completion_len=bcfg.completion_len, steps=bcfg.train_steps,
+            bases[METHOD_FORMAT[method]],
+            method,
+            cfg,
+            timeout_s=bcfg.timeout_s,
+            num_prompts=bcfg.train_prompts,
+            prompt_len=bcfg.prompt_len,
+            completion_len=bcfg.completion_len,
+            steps=bcfg.train_steps,
         )
-        log.info("training %s: %.2f s/step, %.0f tok/s, peak %.0f MiB", method, row["step_time_s"],
-                 row["tokens_per_s"], row["peak_memory_bytes"] / 2**20)
+        log.info(
+            "training %s: %.2f s/step, %.0f tok/s, peak %.0f MiB",
+            method,
+            row["step_time_s"],
+            row["tokens_per_s"],
+            row["peak_memory_bytes"] / 2**20,
+        )
         rows.append(row)
     return rows
 

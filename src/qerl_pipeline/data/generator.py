@@ -43,12 +43,43 @@ LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5)
 TEST_FRACTION_DENOM = 5  # 1 in 5 distinct questions belong to the test split
 
 NAMES = (
-    "Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Lily", "Ben",
-    "Nora", "Omar", "Ella", "Raj", "Lucy", "Ken", "Sara", "Dan", "Maya", "Eli",
+    "Mia",
+    "Tom",
+    "Ava",
+    "Leo",
+    "Zoe",
+    "Sam",
+    "Ivy",
+    "Max",
+    "Lily",
+    "Ben",
+    "Nora",
+    "Omar",
+    "Ella",
+    "Raj",
+    "Lucy",
+    "Ken",
+    "Sara",
+    "Dan",
+    "Maya",
+    "Eli",
 )
 ITEMS = (
-    "apples", "pencils", "marbles", "stickers", "books", "cookies", "cards", "shells",
-    "balloons", "oranges", "stamps", "coins", "flowers", "candies", "toy cars",
+    "apples",
+    "pencils",
+    "marbles",
+    "stickers",
+    "books",
+    "cookies",
+    "cards",
+    "shells",
+    "balloons",
+    "oranges",
+    "stamps",
+    "coins",
+    "flowers",
+    "candies",
+    "toy cars",
 )
 
 
@@ -74,27 +105,39 @@ Template = Callable[[random.Random, str, str, str], tuple[str, int, tuple[str, .
 
 def _l1_buy(rng, n, n2, it):
     a, b = rng.randint(1, 20), rng.randint(1, 20)
-    return f"{n} has {a} {it}. {n} buys {b} more {it}. How many {it} does {n} have now?", a + b, (_step(f"{a} + {b}", a + b),)
+    return (
+        f"{n} has {a} {it}. {n} buys {b} more {it}. How many {it} does {n} have now?",
+        a + b,
+        (_step(f"{a} + {b}", a + b),),
+    )
 
 
 def _l1_give(rng, n, n2, it):
     a = rng.randint(2, 20)
     b = rng.randint(1, a - 1)
-    return f"{n} had {a} {it}. {n} gave {b} {it} to {n2}. How many {it} does {n} have left?", a - b, (_step(f"{a} - {b}", a - b),)
+    return (
+        f"{n} had {a} {it}. {n} gave {b} {it} to {n2}. How many {it} does {n} have left?",
+        a - b,
+        (_step(f"{a} - {b}", a - b),),
+    )
 
 
 def _l1_box(rng, n, n2, it):
     a, b = rng.randint(1, 20), rng.randint(1, 20)
-    return f"There are {a} {it} in a box. {n} puts {b} more {it} in the box. How many {it} are in the box now?", a + b, (
-        _step(f"{a} + {b}", a + b),
+    return (
+        f"There are {a} {it} in a box. {n} puts {b} more {it} in the box. How many {it} are in the box now?",
+        a + b,
+        (_step(f"{a} + {b}", a + b),),
     )
 
 
 def _l1_eat(rng, n, n2, it):
     a = rng.randint(2, 20)
     b = rng.randint(1, a - 1)
-    return f"A basket has {a} {it}. {n} takes {b} {it} out of the basket. How many {it} are left in the basket?", a - b, (
-        _step(f"{a} - {b}", a - b),
+    return (
+        f"A basket has {a} {it}. {n} takes {b} {it} out of the basket. How many {it} are left in the basket?",
+        a - b,
+        (_step(f"{a} - {b}", a - b),),
     )
 
 
@@ -103,20 +146,26 @@ def _l2_buy_give(rng, n, n2, it):
     c = rng.randint(1, a + b - 1)
     return (
         f"{n} has {a} {it}. {n} buys {b} more {it} and then gives {c} {it} to {n2}. How many {it} does {n} have now?",
-        a + b - c, (_step(f"{a} + {b}", a + b), _step(f"{a + b} - {c}", a + b - c)),
+        a + b - c,
+        (_step(f"{a} + {b}", a + b), _step(f"{a + b} - {c}", a + b - c)),
     )
 
 
 def _l2_bags(rng, n, n2, it):
     a, b = rng.randint(2, 9), rng.randint(2, 10)
-    return f"{n} buys {a} bags of {it}. Each bag has {b} {it}. How many {it} does {n} buy?", a * b, (_step(f"{a} * {b}", a * b),)
+    return (
+        f"{n} buys {a} bags of {it}. Each bag has {b} {it}. How many {it} does {n} buy?",
+        a * b,
+        (_step(f"{a} * {b}", a * b),),
+    )
 
 
 def _l2_more_than(rng, n, n2, it):
     a, b = rng.randint(2, 50), rng.randint(2, 30)
     return (
         f"{n} has {a} {it}. {n2} has {b} more {it} than {n}. How many {it} do {n} and {n2} have together?",
-        a + a + b, (_step(f"{a} + {b}", a + b), _step(f"{a} + {a + b}", 2 * a + b)),
+        a + a + b,
+        (_step(f"{a} + {b}", a + b), _step(f"{a} + {a + b}", 2 * a + b)),
     )
 
 
@@ -124,7 +173,8 @@ def _l3_packs(rng, n, n2, it):
     a, b, c = rng.randint(2, 12), rng.randint(3, 12), rng.randint(1, 60)
     return (
         f"{n} already has {c} {it}. {n} buys {a} packs of {it} with {b} {it} in each pack. How many {it} does {n} have now?",
-        a * b + c, (_step(f"{a} * {b}", a * b), _step(f"{a * b} + {c}", a * b + c)),
+        a * b + c,
+        (_step(f"{a} * {b}", a * b), _step(f"{a * b} + {c}", a * b + c)),
     )
 
 
@@ -133,7 +183,8 @@ def _l3_shop(rng, n, n2, it):
     a = b * c + rng.randint(1, 60)
     return (
         f"A shop has {a} {it}. It sells {b} {it} every day for {c} days. How many {it} does the shop have left?",
-        a - b * c, (_step(f"{b} * {c}", b * c), _step(f"{a} - {b * c}", a - b * c)),
+        a - b * c,
+        (_step(f"{b} * {c}", b * c), _step(f"{a} - {b * c}", a - b * c)),
     )
 
 
@@ -142,7 +193,8 @@ def _l3_wage(rng, n, n2, it):
     c = rng.randint(1, a * b - 1)
     return (
         f"{n} earns {a} dollars per hour and works for {b} hours. Then {n} spends {c} dollars. How many dollars does {n} have left?",
-        a * b - c, (_step(f"{a} * {b}", a * b), _step(f"{a * b} - {c}", a * b - c)),
+        a * b - c,
+        (_step(f"{a} * {b}", a * b), _step(f"{a * b} - {c}", a * b - c)),
     )
 
 
@@ -152,7 +204,8 @@ def _l4_share(rng, n, n2, it):
     return (
         f"{n} has {total} {it} and shares them equally among {k} friends. Then each friend gets {b} more {it}. "
         f"How many {it} does each friend have?",
-        q + b, (_step(f"{total} / {k}", q), _step(f"{q} + {b}", q + b)),
+        q + b,
+        (_step(f"{total} / {k}", q), _step(f"{q} + {b}", q + b)),
     )
 
 
@@ -163,7 +216,8 @@ def _l4_pack(rng, n, n2, it):
     return (
         f"{n} buys {a} boxes with {b} {it} in each box and {c} loose {it}. {n} packs all the {it} equally into {k} bags. "
         f"How many {it} go in each bag?",
-        total // k, (_step(f"{a} * {b}", a * b), _step(f"{a * b} + {c}", total), _step(f"{total} / {k}", total // k)),
+        total // k,
+        (_step(f"{a} * {b}", a * b), _step(f"{a * b} + {c}", total), _step(f"{total} / {k}", total // k)),
     )
 
 
@@ -173,7 +227,8 @@ def _l4_trip(rng, n, n2, it):
     return (
         f"{k} friends each pay {p} dollars into a trip fund. They spend {spent} dollars on tickets. "
         f"How many dollars are left in the fund?",
-        p * k - spent, (_step(f"{p} * {k}", p * k), _step(f"{p * k} - {spent}", p * k - spent)),
+        p * k - spent,
+        (_step(f"{p} * {k}", p * k), _step(f"{p * k} - {spent}", p * k - spent)),
     )
 
 
@@ -185,7 +240,8 @@ def _l5_factory(rng, n, n2, it):
     return (
         f"A factory makes {a} {it} per day for {d} days. It ships {b} crates with {c} {it} in each crate. "
         f"How many {it} are left at the factory?",
-        made - shipped, (_step(f"{a} * {d}", made), _step(f"{b} * {c}", shipped), _step(f"{made} - {shipped}", made - shipped)),
+        made - shipped,
+        (_step(f"{a} * {d}", made), _step(f"{b} * {c}", shipped), _step(f"{made} - {shipped}", made - shipped)),
     )
 
 
@@ -197,7 +253,8 @@ def _l5_savings(rng, n, n2, it):
     return (
         f"{n} saves {a} dollars every week for {w} weeks. {n} spends {b} dollars on a bike and splits the rest equally "
         f"among {k} people. How many dollars does each person get?",
-        rest // k, (_step(f"{a} * {w}", saved), _step(f"{saved} - {b}", rest), _step(f"{rest} / {k}", rest // k)),
+        rest // k,
+        (_step(f"{a} * {w}", saved), _step(f"{saved} - {b}", rest), _step(f"{rest} / {k}", rest // k)),
     )
 
 
@@ -209,7 +266,8 @@ def _l5_orchard(rng, n, n2, it):
     return (
         f"An orchard has {r} rows with {t} trees in each row. A storm destroys {lost} trees. Each remaining tree gives "
         f"{f} {it}. How many {it} does the orchard give?",
-        left * f, (_step(f"{r} * {t}", trees), _step(f"{trees} - {lost}", left), _step(f"{left} * {f}", left * f)),
+        left * f,
+        (_step(f"{r} * {t}", trees), _step(f"{trees} - {lost}", left), _step(f"{left} * {f}", left * f)),
     )
 
 

@@ -69,8 +69,16 @@ def build_messages(question: str, system: str | None = None, style: str = "syste
 
 
 def make_record(
-    *, id: str, source: str, split: str, question: str, gold: str, level: int | None = None, system: str | None = None,
-    style: str = "system", messages: list[dict[str, str]] | None = None,
+    *,
+    id: str,
+    source: str,
+    split: str,
+    question: str,
+    gold: str,
+    level: int | None = None,
+    system: str | None = None,
+    style: str = "system",
+    messages: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """A prompt record (see the module docstring); ``messages``: a chat-format prompt of the user's, used as it is."""
     return {
@@ -140,7 +148,6 @@ def bad_rows_error(bad: list[BadRow], limit: int = 20) -> str:
     lines = [f"  {b.source}/{b.id}{f' ({b.where})' if b.where else ''}: {b.reason}" for b in bad[:limit]]
     if len(bad) > limit:
         lines.append(f"  ... and {len(bad) - limit} more")
-    return (
-        f"{len(bad)} malformed row(s) (set data.on_bad_row: drop to drop and report them instead):\n"
-        + "\n".join(lines)
+    return f"{len(bad)} malformed row(s) (set data.on_bad_row: drop to drop and report them instead):\n" + "\n".join(
+        lines
     )

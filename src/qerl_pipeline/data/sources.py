@@ -63,7 +63,13 @@ KIND_BY_HUB_ID = {
     "math-ai/amc23": "amc",
     "open-r1/big-math-rl-verified-processed": "bigmath",
 }
-KIND_BY_NAME_PREFIX = (("gsm8k", "gsm8k"), ("math500", "math500"), ("aime", "aime"), ("amc", "amc"), ("bigmath", "bigmath"))
+KIND_BY_NAME_PREFIX = (
+    ("gsm8k", "gsm8k"),
+    ("math500", "math500"),
+    ("aime", "aime"),
+    ("amc", "amc"),
+    ("bigmath", "bigmath"),
+)
 _INT_TEXT = re.compile(r"^[+-]?\d+(?:\.0*)?$")
 
 
@@ -90,8 +96,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                rows.append({"__error__": f"line {n} of {path} is not UTF-8 ({err.reason} at byte {err.start} of the line)",
-                             "__line__": n})
+                rows.append(
+                    {
+                        "__error__": f"line {n} of {path} is not UTF-8 ({err.reason} at byte {err.start} of the line)",
+                        "__line__": n,
+                    }
+                )
                 continue
             if not line.strip():
                 continue
@@ -147,7 +157,7 @@ def read_raw(name: str, cfg: SourceConfig) -> tuple[list[dict[str, Any]], str]:
                 rows.extend({**row, "level": level} for row in part)
             return rows, f"hub:{cfg.hub_id}/level_{'_'.join(map(str, sorted(set(cfg.levels))))}:{cfg.split}"
         rows = load_hub_rows(cfg.hub_id, cfg.hub_config, cfg.split)
-    except Exception as err:  # noqa: BLE001 - offline, unknown id, missing config: all mean "unavailable"
+    except Exception as err:
         raise SourceUnavailable(
             f"source {name!r}: {where}, and loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) "
             f"{hub_failure(err)} (a local copy: set data.sources.{name}.local_path to a folder with "
@@ -225,8 +235,13 @@ def normalise_row(kind: str, name: str, split: str, index: int, row: dict[str, A
     raw_id = _first(row, "unique_id", "id")
     rid = f"{name}-{split}-{index:05d}" if raw_id is None else f"{name}-{raw_id}"
     if "__error__" in row:
-        return {"id": f"{name}-line{row.get('__line__', index)}", "question": None, "gold": None, "level": None,
-                "error": row["__error__"]}
+        return {
+            "id": f"{name}-line{row.get('__line__', index)}",
+            "question": None,
+            "gold": None,
+            "level": None,
+            "error": row["__error__"],
+        }
     try:
         if kind == "gsm8k":
             question, gold, level = _question(row.get("question")), gsm8k_gold(row.get("answer")), None

@@ -75,7 +75,9 @@ def _csv_rows(path: Path) -> list[dict[str, Any]]:
             row = dict(row)
             if None in row:  # more fields than the header
                 extra = row.pop(None)
-                row["__error__"] = f"line {start} of {path} has {len(header) + len(extra)} fields, the header {len(header)}"
+                row["__error__"] = (
+                    f"line {start} of {path} has {len(header) + len(extra)} fields, the header {len(header)}"
+                )
             elif any(isinstance(v, str) and _not_utf8(v) for v in row.values()):
                 row["__error__"] = f"line {start} of {path} is not UTF-8"
             row["__line__"] = start
@@ -98,8 +100,10 @@ def _disk_dataset(cfg: UserSetConfig):
     ds = datasets.load_from_disk(str(Path(cfg.path).expanduser()))
     if isinstance(ds, datasets.DatasetDict):
         if cfg.split not in ds:
-            raise ValueError(f"{cfg.path} is a DatasetDict without split {cfg.split!r} (it has {', '.join(ds)}): "
-                             "set split to one of them")
+            raise ValueError(
+                f"{cfg.path} is a DatasetDict without split {cfg.split!r} (it has {', '.join(ds)}): "
+                "set split to one of them"
+            )
         ds = ds[cfg.split]
     return ds
 
@@ -116,7 +120,7 @@ def read_user_rows(cfg: UserSetConfig) -> tuple[list[dict[str, Any]], str, str]:
     if kind is None:
         try:
             rows = load_hub_rows(cfg.hub_id, cfg.hub_config, cfg.split)
-        except Exception as err:  # noqa: BLE001 - offline, unknown id, missing split: all mean "unavailable"
+        except Exception as err:
             raise SourceUnavailable(
                 f"loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) {hub_failure(err)} (save it with "
                 "datasets' save_to_disk where the Hub is reachable and give that folder as path)"
@@ -137,7 +141,11 @@ def read_user_rows(cfg: UserSetConfig) -> tuple[list[dict[str, Any]], str, str]:
             rows = [dict(row) for row in _disk_dataset(cfg)]
     except (OSError, ValueError) as err:
         raise ValueError(f"{path} cannot be read as {kind}: {type(err).__name__}: {str(err)[:300]}") from err
-    return [{**row, "__line__": n} for n, row in enumerate(rows, start=1)], f"{'file' if kind == 'parquet' else 'folder'}:{path}", "row"
+    return (
+        [{**row, "__line__": n} for n, row in enumerate(rows, start=1)],
+        f"{'file' if kind == 'parquet' else 'folder'}:{path}",
+        "row",
+    )
 
 
 def columns(cfg: UserSetConfig) -> list[str] | None:
@@ -177,8 +185,10 @@ def check_columns(field: str, cfg: UserSetConfig, have: list[str] | None = None)
     missing = [f"{field}.{key}: column {col!r}" for key, col in cfg.columns().items() if col not in have]
     if missing:
         where = cfg.path or cfg.hub_id
-        raise ValueError(f"{'; '.join(missing)} not in {where} (its columns: {', '.join(map(str, have)) or 'none'}); "
-                         f"name the set's columns with {field}.question (or .prompt), .answer, .id, .level")
+        raise ValueError(
+            f"{'; '.join(missing)} not in {where} (its columns: {', '.join(map(str, have)) or 'none'}); "
+            f"name the set's columns with {field}.question (or .prompt), .answer, .id, .level"
+        )
 
 
 # -------------------------------------------------------------------- normalising
@@ -273,7 +283,9 @@ def load_user_set(name: str, field: str, cfg: UserSetConfig, seed: int) -> tuple
     check_columns(field, cfg)
     raw, origin, unit = read_user_rows(cfg)
     if cfg.hub_id is not None and raw:
-        check_columns(field, cfg, list(dict.fromkeys(k for row in raw[:JSONL_HEAD_ROWS] for k in row if k != "__line__")))
+        check_columns(
+            field, cfg, list(dict.fromkeys(k for row in raw[:JSONL_HEAD_ROWS] for k in row if k != "__line__"))
+        )
     where = cfg.path or cfg.hub_id
     rows = finish_rows(name, [normalise_user_row(name, cfg, row, where, unit) for row in raw], cfg.levels, seed)
     log.info("user set %s: %d rows from %s", name, len(rows), origin)

@@ -40,7 +40,9 @@ class AtomicFileDataset(AbstractDataset[Any, Any]):
         self.metadata = metadata
 
     def _inner(self, filepath: Path) -> AbstractDataset:
-        cls, args = parse_dataset_definition(self._dataset if isinstance(self._dataset, dict) else {"type": self._dataset})
+        cls, args = parse_dataset_definition(
+            self._dataset if isinstance(self._dataset, dict) else {"type": self._dataset}
+        )
         return cls(**args, filepath=str(filepath))
 
     def save(self, data: Any) -> None:

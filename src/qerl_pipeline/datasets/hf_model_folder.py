@@ -64,11 +64,19 @@ class HFModelFolderDataset(AbstractVersionedDataset[Any, Path]):
           versioned: false
     """
 
-    def __init__(self, filepath: str, version: Version | None = None, move: bool = True, missing_ok: bool = False,
-                 metadata: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        filepath: str,
+        version: Version | None = None,
+        move: bool = True,
+        missing_ok: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(PurePosixPath(Path(filepath).as_posix()), version)
         if missing_ok and version is not None:
-            raise DatasetError(f"HFModelFolderDataset {filepath}: missing_ok is for unversioned folders (versioned: false)")
+            raise DatasetError(
+                f"HFModelFolderDataset {filepath}: missing_ok is for unversioned folders (versioned: false)"
+            )
         self._move = move
         self._missing_ok = missing_ok
         self.metadata = metadata
@@ -103,8 +111,12 @@ class HFModelFolderDataset(AbstractVersionedDataset[Any, Path]):
             return False
 
     def _describe(self) -> dict[str, Any]:
-        return {"filepath": str(self._filepath), "version": self._version, "move": self._move,
-                "missing_ok": self._missing_ok}
+        return {
+            "filepath": str(self._filepath),
+            "version": self._version,
+            "move": self._move,
+            "missing_ok": self._missing_ok,
+        }
 
 
 def folder_of(base: Any) -> Path:

@@ -82,8 +82,12 @@ class EvalResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EvalResult:
         """The result ``as_dict`` wrote."""
-        return cls(records=data["records"], skipped=data.get("skipped", []), timings=data.get("timings", {}),
-                   tags=data.get("tags", {}))
+        return cls(
+            records=data["records"],
+            skipped=data.get("skipped", []),
+            timings=data.get("timings", {}),
+            tags=data.get("tags", {}),
+        )
 
 
 def subset(records: Sequence[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
@@ -96,7 +100,9 @@ def subset(records: Sequence[dict[str, Any]], limit: int | None) -> list[dict[st
     return [r for i, r in enumerate(records) if i in keep]
 
 
-def group_by_source(records: Sequence[dict[str, Any]], benchmarks: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+def group_by_source(
+    records: Sequence[dict[str, Any]], benchmarks: Sequence[str] | None = None
+) -> dict[str, list[dict[str, Any]]]:
     """Records by ``source``, in ``benchmarks`` order (all sources when None)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for i, r in enumerate(records):
@@ -127,7 +133,14 @@ def adapter_rank(adapter_dir: str | Path) -> int:
 
 
 def _progress(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         TextColumn("[bold]eval[/] {task.description}"),
@@ -144,7 +157,15 @@ def _generate_chunks(engine, prompt_ids, *, n, temperature, top_p, max_new_token
     samples, seconds, tokens = [], 0.0, 0
     for start in range(0, len(prompt_ids), CHUNK):
         chunk = prompt_ids[start : start + CHUNK]
-        out = engine.generate(chunk, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, lora_path=lora_path)
+        out = engine.generate(
+            chunk,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            lora_path=lora_path,
+        )
         samples.extend(out.samples)
         seconds += out.seconds
         tokens += out.output_tokens
@@ -268,7 +289,12 @@ def evaluate_on_engine(
                 else:
                     keep.append((r, t, p))
             if len(keep) < len(recs):
-                log.warning("evaluate %s/%s: %d prompt(s) longer than max_model_len - max_new_tokens skipped", policy, bench, len(recs) - len(keep))
+                log.warning(
+                    "evaluate %s/%s: %d prompt(s) longer than max_model_len - max_new_tokens skipped",
+                    policy,
+                    bench,
+                    len(recs) - len(keep),
+                )
             if not keep:
                 continue
             prompt_ids = [p for _, _, p in keep]
@@ -279,8 +305,16 @@ def evaluate_on_engine(
             for kind, n, temp, top_p, seed in runs:
                 task = progress.add_task(f"{policy} {bench} {kind}", total=len(prompt_ids))
                 samples, secs, toks = _generate_chunks(
-                    engine, prompt_ids, n=n, temperature=temp, top_p=top_p, max_new_tokens=cfg.max_new_tokens,
-                    seed=seed, lora_path=lora_path, progress=progress, task=task,
+                    engine,
+                    prompt_ids,
+                    n=n,
+                    temperature=temp,
+                    top_p=top_p,
+                    max_new_tokens=cfg.max_new_tokens,
+                    seed=seed,
+                    lora_path=lora_path,
+                    progress=progress,
+                    task=task,
                 )
                 outputs[kind] = samples
                 gen_s += secs
@@ -318,7 +352,9 @@ def evaluate_on_engine(
                     )
                 result.records.append(row)
     result.timings = {
-        "generate_s": gen_s, "output_tokens": gen_tokens, "tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
+        "generate_s": gen_s,
+        "output_tokens": gen_tokens,
+        "tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
         "adapter_apply_s": apply_s,
     }
     return result
@@ -372,14 +408,26 @@ def evaluate_policies(
     total = EvalResult(records=[])
     t0 = time.perf_counter()
     started = engine is None and open_engine(served, mc, rollout=rollout_cfg, lora_rank=rank, seed=cfg.seed)
-    with (started or nullcontext(engine)) as engine, RewardScorer(reward_cfg) as scorer:
-        total.timings["engine_start_s"] = engine.start_seconds if started else 0.0  # 0: a shared engine, started before
+    with started or nullcontext(engine) as engine, RewardScorer(reward_cfg) as scorer:
+        total.timings["engine_start_s"] = (
+            engine.start_seconds if started else 0.0
+        )  # 0: a shared engine, started before
         total.tags = served_tags(served, engine)
-        log.info("evaluate: serving %s as %s (%s)", served.path, served.served_format, total.tags["rollout.served_dtype"])
+        log.info(
+            "evaluate: serving %s as %s (%s)", served.path, served.served_format, total.tags["rollout.served_dtype"]
+        )
         for name, path in policies.items():
             res = evaluate_on_engine(
-                engine, tokenizer, records, cfg, scorer, policy=name, lora_path=path, max_model_len=max_model_len,
-                show_progress=show_progress, served=served,
+                engine,
+                tokenizer,
+                records,
+                cfg,
+                scorer,
+                policy=name,
+                lora_path=path,
+                max_model_len=max_model_len,
+                show_progress=show_progress,
+                served=served,
             )
             total.records += res.records
             total.skipped += res.skipped
@@ -420,7 +468,9 @@ EVALUATED_TAG = "qerl.evaluation_key"
 RESULT_ARTIFACT = "eval/result.json"
 
 
-def evaluation_key(adapter_dir: str | Path | None, cfg: EvaluateConfig, records: Sequence[dict[str, Any]], served=None) -> str:
+def evaluation_key(
+    adapter_dir: str | Path | None, cfg: EvaluateConfig, records: Sequence[dict[str, Any]], served=None
+) -> str:
     """A digest of what an evaluation depends on: the adapter's files, the evaluate settings, the
     prompt records and what is served. Equal keys: the logged evaluation stands for this one."""
     h = hashlib.sha256()
@@ -448,6 +498,6 @@ def logged_evaluation(run_id: str, key: str) -> EvalResult | None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             path = client.download_artifacts(run_id, RESULT_ARTIFACT, tmp)
-        except Exception:  # noqa: BLE001 - no stored result: evaluate again
+        except Exception:
             return None
         return EvalResult.from_dict(json.loads(Path(path).read_text()))

@@ -23,7 +23,6 @@ from qerl_pipeline.evaluation.report_runs import CURVES, SYSTEM, RunData, by_met
 from qerl_pipeline.evaluation.report_tables import accuracy_summary, system_table
 
 
-
 def _figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
@@ -51,7 +50,14 @@ def plot_curves(runs: Sequence[RunData], key: str, ax=None):
             steps = [b["step"] for b in bands]
             n = max(b["n_seeds"] for b in bands)
             label = method_label(method) + (f" (mean of {n} seeds)" if n > 1 else "")
-            ax.plot(steps, [b["mean"] for b in bands], color=f"C{i}", marker="o" if len(bands) < 30 else None, ms=3, label=label)
+            ax.plot(
+                steps,
+                [b["mean"] for b in bands],
+                color=f"C{i}",
+                marker="o" if len(bands) < 30 else None,
+                ms=3,
+                label=label,
+            )
             lo, hi = [b["ci_low"] for b in bands], [b["ci_high"] for b in bands]
             if any(not math.isnan(x) for x in lo):
                 ax.fill_between(steps, lo, hi, color=f"C{i}", alpha=0.2, linewidth=0)
@@ -86,8 +92,16 @@ def plot_accuracy(runs: Sequence[RunData], policy: str = "trained"):
             vals, lo, hi = [], [], []
             for b in benchmarks:
                 v = float(sub.at[b, metric]) if b in sub.index and pd.notna(sub.at[b, metric]) else math.nan
-                lo_b = float(sub.at[b, f"{metric}_ci_low"]) if b in sub.index and pd.notna(sub.at[b, f"{metric}_ci_low"]) else v
-                hi_b = float(sub.at[b, f"{metric}_ci_high"]) if b in sub.index and pd.notna(sub.at[b, f"{metric}_ci_high"]) else v
+                lo_b = (
+                    float(sub.at[b, f"{metric}_ci_low"])
+                    if b in sub.index and pd.notna(sub.at[b, f"{metric}_ci_low"])
+                    else v
+                )
+                hi_b = (
+                    float(sub.at[b, f"{metric}_ci_high"])
+                    if b in sub.index and pd.notna(sub.at[b, f"{metric}_ci_high"])
+                    else v
+                )
                 vals.append(0.0 if math.isnan(v) else v)
                 lo.append(0.0 if math.isnan(v) else max(0.0, v - lo_b))
                 hi.append(0.0 if math.isnan(v) else max(0.0, hi_b - v))
@@ -113,7 +127,14 @@ def plot_system(runs: Sequence[RunData]):
         vals = [float(v) for v in table[SYSTEM[key][0]]]
         ax.bar(range(len(names)), [0.0 if math.isnan(v) else v for v in vals], color=colors)
         for i, v in enumerate(vals):
-            ax.text(i, 0 if math.isnan(v) else v, "n/a" if math.isnan(v) else f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+            ax.text(
+                i,
+                0 if math.isnan(v) else v,
+                "n/a" if math.isnan(v) else f"{v:.3g}",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.set_title(SYSTEM[key][0], fontsize=10)
         ax.grid(axis="y", alpha=0.3)
@@ -152,4 +173,3 @@ def figure_png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     return buf.getvalue()
-

@@ -25,12 +25,30 @@ from qerl_pipeline.evaluation import stats
 from qerl_pipeline.evaluation.plots import figure_png, figures, method_label
 from qerl_pipeline.evaluation.report_claims import claims, claims_frame
 from qerl_pipeline.evaluation.report_runs import DEPLOYED_4BIT, RunData, by_method
-from qerl_pipeline.evaluation.report_tables import (accuracy_frame, accuracy_summary, accuracy_table, curve_bands, paired_frame,
-                                                    runs_table, system_table)
+from qerl_pipeline.evaluation.report_tables import (
+    accuracy_frame,
+    accuracy_summary,
+    accuracy_table,
+    curve_bands,
+    paired_frame,
+    runs_table,
+    system_table,
+)
 
 #: Every file of the report (the keys of ``report_artifacts``), named as in the report folder and in MLflow.
-REPORT_FILES = ("reward_curves.png", "entropy_curves.png", "accuracy.png", "system.png", "accuracy.csv",
-                "accuracy_summary.csv", "curves.csv", "system.csv", "claims.csv", "claims.json", "report.html")
+REPORT_FILES = (
+    "reward_curves.png",
+    "entropy_curves.png",
+    "accuracy.png",
+    "system.png",
+    "accuracy.csv",
+    "accuracy_summary.csv",
+    "curves.csv",
+    "system.csv",
+    "claims.csv",
+    "claims.json",
+    "report.html",
+)
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -40,8 +58,12 @@ th{background:#f4f4f4} td:first-child,th:first-child{text-align:left} img{max-wi
 """
 
 
-def render_html(runs: Sequence[RunData], pngs: dict[str, bytes], title: str = "QeRL comparison",
-                found: Sequence[stats.Claim] | None = None) -> str:
+def render_html(
+    runs: Sequence[RunData],
+    pngs: dict[str, bytes],
+    title: str = "QeRL comparison",
+    found: Sequence[stats.Claim] | None = None,
+) -> str:
     """One self-contained page: provenance, the claims, accuracy tables, system table, inlined figures."""
 
     def img(stem: str) -> str:
@@ -49,14 +71,20 @@ def render_html(runs: Sequence[RunData], pngs: dict[str, bytes], title: str = "Q
         return f'<img alt="{html.escape(stem)}" src="data:image/png;base64,{data}">'
 
     def tbl(frame: pd.DataFrame) -> str:
-        return frame.to_html(escape=True, na_rep="n/a", float_format=lambda v: f"{v:.4g}") if not frame.empty else "<p>none</p>"
+        return (
+            frame.to_html(escape=True, na_rep="n/a", float_format=lambda v: f"{v:.4g}")
+            if not frame.empty
+            else "<p>none</p>"
+        )
 
     groups = by_method(runs)
     seeds = sorted({len(m) for m in groups.values()})
     found = claims(runs) if found is None else found
     claim_rows = "".join(
         f"<tr><td>{html.escape(c.id)}</td><td>{html.escape(c.statement)}</td><td>{html.escape(c.statistic)}</td>"
-        f"<td>{html.escape(c.text)}</td><td>{html.escape(c.seeds_note)}</td></tr>" for c in found)
+        f"<td>{html.escape(c.text)}</td><td>{html.escape(c.seeds_note)}</td></tr>"
+        for c in found
+    )
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
@@ -116,8 +144,9 @@ def render_html(runs: Sequence[RunData], pngs: dict[str, bytes], title: str = "Q
     return "\n".join(parts)
 
 
-def report_artifacts(runs: Sequence[RunData], title: str = "QeRL comparison",
-                     found: Sequence[stats.Claim] | None = None) -> dict[str, Any]:
+def report_artifacts(
+    runs: Sequence[RunData], title: str = "QeRL comparison", found: Sequence[stats.Claim] | None = None
+) -> dict[str, Any]:
     """Every file of the report by name (``REPORT_FILES``): the figures as matplotlib ``Figure``s, the
     accuracy (per run and over seeds), curve-band, system and claims tables as ``DataFrame``s, the
     claims as a JSON-able list (NaN as null) and ``report.html`` as text. ``found``: the claims to state
@@ -128,15 +157,17 @@ def report_artifacts(runs: Sequence[RunData], title: str = "QeRL comparison",
     figs = figures(runs)
     page = render_html(runs, {stem: figure_png(fig) for stem, fig in figs.items()}, title, found)
     out = {f"{stem}.png": fig for stem, fig in figs.items()}
-    out.update({
-        "accuracy.csv": accuracy_frame(runs),
-        "accuracy_summary.csv": accuracy_summary(runs),
-        "curves.csv": curve_bands(runs),
-        "system.csv": system_table(runs).reset_index(),  # the method column first, as the index was
-        "claims.csv": claims_frame(found),
-        "claims.json": _no_nan([c.as_dict() for c in found]),
-        "report.html": page,
-    })
+    out.update(
+        {
+            "accuracy.csv": accuracy_frame(runs),
+            "accuracy_summary.csv": accuracy_summary(runs),
+            "curves.csv": curve_bands(runs),
+            "system.csv": system_table(runs).reset_index(),  # the method column first, as the index was
+            "claims.csv": claims_frame(found),
+            "claims.json": _no_nan([c.as_dict() for c in found]),
+            "report.html": page,
+        }
+    )
     return out
 
 

@@ -34,8 +34,12 @@ from qerl_pipeline.quantization import formats
 from qerl_pipeline.quantization.aqn import stage_of
 
 #: Claims (b) and (c): (id, higher, lower) of "reward growth of higher >= lower".
-REWARD_ORDER = (("b_qerl_ge_qerl_noaqn", "qerl", "qerl_noaqn"), ("b_qerl_noaqn_ge_lora", "qerl_noaqn", "lora"),
-                ("c_lora_aqn_ge_lora", "lora_aqn", "lora"), ("b_mxfp4_ge_mxfp4_noaqn", "mxfp4", "mxfp4_noaqn"))
+REWARD_ORDER = (
+    ("b_qerl_ge_qerl_noaqn", "qerl", "qerl_noaqn"),
+    ("b_qerl_noaqn_ge_lora", "qerl_noaqn", "lora"),
+    ("c_lora_aqn_ge_lora", "lora_aqn", "lora"),
+    ("b_mxfp4_ge_mxfp4_noaqn", "mxfp4", "mxfp4_noaqn"),
+)
 
 
 def quantized_methods() -> tuple[str, ...]:
@@ -93,15 +97,23 @@ def claims(runs: Sequence[RunData], methods: Sequence[str] | None = None) -> lis
     for m in quantized_methods():
         if not chosen(m, "lora"):
             continue
-        stat = (f"mean policy entropy over steps {window[0]}-{window[-1]} (first AQN stage)" if window
-                else "mean policy entropy in the first AQN stage (no step found)")
+        stat = (
+            f"mean policy entropy over steps {window[0]}-{window[-1]} (first AQN stage)"
+            if window
+            else "mean policy entropy in the first AQN stage (no step found)"
+        )
         fmt = formats.get(METHOD_SPECS[m].format).label
-        out.append(stats.claim(
-            f"a_{m}_entropy_gt_lora", f"policy entropy of {m} ({fmt}) above lora (BF16) in the first AQN stage", m, "lora",
-            stat,
-            _per_seed(groups.get(m, []), lambda r: stats.window_mean(r.curve("entropy"), window)),
-            _per_seed(lora, lambda r: stats.window_mean(r.curve("entropy"), window)),
-        ))
+        out.append(
+            stats.claim(
+                f"a_{m}_entropy_gt_lora",
+                f"policy entropy of {m} ({fmt}) above lora (BF16) in the first AQN stage",
+                m,
+                "lora",
+                stat,
+                _per_seed(groups.get(m, []), lambda r: stats.window_mean(r.curve("entropy"), window)),
+                _per_seed(lora, lambda r: stats.window_mean(r.curve("entropy"), window)),
+            )
+        )
     for cid, hi, lo in REWARD_ORDER:
         if not chosen(hi, lo):
             continue
@@ -110,27 +122,66 @@ def claims(runs: Sequence[RunData], methods: Sequence[str] | None = None) -> lis
         a_auc, b_auc = {}, {}
         for seed in a_runs:
             if seed in b_runs:  # the same steps for both: the area over their common steps
-                common = sorted({s for s, _ in a_runs[seed].curve("reward")} & {s for s, _ in b_runs[seed].curve("reward")})
+                common = sorted(
+                    {s for s, _ in a_runs[seed].curve("reward")} & {s for s, _ in b_runs[seed].curve("reward")}
+                )
                 a_auc[seed] = stats.curve_auc(a_runs[seed].curve("reward"), common)
                 b_auc[seed] = stats.curve_auc(b_runs[seed].curve("reward"), common)
             else:
                 a_auc[seed] = stats.curve_auc(a_runs[seed].curve("reward"))
         for seed in b_runs:
             b_auc.setdefault(seed, stats.curve_auc(b_runs[seed].curve("reward")))
-        out.append(stats.claim(cid, f"reward growth of {hi} >= {lo}", hi, lo,
-                           "area under the reward curve / step span (mean reward over training)", a_auc, b_auc))
+        out.append(
+            stats.claim(
+                cid,
+                f"reward growth of {hi} >= {lo}",
+                hi,
+                lo,
+                "area under the reward curve / step span (mean reward over training)",
+                a_auc,
+                b_auc,
+            )
+        )
     return out
 
 
 def claims_frame(found: Sequence[stats.Claim]) -> pd.DataFrame:
     """One row per claim: id, statement, verdict, difference with its interval, seeds, the sentence, and for a
     "cannot tell" claim the seeds it would need (``seeds_needed``: a number or empty; ``seeds_needed_note``: the words)."""
-    rows = [{"claim": c.id, "statement": c.statement, "verdict": c.verdict, "difference": c.difference.mean,
-             "ci_low": c.difference.low, "ci_high": c.difference.high, "n_seeds": c.difference.n,
-             "seeds": " ".join(map(str, c.seeds)), "statistic": c.statistic, "text": c.text,
-             "seeds_needed": c.seeds_needed, "seeds_needed_note": c.seeds_note} for c in found]
-    return pd.DataFrame(rows, columns=["claim", "statement", "verdict", "difference", "ci_low", "ci_high", "n_seeds", "seeds",
-                                       "statistic", "text", "seeds_needed", "seeds_needed_note"]).astype({"seeds_needed": "Int64"})
+    rows = [
+        {
+            "claim": c.id,
+            "statement": c.statement,
+            "verdict": c.verdict,
+            "difference": c.difference.mean,
+            "ci_low": c.difference.low,
+            "ci_high": c.difference.high,
+            "n_seeds": c.difference.n,
+            "seeds": " ".join(map(str, c.seeds)),
+            "statistic": c.statistic,
+            "text": c.text,
+            "seeds_needed": c.seeds_needed,
+            "seeds_needed_note": c.seeds_note,
+        }
+        for c in found
+    ]
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "claim",
+            "statement",
+            "verdict",
+            "difference",
+            "ci_low",
+            "ci_high",
+            "n_seeds",
+            "seeds",
+            "statistic",
+            "text",
+            "seeds_needed",
+            "seeds_needed_note",
+        ],
+    ).astype({"seeds_needed": "Int64"})
 
 
 def claim_metrics(found: Sequence[stats.Claim]) -> tuple[dict[str, float], dict[str, str]]:
@@ -140,10 +191,14 @@ def claim_metrics(found: Sequence[stats.Claim]) -> tuple[dict[str, float], dict[
     metrics, tags = {}, {}
     for c in found:
         needed = math.nan if c.seeds_needed is None else float(c.seeds_needed)
-        for name, value in (("difference", c.difference.mean), ("ci_low", c.difference.low), ("ci_high", c.difference.high),
-                            ("n_seeds", float(c.difference.n)), ("seeds_needed", needed)):
+        for name, value in (
+            ("difference", c.difference.mean),
+            ("ci_low", c.difference.low),
+            ("ci_high", c.difference.high),
+            ("n_seeds", float(c.difference.n)),
+            ("seeds_needed", needed),
+        ):
             if not math.isnan(value):
                 metrics[f"claims/{c.id}/{name}"] = float(value)
         tags[f"claims.{c.id}"] = c.text
     return metrics, tags
-

@@ -114,7 +114,9 @@ class RunData:
         for key, value in self.metrics.items():
             m = EVAL_METRIC.match(key)
             if m:
-                row = rows.setdefault((m["policy"], m["benchmark"]), {"policy": m["policy"], "benchmark": m["benchmark"]})
+                row = rows.setdefault(
+                    (m["policy"], m["benchmark"]), {"policy": m["policy"], "benchmark": m["benchmark"]}
+                )
                 row[m["name"]] = value
         return list(rows.values())
 
@@ -173,7 +175,7 @@ def _artifact_records(client: MlflowClient, run_id: str, artifact: str) -> list[
         try:
             path = client.download_artifacts(run_id, artifact, tmp)
             data = json.loads(Path(path).read_text())
-        except Exception:  # noqa: BLE001 - not logged (a metrics-only run)
+        except Exception:
             return None
     if isinstance(data, dict) and isinstance(data.get("records"), list):
         return data["records"]
@@ -240,7 +242,9 @@ def load_runs(
         if exp is None:
             raise ValueError(f"MLflow experiment {experiment!r} not found at {client.tracking_uri}")
         filt = f"tags.`{GROUP_TAG}` = '{group}'" if group else ""
-        runs = client.search_runs([exp.experiment_id], filter_string=filt, order_by=["attributes.start_time DESC"], max_results=5000)
+        runs = client.search_runs(
+            [exp.experiment_id], filter_string=filt, order_by=["attributes.start_time DESC"], max_results=5000
+        )
     runs = [r for r in runs if r.data.tags.get(ROLE_TAG) != "compare"]
     chosen: dict[str, RunData] = {}
     if group or run_ids:
@@ -284,7 +288,9 @@ def _merge_eval(data: RunData, evaluated, client: MlflowClient | None = None) ->
     return data
 
 
-def load_selected(selection: dict[str, Any], *, client: MlflowClient | None = None, tracking_uri: str | None = None) -> list[RunData]:
+def load_selected(
+    selection: dict[str, Any], *, client: MlflowClient | None = None, tracking_uri: str | None = None
+) -> list[RunData]:
     """Rows for ``{method: [{"run_id", "eval_run_id" or None, "seed"}, ...]}`` (what compare records; one
     dict instead of the list: one run), in that order."""
     client = client or MlflowClient(tracking_uri=tracking_uri)
@@ -323,4 +329,3 @@ def _has_eval(run) -> bool:
 
 def _has_curves(run) -> bool:
     return CURVES["reward"][1] in run.data.metrics
-

@@ -18,6 +18,7 @@ import pandas as pd
 from qerl_pipeline.evaluation import stats
 from qerl_pipeline.evaluation.report_runs import SYSTEM, RunData, by_method
 
+
 def _fmt_ci(mean: float | None, low: float | None, high: float | None) -> str:
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return "-"
@@ -32,8 +33,20 @@ def accuracy_frame(runs: Sequence[RunData]) -> pd.DataFrame:
     for run in runs:
         for row in run.eval_rows():
             rows.append({"method": run.method, "seed": run.seed, **row})
-    cols = ["method", "seed", "policy", "benchmark", "n_problems", "k", "pass1", "pass1_ci_low", "pass1_ci_high", "greedy",
-            "greedy_ci_low", "greedy_ci_high"]
+    cols = [
+        "method",
+        "seed",
+        "policy",
+        "benchmark",
+        "n_problems",
+        "k",
+        "pass1",
+        "pass1_ci_low",
+        "pass1_ci_high",
+        "greedy",
+        "greedy_ci_low",
+        "greedy_ci_high",
+    ]
     frame = pd.DataFrame(rows)
     for c in cols:
         if c not in frame:
@@ -70,8 +83,13 @@ def _summary_interval(runs: Sequence[RunData], policy: str, benchmark: str, metr
         return stats.Interval(math.nan, math.nan, math.nan, 0, "")
     if len(logged) == 1:  # one seed: that evaluation's Wilson interval over problems (metrics.py)
         _, row = logged[0]
-        return stats.Interval(row[metric], row.get(f"{metric}_ci_low", math.nan), row.get(f"{metric}_ci_high", math.nan),
-                          int(row.get("n_problems", 0) or 0), "problems")
+        return stats.Interval(
+            row[metric],
+            row.get(f"{metric}_ci_low", math.nan),
+            row.get(f"{metric}_ci_high", math.nan),
+            int(row.get("n_problems", 0) or 0),
+            "problems",
+        )
     scores = [problem_scores(run.records, policy, benchmark, metric) for run, _ in logged]
     if all(scores):
         common = sorted(set.intersection(*(set(x) for x in scores)))
@@ -110,13 +128,19 @@ def paired_rows(records: list[dict[str, Any]], policy: str, reference: str) -> l
                 continue
             a = [[got[s][p] for p in common] for s in seeds]
             b = [[ref[s][p] for p in common] for s in seeds]
-            row: dict[str, Any] = {"benchmark": bench, "metric": metric, "n_seeds": len(seeds), "n_problems": len(common)}
+            row: dict[str, Any] = {
+                "benchmark": bench,
+                "metric": metric,
+                "n_seeds": len(seeds),
+                "n_problems": len(common),
+            }
             for name, table in ((reference, b), (policy, a)):
                 iv = stats.crossed_interval(table)
                 row.update({name: iv.mean, f"{name}_ci_low": iv.low, f"{name}_ci_high": iv.high})
             diff = stats.paired_difference(a, b)
-            row.update(difference=diff.mean, difference_ci_low=diff.low, difference_ci_high=diff.high,
-                       interval_over=diff.over)
+            row.update(
+                difference=diff.mean, difference_ci_low=diff.low, difference_ci_high=diff.high, interval_over=diff.over
+            )
             rows.append(row)
     return rows
 
@@ -141,8 +165,20 @@ def accuracy_summary(runs: Sequence[RunData]) -> pd.DataFrame:
                 n = sub[(sub["policy"] == policy) & (sub["benchmark"] == bench)]["n_problems"]
                 row["n_problems"] = int(n.max()) if n.notna().any() else 0
                 out.append(row)
-    cols = ["method", "policy", "benchmark", "n_seeds", "n_problems", "pass1", "pass1_ci_low", "pass1_ci_high", "greedy",
-            "greedy_ci_low", "greedy_ci_high", "interval_over"]
+    cols = [
+        "method",
+        "policy",
+        "benchmark",
+        "n_seeds",
+        "n_problems",
+        "pass1",
+        "pass1_ci_low",
+        "pass1_ci_high",
+        "greedy",
+        "greedy_ci_low",
+        "greedy_ci_high",
+        "interval_over",
+    ]
     return pd.DataFrame(out, columns=cols)
 
 
@@ -183,7 +219,11 @@ def runs_table(runs: Sequence[RunData]) -> pd.DataFrame:
     """Which MLflow run stands for each method and seed, with its provenance tags."""
     rows = []
     for r in runs:
-        start = _dt.datetime.fromtimestamp(r.start_time / 1000, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if r.start_time else ""
+        start = (
+            _dt.datetime.fromtimestamp(r.start_time / 1000, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            if r.start_time
+            else ""
+        )
         rows.append(
             {
                 "method": r.method,
@@ -221,5 +261,3 @@ def curve_bands(runs: Sequence[RunData], keys: Sequence[str] = ("reward", "entro
             for band in stats.step_bands(curves):
                 rows.append({"curve": key, "method": method, **band})
     return pd.DataFrame(rows, columns=["curve", "method", "step", "mean", "ci_low", "ci_high", "n_seeds"])
-
-

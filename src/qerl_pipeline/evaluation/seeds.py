@@ -67,7 +67,9 @@ def base_weight_mib(base_dir: str | Path) -> float:
 def accuracy_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (policy, benchmark), per (seed, policy, benchmark) when records carry a seed (compare)."""
     if not records:
-        raise ValueError("evaluation produced no records (no benchmark had prompts; check evaluate.benchmarks vs data.eval_sources)")
+        raise ValueError(
+            "evaluation produced no records (no benchmark had prompts; check evaluate.benchmarks vs data.eval_sources)"
+        )
     seeded = any("seed" in r for r in records)
     return aggregate(records, keys=("seed", "policy", "source") if seeded else ("policy", "source"))
 
@@ -86,9 +88,18 @@ def result_metrics(result: EvalResult, rows: list[dict[str, Any]]) -> dict[str, 
     return metrics
 
 
-def evaluate_adapters(method: str, base_dir: Path, adapters: dict[int | None, Path], records: list[dict[str, Any]],
-                      cfg: EvaluateConfig, reward_cfg: RewardConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, *,
-                      branch: bool = False) -> EvalResult:
+def evaluate_adapters(
+    method: str,
+    base_dir: Path,
+    adapters: dict[int | None, Path],
+    records: list[dict[str, Any]],
+    cfg: EvaluateConfig,
+    reward_cfg: RewardConfig,
+    model_cfg: ModelConfig,
+    rollout_cfg: RolloutConfig,
+    *,
+    branch: bool = False,
+) -> EvalResult:
     """Evaluate ``method``'s adapters (seed -> folder) and the base alone over ``base_dir`` (module docstring)."""
     served = served_model(base_dir)
     results: dict[int | None, EvalResult] = {}
@@ -99,17 +110,31 @@ def evaluate_adapters(method: str, base_dir: Path, adapters: dict[int | None, Pa
         prior = logged_evaluation(trained_run, key) if trained_run else None
         label = method if seed is None else f"{method} seed {seed}"
         if prior is not None:
-            log.info("evaluate %s: run %s already holds this evaluation (same adapter, settings and prompts); reused",
-                     label, trained_run)
+            log.info(
+                "evaluate %s: run %s already holds this evaluation (same adapter, settings and prompts); reused",
+                label,
+                trained_run,
+            )
             results[seed] = prior
         else:
-            log.info("evaluate %s on %s (limit %s, k=%d, greedy=%s)", label, ", ".join(cfg.benchmarks), cfg.limit,
-                     cfg.samples_k, cfg.greedy)
+            log.info(
+                "evaluate %s on %s (limit %s, k=%d, greedy=%s)",
+                label,
+                ", ".join(cfg.benchmarks),
+                cfg.limit,
+                cfg.samples_k,
+                cfg.greedy,
+            )
             with_base = cfg.include_base and base_records is None
             policies: dict[str, Path | None] = {"trained": adapter, **({"base": None} if with_base else {})}
-            engine = shared_engine(served, model_cfg, rollout=rollout_cfg, lora_rank=adapter_rank(adapter)) if branch else None
-            result = evaluate_policies(served, records, cfg, reward_cfg, policies, model_cfg=model_cfg,
-                                       rollout_cfg=rollout_cfg, engine=engine)
+            engine = (
+                shared_engine(served, model_cfg, rollout=rollout_cfg, lora_rank=adapter_rank(adapter))
+                if branch
+                else None
+            )
+            result = evaluate_policies(
+                served, records, cfg, reward_cfg, policies, model_cfg=model_cfg, rollout_cfg=rollout_cfg, engine=engine
+            )
             result.timings[BASE_WEIGHT_MIB] = base_weight_mib(base_dir)
             if cfg.include_base and not with_base:
                 result.records += [dict(r) for r in base_records[1]]

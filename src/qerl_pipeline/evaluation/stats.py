@@ -298,7 +298,10 @@ def verdict(diff: Interval, missing: str = "") -> tuple[str, str]:
     if diff.n == 0 or math.isnan(diff.mean):
         return "cannot tell", "cannot tell: no seed has both methods' data"
     if not diff.has_interval:
-        return "cannot tell", f"cannot tell: difference {_num(diff.mean)}, {_seeds_text(diff.n)} (no interval from one seed)"
+        return (
+            "cannot tell",
+            f"cannot tell: difference {_num(diff.mean)}, {_seeds_text(diff.n)} (no interval from one seed)",
+        )
     where = f"difference {_num(diff.mean)}, 95% interval [{_num(diff.low)}, {_num(diff.high)}], {_seeds_text(diff.n)}"
     if diff.low > 0:
         return "supported", f"supported: {where}"
@@ -307,9 +310,17 @@ def verdict(diff: Interval, missing: str = "") -> tuple[str, str]:
     return "cannot tell", f"cannot tell: {where}"
 
 
-def claim(claim_id: str, statement: str, a: str, b: str, statistic: str,
-          per_seed_a: Mapping[int, float], per_seed_b: Mapping[int, float]) -> Claim:
+def claim(
+    claim_id: str,
+    statement: str,
+    a: str,
+    b: str,
+    statistic: str,
+    per_seed_a: Mapping[int, float],
+    per_seed_b: Mapping[int, float],
+) -> Claim:
     """Claim "``a`` >= ``b``" on a per-seed statistic, from the seed-paired differences."""
+
     def ok(x) -> bool:
         return x is not None and not math.isnan(float(x))
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.config import EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig
-from qerl_pipeline.evaluation.metrics import aggregate, metric_dict
 from qerl_pipeline.evaluation.evaluator import EvalResult, evaluate_policies
+from qerl_pipeline.evaluation.metrics import aggregate, metric_dict
 from qerl_pipeline.evaluation.report_runs import DEPLOYED_4BIT, EXPORT_RESULT_ARTIFACT
 from qerl_pipeline.evaluation.report_tables import paired_rows
 from qerl_pipeline.evaluation.seeds import evaluate_adapters
@@ -37,20 +37,44 @@ TRAINED = "trained"
 QUANTIZED = DEPLOYED_4BIT
 
 
-def evaluate_folder(folder: Path, records: list[dict[str, Any]], cfg: EvaluateConfig, reward_cfg: RewardConfig,
-                    model_cfg: ModelConfig, rollout_cfg: RolloutConfig, policy: str | None = None) -> EvalResult:
+def evaluate_folder(
+    folder: Path,
+    records: list[dict[str, Any]],
+    cfg: EvaluateConfig,
+    reward_cfg: RewardConfig,
+    model_cfg: ModelConfig,
+    rollout_cfg: RolloutConfig,
+    policy: str | None = None,
+) -> EvalResult:
     """Score the model folder ``folder`` alone as the policy ``policy`` (default: the folder's name)."""
     folder = Path(folder)
     with served_export(folder) as served:
-        return evaluate_policies(served, records, cfg, reward_cfg, {policy or folder.name: None}, model_cfg=model_cfg,
-                                 rollout_cfg=rollout_cfg)
+        return evaluate_policies(
+            served,
+            records,
+            cfg,
+            reward_cfg,
+            {policy or folder.name: None},
+            model_cfg=model_cfg,
+            rollout_cfg=rollout_cfg,
+        )
 
 
-def evaluate_export(method: str, base_dir: Path, adapters: dict[int, Path], exports: dict[int, Path],
-                    records: list[dict[str, Any]], cfg: EvaluateConfig, reward_cfg: RewardConfig, model_cfg: ModelConfig,
-                    rollout_cfg: RolloutConfig) -> EvalResult:
+def evaluate_export(
+    method: str,
+    base_dir: Path,
+    adapters: dict[int, Path],
+    exports: dict[int, Path],
+    records: list[dict[str, Any]],
+    cfg: EvaluateConfig,
+    reward_cfg: RewardConfig,
+    model_cfg: ModelConfig,
+    rollout_cfg: RolloutConfig,
+) -> EvalResult:
     """``trained`` (+ ``base``) and ``merged_nvfp4`` of every seed (module docstring); records carry ``seed``."""
-    out = evaluate_adapters(method, Path(base_dir), adapters, records, cfg, reward_cfg, model_cfg, rollout_cfg, branch=True)
+    out = evaluate_adapters(
+        method, Path(base_dir), adapters, records, cfg, reward_cfg, model_cfg, rollout_cfg, branch=True
+    )
     for seed, folder in exports.items():
         res = evaluate_folder(Path(folder) / QUANTIZED, records, cfg, reward_cfg, model_cfg, rollout_cfg, QUANTIZED)
         out.records += [{**r, "seed": seed} for r in res.records]
@@ -66,18 +90,25 @@ def cost_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def cost_sentence(row: dict[str, Any], policy: str = QUANTIZED) -> str:
     """One line a report prints for a ``cost_rows`` row."""
+
     def num(x: float) -> str:
         return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
-    return (f"{row['benchmark']} {row['metric']}: trained {num(row[TRAINED])} [{num(row[f'{TRAINED}_ci_low'])}, "
-            f"{num(row[f'{TRAINED}_ci_high'])}], {policy} {num(row[policy])} [{num(row[f'{policy}_ci_low'])}, "
-            f"{num(row[f'{policy}_ci_high'])}], difference {num(row['difference'])} [{num(row['difference_ci_low'])}, "
-            f"{num(row['difference_ci_high'])}] ({row['n_seeds']} seed(s) x {row['n_problems']} problems)")
+    return (
+        f"{row['benchmark']} {row['metric']}: trained {num(row[TRAINED])} [{num(row[f'{TRAINED}_ci_low'])}, "
+        f"{num(row[f'{TRAINED}_ci_high'])}], {policy} {num(row[policy])} [{num(row[f'{policy}_ci_low'])}, "
+        f"{num(row[f'{policy}_ci_high'])}], difference {num(row['difference'])} [{num(row['difference_ci_low'])}, "
+        f"{num(row['difference_ci_high'])}] ({row['n_seeds']} seed(s) x {row['n_problems']} problems)"
+    )
 
 
 def seed_rows(records: list[dict[str, Any]], seed: Any, policy: str = QUANTIZED) -> list[dict[str, Any]]:
     """The accuracy rows (``metrics.aggregate``) of ``policy`` for one seed."""
-    mine = [{k: v for k, v in r.items() if k != "seed"} for r in records if r.get("seed") == seed and r.get("policy") == policy]
+    mine = [
+        {k: v for k, v in r.items() if k != "seed"}
+        for r in records
+        if r.get("seed") == seed and r.get("policy") == policy
+    ]
     return aggregate(mine) if mine else []
 
 

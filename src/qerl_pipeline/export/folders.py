@@ -53,8 +53,17 @@ DEPLOY_FORMAT = "nvfp4"
 MANIFEST = "export.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: Files of a base folder besides config and weights that a model folder carries (tokenizer, generation).
-_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-               "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+_SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 def formats_for(base_format: str) -> list[str]:
@@ -75,8 +84,10 @@ def base_folder(base: Path, method: str) -> Path:
     base = Path(base)
     folder = base if (base / "config.json").is_file() else checkpoint.base_dir_for(base, method)
     if not (folder / "config.json").is_file():
-        raise ExportInputError(f"the base of method {method!r} is missing at {folder}; run `kedro run --pipelines=quantize "
-                               f"--params method={method}` (same --env and quantize settings as the training)")
+        raise ExportInputError(
+            f"the base of method {method!r} is missing at {folder}; run `kedro run --pipelines=quantize "
+            f"--params method={method}` (same --env and quantize settings as the training)"
+        )
     return folder
 
 
@@ -140,10 +151,14 @@ def decoded_base(base_dir: Path) -> tuple[Any, dict[str, torch.Tensor]]:
 
     fmt = checkpoint.base_format(base_dir)
     packed = load_base(Path(base_dir), fmt, dtype=torch.float32)
-    return copy.deepcopy(packed.config), {k: v.detach().clone() for k, v in dense_state_dict(packed, torch.float32).items()}
+    return copy.deepcopy(packed.config), {
+        k: v.detach().clone() for k, v in dense_state_dict(packed, torch.float32).items()
+    }
 
 
-def merged_weights(decoded: dict[str, torch.Tensor], adapter_dir: Path, norms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def merged_weights(
+    decoded: dict[str, torch.Tensor], adapter_dir: Path, norms: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """``decoded`` with every LoRA merged (``W + scale * B @ A`` in float32) and the trained ``norms`` in place."""
     factors = lora_factors(adapter_dir)
     foreign = sorted(set(factors) - set(decoded)) + sorted(set(norms) - set(decoded))
@@ -183,11 +198,11 @@ def load_commands(trained_norms: bool) -> dict[str, str]:
     """How each folder loads with the outside library alone (paths relative to the export folder)."""
     out = {
         ADAPTER: "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('base'), 'adapter')"
-                 + ("  # trained norms: modules_to_save" if trained_norms else ""),
+        + ("  # trained norms: modules_to_save" if trained_norms else ""),
         BASE: "AutoModelForCausalLM.from_pretrained('base')  # the dense base the adapter wraps",
         MERGED: "AutoModelForCausalLM.from_pretrained('merged') | vllm.LLM(model='merged') | vllm serve merged",
         DEPLOYED_4BIT: "vllm serve merged_nvfp4  # CUDA: compressed-tensors NVFP4 (W4A16); "
-                       "AutoModelForCausalLM.from_pretrained('merged_nvfp4') decompresses it",
+        "AutoModelForCausalLM.from_pretrained('merged_nvfp4') decompresses it",
         merged_name("nf4"): "AutoModelForCausalLM.from_pretrained('merged_nf4')  # bitsandbytes NF4 (CUDA)",
         merged_name("mxfp4"): "vllm serve merged_mxfp4  # CUDA: compressed-tensors MXFP4",
         merged_name("fp8"): "vllm serve merged_fp8  # CUDA: compressed-tensors FP8 weights (W8A16)",
@@ -195,12 +210,21 @@ def load_commands(trained_norms: bool) -> dict[str, str]:
     if trained_norms:
         out[VLLM_LORA] = "vllm serve vllm_lora/base --enable-lora --lora-modules policy=vllm_lora/adapter"
     else:
-        out[VLLM_LORA] = "vllm serve base --enable-lora --lora-modules policy=adapter  # no trained norms: adapter/ as is"
+        out[VLLM_LORA] = (
+            "vllm serve base --enable-lora --lora-modules policy=adapter  # no trained norms: adapter/ as is"
+        )
     return out
 
 
-def write_export(adapter_dir: Path, base_dir: Path, out_dir: Path, *, dtype: str = "bfloat16",
-                 ignore: list[str] | tuple[str, ...] = ("lm_head",), quantize: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_export(
+    adapter_dir: Path,
+    base_dir: Path,
+    out_dir: Path,
+    *,
+    dtype: str = "bfloat16",
+    ignore: list[str] | tuple[str, ...] = ("lm_head",),
+    quantize: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write the export of the trained adapter ``adapter_dir`` over ``base_dir`` to ``out_dir`` (module docstring).
 
     ``dtype``: ``export.dtype``; ``ignore`` / ``quantize`` (the section's values): used where the base does
@@ -227,22 +251,39 @@ def write_export(adapter_dir: Path, base_dir: Path, out_dir: Path, *, dtype: str
         errors = {}
         for q in formats_for(fmt):
             name = merged_name(q)
-            errors[name] = requantize(merged_model, q, stage / name, ignore=_ignored(base_dir, list(ignore)),
-                                      settings=_settings(base_dir, dict(quantize or {})))
+            errors[name] = requantize(
+                merged_model,
+                q,
+                stage / name,
+                ignore=_ignored(base_dir, list(ignore)),
+                settings=_settings(base_dir, dict(quantize or {})),
+            )
             _side_files(base_dir, stage / name)
         del merged_model
         if norms:
-            _save_dense(config, {**decoded, **{k: v.float() for k, v in norms.items()}}, torch_dtype,
-                        stage / VLLM_LORA / BASE, base_dir)
-            write_peft_adapter(adapter_dir, stage / VLLM_LORA / ADAPTER, norms=None,
-                               base_name=str(meta.get("model") or base_dir))
+            _save_dense(
+                config,
+                {**decoded, **{k: v.float() for k, v in norms.items()}},
+                torch_dtype,
+                stage / VLLM_LORA / BASE,
+                base_dir,
+            )
+            write_peft_adapter(
+                adapter_dir, stage / VLLM_LORA / ADAPTER, norms=None, base_name=str(meta.get("model") or base_dir)
+            )
         commands = load_commands(bool(norms))
         for child in sorted(p.name for p in stage.iterdir() if p.is_dir()):
             folders[child] = {"load": commands.get(child, ""), "bytes": _folder_bytes(stage / child)}
         manifest = {
-            "method": meta.get("method"), "seed": meta.get("seed"), "model": meta.get("model"),
-            "training_run_id": meta.get("mlflow_run_id"), "steps": meta.get("steps"),
-            "base_format": fmt, "base_dir": str(base_dir), "adapter_dir": str(adapter_dir), "dtype": dtype,
+            "method": meta.get("method"),
+            "seed": meta.get("seed"),
+            "model": meta.get("model"),
+            "training_run_id": meta.get("mlflow_run_id"),
+            "steps": meta.get("steps"),
+            "base_format": fmt,
+            "base_dir": str(base_dir),
+            "adapter_dir": str(adapter_dir),
+            "dtype": dtype,
             "trained_norms": sorted(n.removesuffix(".weight") for n in norms),
             "peft_base": "base/: dense, decoded from the training's base codes (float32 math, then dtype)",
             "folders": folders,

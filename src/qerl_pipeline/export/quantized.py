@@ -27,7 +27,9 @@ import torch
 from qerl_pipeline.quantization import bnb, checkpoint, formats
 
 
-def requantize(model, fmt: str, out: Path, *, ignore: list[str], settings: dict[str, Any] | None = None) -> dict[str, Any]:
+def requantize(
+    model, fmt: str, out: Path, *, ignore: list[str], settings: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Quantize the dense ``model`` to the registered format ``fmt`` into the new folder ``out`` (module docstring).
 
     ``settings``: the ``quantize`` section's values the codec reads (e.g. ``nf4_blocksize``). Returns the
@@ -37,8 +39,10 @@ def requantize(model, fmt: str, out: Path, *, ignore: list[str], settings: dict[
     """
     codec = formats.get(fmt)
     if not codec.quantizes:
-        raise ValueError(f"requantize: {fmt} does not quantize; formats that do: "
-                         f"{', '.join(n for n in formats.names() if formats.get(n).quantizes)}")
+        raise ValueError(
+            f"requantize: {fmt} does not quantize; formats that do: "
+            f"{', '.join(n for n in formats.names() if formats.get(n).quantizes)}"
+        )
     out = Path(out)
     if codec.cuda is not None and str(codec.cuda.path) == checkpoint.BNB_SUBDIR:
         with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as tmp:
@@ -46,9 +50,14 @@ def requantize(model, fmt: str, out: Path, *, ignore: list[str], settings: dict[
             bnb.write_bnb_nf4(Path(tmp) / fmt, out)
     else:
         stats = checkpoint.write_base(model, None, fmt, out, ignore=ignore, settings=settings)
-    return {"format": fmt, "quantized_linears": stats["n_quantized_linears"], "rel_error_mean": stats["rel_error_mean"],
-            "rel_error_max": stats["rel_error_max"], "bits_per_weight": stats["bits_per_weight"],
-            "layers": [{"name": r["name"], "rel_error": r["rel_error"]} for r in stats["layers"] if r["quantized"]]}
+    return {
+        "format": fmt,
+        "quantized_linears": stats["n_quantized_linears"],
+        "rel_error_mean": stats["rel_error_mean"],
+        "rel_error_max": stats["rel_error_max"],
+        "bits_per_weight": stats["bits_per_weight"],
+        "layers": [{"name": r["name"], "rel_error": r["rel_error"]} for r in stats["layers"] if r["quantized"]],
+    }
 
 
 def packed_format(folder: Path) -> str | None:
@@ -77,6 +86,10 @@ def decode_folder(folder: Path, out: Path, dtype: torch.dtype = torch.float32) -
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for p in folder.iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
+        if (
+            p.is_file()
+            and not p.name.endswith(".safetensors")
+            and p.name not in ("config.json", "model.safetensors.index.json")
+        ):
             shutil.copy2(p, out / p.name)
     return out

@@ -64,15 +64,22 @@ def save_mlflow_model(folder: Path, out: Path, *, log_weights: bool, max_new_tok
 
     folder, out = Path(folder), Path(out)
     if log_weights:
-        mlflow.transformers.save_model(transformers_model=str(folder), path=str(out), task="text-generation",
-                                       pip_requirements=_requirements())
+        mlflow.transformers.save_model(
+            transformers_model=str(folder), path=str(out), task="text-generation", pip_requirements=_requirements()
+        )
     else:
-        mlflow.pyfunc.save_model(path=str(out), python_model=str(REFERENCE_CODE), pip_requirements=_requirements(),
-                                 model_config={"path": str(folder.resolve()), "max_new_tokens": max_new_tokens})
+        mlflow.pyfunc.save_model(
+            path=str(out),
+            python_model=str(REFERENCE_CODE),
+            pip_requirements=_requirements(),
+            model_config={"path": str(folder.resolve()), "max_new_tokens": max_new_tokens},
+        )
     return out
 
 
-def register_export(folder: Path, run_id: str, name: str, tags: dict[str, Any], *, log_weights: bool = True) -> dict[str, Any]:
+def register_export(
+    folder: Path, run_id: str, name: str, tags: dict[str, Any], *, log_weights: bool = True
+) -> dict[str, Any]:
     """Log the model folder ``folder`` (an export's ``merged/``) into run ``run_id`` under ``export/model-<time>``
     and register a version of ``name`` from it with ``tags``; returns ``{"name", "version", "model_uri", "source"}``."""
     from datetime import datetime, timezone
@@ -86,18 +93,30 @@ def register_export(folder: Path, run_id: str, name: str, tags: dict[str, Any], 
         local = save_mlflow_model(folder, Path(tmp) / "model", log_weights=log_weights)
         client.log_artifacts(run_id, str(local), artifact_path=artifact)
     try:
-        client.create_registered_model(name, description="QeRL-trained policies exported by qerl-pipeline "
-                                                          "(kedro run --pipelines=export)")
+        client.create_registered_model(
+            name, description="QeRL-trained policies exported by qerl-pipeline (kedro run --pipelines=export)"
+        )
     except MlflowException as err:
         if "already exists" not in str(err).lower() and "RESOURCE_ALREADY_EXISTS" not in str(err):
             raise
     source = f"runs:/{run_id}/{artifact}"
-    version = client.create_model_version(name, source=source, run_id=run_id,
-                                          tags={k: str(v) for k, v in tags.items() if v is not None})
-    log.info("registered %s version %s from run %s (%s)", name, version.version, run_id,
-             "weights copied" if log_weights else f"reference to {folder}")
-    return {"name": name, "version": int(version.version), "model_uri": f"models:/{name}/{version.version}",
-            "source": source, "log_weights": log_weights}
+    version = client.create_model_version(
+        name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items() if v is not None}
+    )
+    log.info(
+        "registered %s version %s from run %s (%s)",
+        name,
+        version.version,
+        run_id,
+        "weights copied" if log_weights else f"reference to {folder}",
+    )
+    return {
+        "name": name,
+        "version": int(version.version),
+        "model_uri": f"models:/{name}/{version.version}",
+        "source": source,
+        "log_weights": log_weights,
+    }
 
 
 def training_fingerprint(run_id: str | None) -> dict[str, Any] | None:
@@ -113,5 +132,5 @@ def training_fingerprint(run_id: str | None) -> dict[str, Any] | None:
         try:
             path = MlflowClient().download_artifacts(run_id, "quantize/fingerprint.json", tmp)
             return json.loads(Path(path).read_text())
-        except Exception:  # noqa: BLE001 - another store, or a run without it: the caller warns
+        except Exception:
             return None

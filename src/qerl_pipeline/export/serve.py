@@ -31,8 +31,10 @@ def served_export(folder: str | Path, platform: str | None = None) -> Iterator[S
     """What an engine serves for the model folder ``folder`` within the block (module docstring)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise ExportInputError(f"evaluate.model_path: {folder} is not a model folder (no config.json); export one with "
-                               "`kedro run --pipelines=export --params method=<method>` (same --env)")
+        raise ExportInputError(
+            f"evaluate.model_path: {folder} is not a model folder (no config.json); export one with "
+            "`kedro run --pipelines=export --params method=<method>` (same --env)"
+        )
     platform = platform or current_platform()
     fmt = packed_format(folder)
     if fmt is None:
@@ -43,6 +45,7 @@ def served_export(folder: str | Path, platform: str | None = None) -> Iterator[S
         yield dataclasses.replace(row, path=folder.resolve())
         return
     with tempfile.TemporaryDirectory(prefix=f"qerl-served-{folder.name}-") as tmp:
-        log.info("serving %s as a dense copy decoded from its %s codes (%s on %s)", folder, fmt, row.served_format,
-                 platform)
+        log.info(
+            "serving %s as a dense copy decoded from its %s codes (%s on %s)", folder, fmt, row.served_format, platform
+        )
         yield dataclasses.replace(row, path=decode_folder(folder, Path(tmp) / folder.name).resolve())

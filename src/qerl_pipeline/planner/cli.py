@@ -32,7 +32,10 @@ def rows(p: Plan, pick: float | None = None) -> list[tuple[str, str]]:
     t, a, e = p.trainer, p.activations, p.engine
     return [
         ("trainer: base linears", g(t["base_linears"])),
-        ("trainer: embeddings + lm_head + norms + biases", g(t["embeddings"] + t["lm_head"] + t["norms"] + t["biases"] + t["rotary"])),
+        (
+            "trainer: embeddings + lm_head + norms + biases",
+            g(t["embeddings"] + t["lm_head"] + t["norms"] + t["biases"] + t["rotary"]),
+        ),
         ("trainer: LoRA + grads + optimizer", g(t["lora"] + t["grads"] + t["optimizer"])),
         (f"trainer: activations, micro-batch {p.micro_batch} x {p.seq_len}", g(a["peak"])),
         ("engine: served weights + LoRA slots", g(e["served_weights"] + e["lora_slots"])),
@@ -41,15 +44,19 @@ def rows(p: Plan, pick: float | None = None) -> list[tuple[str, str]]:
         (f"engine: reserved ({p.gpu_memory_utilization} x GPU)", g(p.engine_reserved)),
         ("CUDA contexts (2 processes)", g(p.contexts)),
         ("trainer cache emptied after the update", "yes" if p.empty_cache else "no"),
-        ("rollout phase / update phase" + (" (engine asleep)" if p.sleep else ""), f"{g(p.rollout_phase)} / {g(p.update_phase)}"),
+        (
+            "rollout phase / update phase" + (" (engine asleep)" if p.sleep else ""),
+            f"{g(p.rollout_phase)} / {g(p.update_phase)}",
+        ),
         ("peak / GPU", f"{g(p.peak)} / {g(p.gpu_bytes)}"),
         ("fits", "yes" if p.fits else "no"),
         ("largest micro-batch", str(p.max_micro_batch)),
         ("largest concurrent rollout batch", str(p.max_concurrent_rollouts)),
-        ("gpu_memory_utilization: smallest that starts / largest that fits / picked",
-         f"{p.min_gpu_memory_utilization:.3f} / {p.max_gpu_memory_utilization:.3f} / {_util(pick)}"),
+        (
+            "gpu_memory_utilization: smallest that starts / largest that fits / picked",
+            f"{p.min_gpu_memory_utilization:.3f} / {p.max_gpu_memory_utilization:.3f} / {_util(pick)}",
+        ),
     ]
-
 
 
 def render(plans: list[Plan], picks: list[float | None], title: str = "", together: str = "") -> None:
@@ -74,46 +81,80 @@ def markdown(plans: list[Plan], picks: list[float | None]) -> str:
     """One markdown row per plan (model, method, components in GiB, fits, largest batches, utilizations): the table in
     docs/planner.md."""
     g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
-    head = ("| model | method | grad. ckpt / sleep / empty cache | base linears | emb + head + norms | LoRA + grads + AdamW | activations (mb x L) "
-            "| engine weights + LoRA | engine workspace | engine reserved (util) | KV held / needed | rollout / update phase "
-            "| fits | largest micro-batch | concurrent rollouts | util: min to start / max to fit / picked |")
+    head = (
+        "| model | method | grad. ckpt / sleep / empty cache | base linears | emb + head + norms | LoRA + grads + AdamW | activations (mb x L) "
+        "| engine weights + LoRA | engine workspace | engine reserved (util) | KV held / needed | rollout / update phase "
+        "| fits | largest micro-batch | concurrent rollouts | util: min to start / max to fit / picked |"
+    )
     sep = "|---|---|---|" + "---:|" * 12 + "---|"
     out = [head, sep]
     for p, pick in zip(plans, picks, strict=True):
         t, a, e = p.trainer, p.activations, p.engine
-        out.append(" | ".join([
-            f"| {p.model.split('/')[-1]}", f"{p.method} ({p.fmt})",
-            f"{'on' if p.gradient_checkpointing else 'off'} / {'on' if p.sleep else 'off'} / {'yes' if p.empty_cache else 'no'}",
-            g(t["base_linears"]),
-            g(t["embeddings"] + t["lm_head"] + t["norms"] + t["biases"] + t["rotary"]),
-            g(t["lora"] + t["grads"] + t["optimizer"]), f"{g(a['peak'])} ({p.micro_batch} x {p.seq_len})",
-            g(e["served_weights"] + e["lora_slots"]), g(e["workspace"] + e["cuda_graphs"]),
-            f"{g(p.engine_reserved)} ({p.gpu_memory_utilization:g})", f"{g(p.kv_capacity)} / {g(p.kv_needed)}",
-            f"{g(p.rollout_phase)} / {g(p.update_phase)}", "**yes**" if p.fits else "no",
-            str(p.max_micro_batch), f"{p.max_concurrent_rollouts} of {p.rollout_batch}",
-            f"{p.min_gpu_memory_utilization:.2f} / {p.max_gpu_memory_utilization:.2f} / {_util(pick)} |",
-        ]))
+        out.append(
+            " | ".join(
+                [
+                    f"| {p.model.split('/')[-1]}",
+                    f"{p.method} ({p.fmt})",
+                    f"{'on' if p.gradient_checkpointing else 'off'} / {'on' if p.sleep else 'off'} / {'yes' if p.empty_cache else 'no'}",
+                    g(t["base_linears"]),
+                    g(t["embeddings"] + t["lm_head"] + t["norms"] + t["biases"] + t["rotary"]),
+                    g(t["lora"] + t["grads"] + t["optimizer"]),
+                    f"{g(a['peak'])} ({p.micro_batch} x {p.seq_len})",
+                    g(e["served_weights"] + e["lora_slots"]),
+                    g(e["workspace"] + e["cuda_graphs"]),
+                    f"{g(p.engine_reserved)} ({p.gpu_memory_utilization:g})",
+                    f"{g(p.kv_capacity)} / {g(p.kv_needed)}",
+                    f"{g(p.rollout_phase)} / {g(p.update_phase)}",
+                    "**yes**" if p.fits else "no",
+                    str(p.max_micro_batch),
+                    f"{p.max_concurrent_rollouts} of {p.rollout_batch}",
+                    f"{p.min_gpu_memory_utilization:.2f} / {p.max_gpu_memory_utilization:.2f} / {_util(pick)} |",
+                ]
+            )
+        )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qerl_pipeline.planner", description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--env", default=None, help="Kedro environment(s) overlaid on conf/base, comma-separated "
-                    "(e.g. paper_bigmath_32b); one plan per env and method")
+    ap.add_argument(
+        "--env",
+        default=None,
+        help="Kedro environment(s) overlaid on conf/base, comma-separated "
+        "(e.g. paper_bigmath_32b); one plan per env and method",
+    )
     ap.add_argument("--params", default=None, help="Kedro-style overrides: key=value,key2=value2")
-    ap.add_argument("--gpu-gb", type=float, required=True, help="GPU memory in GiB as CUDA counts it: NVML's "
-                    "installed total less what the driver reserves (an '80 GB' GPU: about 79)")
+    ap.add_argument(
+        "--gpu-gb",
+        type=float,
+        required=True,
+        help="GPU memory in GiB as CUDA counts it: NVML's "
+        "installed total less what the driver reserves (an '80 GB' GPU: about 79)",
+    )
     ap.add_argument("--model-preset", default=None, choices=sorted(PRESETS), help="built-in model shape")
     ap.add_argument("--model-config", default=None, help="a config.json (or its folder) giving the model shape")
-    ap.add_argument("--methods", default=None, help="comma-separated methods to plan side by side (default: the config's)")
+    ap.add_argument(
+        "--methods", default=None, help="comma-separated methods to plan side by side (default: the config's)"
+    )
     ap.add_argument("--conf-dir", default="conf", help="the project's conf folder")
     ap.add_argument("--format", choices=("table", "markdown", "json"), default="table")
     cache = ap.add_mutually_exclusive_group()
-    cache.add_argument("--empty-cache", dest="empty_cache", action="store_const", const=True, default=None,
-                       help="plan as if the trainer emptied its CUDA cache after every update (default: as the code "
-                       "does, i.e. when the engine sleeps during the update)")
-    cache.add_argument("--keep-cache", dest="empty_cache", action="store_const", const=False,
-                       help="plan as if the trainer kept its cached activation memory into the rollout")
+    cache.add_argument(
+        "--empty-cache",
+        dest="empty_cache",
+        action="store_const",
+        const=True,
+        default=None,
+        help="plan as if the trainer emptied its CUDA cache after every update (default: as the code "
+        "does, i.e. when the engine sleeps during the update)",
+    )
+    cache.add_argument(
+        "--keep-cache",
+        dest="empty_cache",
+        action="store_const",
+        const=False,
+        help="plan as if the trainer kept its cached activation memory into the rollout",
+    )
     args = ap.parse_args(argv)
     envs = [e.strip() for e in args.env.split(",")] if args.env else [None]
     groups: list[tuple[str, list[Plan], list[float | None], str]] = []
@@ -129,19 +170,32 @@ def main(argv: list[str] | None = None) -> int:
             if len(methods) > 1:
                 lo, hi = utilization_range(planned)
                 both = pick_utilization(cfg, methods, shape, args.gpu_gb, args.empty_cache)
-                together = (f"{', '.join(methods)} together: rollout.gpu_memory_utilization "
-                            + (f"{lo:.2f}-{hi:.2f} fits them all, the planner picks {_util(both)}" if lo <= hi
-                               else "none fits them all"))
+                together = f"{', '.join(methods)} together: rollout.gpu_memory_utilization " + (
+                    f"{lo:.2f}-{hi:.2f} fits them all, the planner picks {_util(both)}"
+                    if lo <= hi
+                    else "none fits them all"
+                )
             groups.append((f"{shape.name} on {args.gpu_gb:g} GiB, env {env or 'base'}", plans, picks, together))
     except (ValueError, FileNotFoundError, KeyError) as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
     if args.format == "json":
-        print(json.dumps([{**p.to_dict(), "picked_gpu_memory_utilization": u}
-                          for _t, plans, picks, _a in groups for p, u in zip(plans, picks, strict=True)], indent=2))
+        print(
+            json.dumps(
+                [
+                    {**p.to_dict(), "picked_gpu_memory_utilization": u}
+                    for _t, plans, picks, _a in groups
+                    for p, u in zip(plans, picks, strict=True)
+                ],
+                indent=2,
+            )
+        )
     elif args.format == "markdown":
-        print(markdown([p for _t, plans, _u, _a in groups for p in plans],
-                       [u for _t, _p, picks, _a in groups for u in picks]))
+        print(
+            markdown(
+                [p for _t, plans, _u, _a in groups for p in plans], [u for _t, _p, picks, _a in groups for u in picks]
+            )
+        )
     else:
         for title, plans, picks, together in groups:
             render(plans, picks, title, together)

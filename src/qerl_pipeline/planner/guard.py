@@ -37,8 +37,9 @@ HEADROOM = 0.05
 SEE = "the memory planner, docs/planner.md; --params planner.check=false runs anyway"
 
 
-def method_config(cfg: QerlConfig, method: str, utilization: float | None = None,
-                  micro_batch: int | None = None) -> QerlConfig:
+def method_config(
+    cfg: QerlConfig, method: str, utilization: float | None = None, micro_batch: int | None = None
+) -> QerlConfig:
     """``cfg`` with ``method`` (a compare branch's config), optionally another utilization or micro-batch."""
     raw = cfg.model_dump()
     raw["method"] = method
@@ -49,21 +50,32 @@ def method_config(cfg: QerlConfig, method: str, utilization: float | None = None
     return validate(raw)
 
 
-def plans(cfg: QerlConfig, methods: list[str], shape: ModelShape, gpu_gib: float,
-          utilization: float | None = None, empty_cache: bool | None = None) -> dict[str, Plan]:
+def plans(
+    cfg: QerlConfig,
+    methods: list[str],
+    shape: ModelShape,
+    gpu_gib: float,
+    utilization: float | None = None,
+    empty_cache: bool | None = None,
+) -> dict[str, Plan]:
     """One plan per method at ``cfg``'s settings (or at ``utilization``); ``empty_cache`` as ``sizing.plan``'s."""
-    return {m: plan(method_config(cfg, m, utilization), shape, gpu_gib, empty_cache=empty_cache)
-            for m in dict.fromkeys(methods)}
+    return {
+        m: plan(method_config(cfg, m, utilization), shape, gpu_gib, empty_cache=empty_cache)
+        for m in dict.fromkeys(methods)
+    }
 
 
 def utilization_range(planned: dict[str, Plan]) -> tuple[float, float]:
     """``(lo, hi)``: the utilizations at which every plan's engine starts and its run fits (empty when lo > hi)."""
-    return (max(p.min_gpu_memory_utilization for p in planned.values()),
-            min(p.max_gpu_memory_utilization for p in planned.values()))
+    return (
+        max(p.min_gpu_memory_utilization for p in planned.values()),
+        min(p.max_gpu_memory_utilization for p in planned.values()),
+    )
 
 
-def pick_utilization(cfg: QerlConfig, methods: list[str], shape: ModelShape, gpu_gib: float,
-                     empty_cache: bool | None = None) -> float | None:
+def pick_utilization(
+    cfg: QerlConfig, methods: list[str], shape: ModelShape, gpu_gib: float, empty_cache: bool | None = None
+) -> float | None:
     """The utilization the planner recommends for ``methods`` on this GPU (module docstring); None when none fits."""
     lo, hi = utilization_range(plans(cfg, methods, shape, gpu_gib, empty_cache=empty_cache))
     if lo > hi:
@@ -82,16 +94,25 @@ def _why(planned: dict[str, Plan], methods: list[str]) -> str:
     for m in methods:
         p = planned[m]
         if not p.engine_starts:
-            text = (f"the engine needs at least {p.min_gpu_memory_utilization:.2f} to start (its weights, workspace "
-                    f"and one {p.seq_len}-token sequence)")
+            text = (
+                f"the engine needs at least {p.min_gpu_memory_utilization:.2f} to start (its weights, workspace "
+                f"and one {p.seq_len}-token sequence)"
+            )
         else:
             text = f"trainer and engine need {p.peak / GIB:.1f} GiB"
         reasons.setdefault(text, []).append(m)
     return "; ".join(f"{', '.join(ms)}: {text}" for text, ms in reasons.items())
 
 
-def refusal(cfg: QerlConfig, methods: list[str], shape: ModelShape, gpu_gib: float, *,
-            methods_field: str = "method", engine_only: bool = False) -> str:
+def refusal(
+    cfg: QerlConfig,
+    methods: list[str],
+    shape: ModelShape,
+    gpu_gib: float,
+    *,
+    methods_field: str = "method",
+    engine_only: bool = False,
+) -> str:
     """The one line validation refuses ``methods`` at ``cfg``'s settings with on a GPU of ``gpu_gib``
     GiB, or "" when each fits. ``engine_only``: a run that starts engines but trains nothing
     (evaluation), where only the engine's start is checked."""
@@ -104,24 +125,38 @@ def refusal(cfg: QerlConfig, methods: list[str], shape: ModelShape, gpu_gib: flo
     util = cfg.rollout.gpu_memory_utilization
     lo, hi = utilization_range(planned)
     if engine_only:
-        return (f"rollout.gpu_memory_utilization: {util:g} cannot start the engine on {gpu} ({_why(planned, bad)}); "
-                f"{lo:.2f} or more starts it ({SEE})")
+        return (
+            f"rollout.gpu_memory_utilization: {util:g} cannot start the engine on {gpu} ({_why(planned, bad)}); "
+            f"{lo:.2f} or more starts it ({SEE})"
+        )
     if lo <= hi:
         pick = pick_utilization(cfg, methods, shape, gpu_gib)
-        return (f"rollout.gpu_memory_utilization: {util:g} does not fit {gpu} ({_why(planned, bad)}); "
-                f"{lo:.2f}-{hi:.2f} fits {', '.join(planned)}, the planner picks {pick:.2f} ({SEE})")
+        return (
+            f"rollout.gpu_memory_utilization: {util:g} does not fit {gpu} ({_why(planned, bad)}); "
+            f"{lo:.2f}-{hi:.2f} fits {', '.join(planned)}, the planner picks {pick:.2f} ({SEE})"
+        )
     smaller = min(planned[m].max_micro_batch for m in bad)
-    if all(planned[m].engine_starts for m in bad) and smaller >= 1 and all(
-            plan(method_config(cfg, m, micro_batch=smaller), shape, gpu_gib).fits for m in planned):
-        return (f"train.micro_batch_size: {cfg.train.micro_batch_size} does not fit {gpu} at "
-                f"rollout.gpu_memory_utilization {util:g} ({_why(planned, bad)}); {smaller} fits ({SEE})")
+    if (
+        all(planned[m].engine_starts for m in bad)
+        and smaller >= 1
+        and all(plan(method_config(cfg, m, micro_batch=smaller), shape, gpu_gib).fits for m in planned)
+    ):
+        return (
+            f"train.micro_batch_size: {cfg.train.micro_batch_size} does not fit {gpu} at "
+            f"rollout.gpu_memory_utilization {util:g} ({_why(planned, bad)}); {smaller} fits ({SEE})"
+        )
     alone = {m: utilization_range(plans(cfg, [m], shape, gpu_gib)) for m in METHODS}
     fitting = [m for m, (a, b) in alone.items() if a <= b]
     never = [m for m in planned if m not in fitting]
-    limits = "; ".join(f"{m}: the engine needs at least {planned[m].min_gpu_memory_utilization:.2f}, the trainer "
-                       f"leaves at most {planned[m].max_gpu_memory_utilization:.2f}" for m in never)
-    head = (f"{methods_field}: {', '.join(never)} fit{'s' if len(never) == 1 else ''} {gpu} at no "
-            f"rollout.gpu_memory_utilization ({limits})")
+    limits = "; ".join(
+        f"{m}: the engine needs at least {planned[m].min_gpu_memory_utilization:.2f}, the trainer "
+        f"leaves at most {planned[m].max_gpu_memory_utilization:.2f}"
+        for m in never
+    )
+    head = (
+        f"{methods_field}: {', '.join(never)} fit{'s' if len(never) == 1 else ''} {gpu} at no "
+        f"rollout.gpu_memory_utilization ({limits})"
+    )
     if not fitting:
         return f"{head}; no method fits it at these settings ({SEE})"
     groups: dict[str, list[str]] = {}  # the methods that fit, by their own range and pick as said

@@ -43,8 +43,9 @@ def load_config(env: str | None = None, params: str | None = None, conf_dir: str
     return validate(load_parameters(env, parse_params(params), conf_dir))
 
 
-def load_parameters(env: str | None = None, runtime_params: dict[str, Any] | None = None,
-                    conf_dir: str | Path = "conf") -> dict[str, Any]:
+def load_parameters(
+    env: str | None = None, runtime_params: dict[str, Any] | None = None, conf_dir: str | Path = "conf"
+) -> dict[str, Any]:
     """The parameter tree ``kedro run`` hands its hooks and nodes for ``--env ENV`` and the ``--params``
     values already parsed (``runtime_params``), unvalidated."""
     conf = Path(conf_dir)
@@ -56,10 +57,12 @@ def load_parameters(env: str | None = None, runtime_params: dict[str, Any] | Non
     with warnings.catch_warnings():
         # Kedro's loader registers resolvers through omegaconf's deprecated call; settings.py
         # drops the same warning for kedro run.
-        warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated", category=UserWarning,
-                                module=r"kedro\.")
-        loader = OmegaConfigLoader(conf_source=str(conf), env=env, runtime_params=runtime_params or {},
-                                   **CONFIG_LOADER_ARGS)
+        warnings.filterwarnings(
+            "ignore", message=r"register_new_resolver\(\) is deprecated", category=UserWarning, module=r"kedro\."
+        )
+        loader = OmegaConfigLoader(
+            conf_source=str(conf), env=env, runtime_params=runtime_params or {}, **CONFIG_LOADER_ARGS
+        )
         return dict(loader["parameters"])
 
 
@@ -93,14 +96,23 @@ def resolve_shape(cfg: QerlConfig, preset: str | None = None, model_config: str 
     m = cfg.model
     if m.source == "random":
         r = m.random_init
-        return ModelShape("random (model.random_init)", r.hidden_size, r.num_hidden_layers, r.num_attention_heads,
-                          r.num_key_value_heads, r.intermediate_size, RANDOM_VOCAB, True)
+        return ModelShape(
+            "random (model.random_init)",
+            r.hidden_size,
+            r.num_hidden_layers,
+            r.num_attention_heads,
+            r.num_key_value_heads,
+            r.intermediate_size,
+            RANDOM_VOCAB,
+            True,
+        )
     folder = Path(m.name)
     if (folder / "config.json").is_file():
         return ModelShape.from_config(json.loads((folder / "config.json").read_text()), name=m.name)
     for shape in PRESETS.values():
         if shape.name.lower() == m.name.lower():
             return shape
-    raise ValueError(f"model.name {m.name!r}: no local config.json and no preset of that name (the Hub is not asked); "
-                     f"pass --model-preset ({', '.join(PRESETS)}) or --model-config PATH")
-
+    raise ValueError(
+        f"model.name {m.name!r}: no local config.json and no preset of that name (the Hub is not asked); "
+        f"pass --model-preset ({', '.join(PRESETS)}) or --model-config PATH"
+    )

@@ -193,18 +193,24 @@ class ModelShape:
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
         """From a transformers config (``PretrainedConfig`` or its dict / ``config.json``)."""
         raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                               "vocab_size") if raw.get(k) is None]
+        missing = [
+            k
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+            if raw.get(k) is None
+        ]
         if missing:
             raise ValueError(f"model config lacks {missing}: the planner needs a decoder-only (Llama/Qwen2) config")
         model_type = raw.get("model_type", "")
         return cls(
             name=name or raw.get("_name_or_path") or model_type or "model",
-            hidden_size=int(raw["hidden_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
+            hidden_size=int(raw["hidden_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=int(raw["num_attention_heads"]),
             num_key_value_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
-            intermediate_size=int(raw["intermediate_size"]), vocab_size=int(raw["vocab_size"]),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), head_dim=raw.get("head_dim"),
+            intermediate_size=int(raw["intermediate_size"]),
+            vocab_size=int(raw["vocab_size"]),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            head_dim=raw.get("head_dim"),
             # Qwen2's q/k/v always carry a bias (its config has no switch); Llama's follow attention_bias.
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -212,10 +218,22 @@ class ModelShape:
 
     def linears(self) -> dict[str, tuple[int, int, bool]]:
         """Per-layer linears: name -> (in, out, has bias)."""
-        h, q, kv, i = self.hidden_size, self.num_attention_heads * self.d, self.num_key_value_heads * self.d, self.intermediate_size
+        h, q, kv, i = (
+            self.hidden_size,
+            self.num_attention_heads * self.d,
+            self.num_key_value_heads * self.d,
+            self.intermediate_size,
+        )
         ab, mb = self.attention_bias, self.mlp_bias
-        return {"q_proj": (h, q, ab), "k_proj": (h, kv, ab), "v_proj": (h, kv, ab), "o_proj": (q, h, False),
-                "gate_proj": (h, i, mb), "up_proj": (h, i, mb), "down_proj": (i, h, mb)}
+        return {
+            "q_proj": (h, q, ab),
+            "k_proj": (h, kv, ab),
+            "v_proj": (h, kv, ab),
+            "o_proj": (q, h, False),
+            "gate_proj": (h, i, mb),
+            "up_proj": (h, i, mb),
+            "down_proj": (i, h, mb),
+        }
 
     def parameters(self) -> int:
         per_layer = sum(a * b + (b if bias else 0) for a, b, bias in self.linears().values()) + 2 * self.hidden_size
@@ -309,21 +327,35 @@ def optimizer_bytes(cfg: QerlConfig, tensors: list[tuple[int, int]]) -> dict[str
     return {"gpu": sum(2 * n * nb for n, nb in tensors), "host": F32 * len(tensors)}
 
 
-def activation_bytes(cfg: QerlConfig, shape: ModelShape, b: int, seq_len: int | None = None,
-                     completion_len: int | None = None) -> dict[str, int]:
+def activation_bytes(
+    cfg: QerlConfig, shape: ModelShape, b: int, seq_len: int | None = None, completion_len: int | None = None
+) -> dict[str, int]:
     """Saved activations and the transient working set of one micro-batch of ``b`` rows (see the docstring)."""
     L = seq_len or cfg.model.max_seq_len
     T = min(completion_len or cfg.rollout.max_new_tokens, L)
     c, f, nb = _dtype_bytes(cfg), F32, _norm_bytes(cfg)
-    h, d, nh, nkv, i = shape.hidden_size, shape.d, shape.num_attention_heads, shape.num_key_value_heads, shape.intermediate_size
+    h, d, nh, nkv, i = (
+        shape.hidden_size,
+        shape.d,
+        shape.num_attention_heads,
+        shape.num_key_value_heads,
+        shape.intermediate_size,
+    )
     N, P, r = b * L, b * T, cfg.lora.rank
     tn = cfg.lora.train_norms
     targets = _targets(cfg, shape)
     # LoRA inputs: a fresh fp32 cast per target in bf16; in fp32 the cast is the input itself (one per source).
     if c == f:  # o_proj's input is the attention output SDPA saves already (flash kernels lay it out [b, L, n_h, d])
         sources = {"attn_in": h, "o_in": 0, "mlp_in": h, "down_in": i}
-        src_of = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
-                  "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+        src_of = {
+            "q_proj": "attn_in",
+            "k_proj": "attn_in",
+            "v_proj": "attn_in",
+            "o_proj": "o_in",
+            "gate_proj": "mlp_in",
+            "up_proj": "mlp_in",
+            "down_proj": "down_in",
+        }
         lora = f * N * sum(sources[s] for s in {src_of[t] for t in targets}) + f * N * r * len(targets)
     else:
         lora = sum(f * N * (n_in + r) for n_in, _o, _b in targets.values())
@@ -357,12 +389,27 @@ def activation_bytes(cfg: QerlConfig, shape: ModelShape, b: int, seq_len: int | 
     decode = codec.decode_bytes_per_weight * biggest if codec.quantizes else 0
     decode = max(decode, kernel_check_bytes(cfg, shape, N))
     if codec.quantizes and cfg.train.keep_decoded_weights is True:  # the dense base alive through the update
-        decode += c * shape.num_hidden_layers * sum(n_in * n_out for name, (n_in, n_out, _b) in shape.linears().items()
-                                                    if _quantized(codec.name, name, n_in, n_out, cfg.quantize.ignore))
+        decode += (
+            c
+            * shape.num_hidden_layers
+            * sum(
+                n_in * n_out
+                for name, (n_in, n_out, _b) in shape.linears().items()
+                if _quantized(codec.name, name, n_in, n_out, cfg.quantize.ignore)
+            )
+        )
     transient = max(head_work, layer) + decode
-    return {"saved": saved, "recompute": recompute, "transient": transient + kept,
-            "peak": saved + recompute + transient + kept, "per_layer": layer, "layer0": layer0, "head": head,
-            "rotary": rotary, "kept_softmax": kept}
+    return {
+        "saved": saved,
+        "recompute": recompute,
+        "transient": transient + kept,
+        "peak": saved + recompute + transient + kept,
+        "per_layer": layer,
+        "layer0": layer0,
+        "head": head,
+        "rotary": rotary,
+        "kept_softmax": kept,
+    }
 
 
 def kernel_check_bytes(cfg: QerlConfig, shape: ModelShape, tokens: int) -> int:
@@ -372,11 +419,21 @@ def kernel_check_bytes(cfg: QerlConfig, shape: ModelShape, tokens: int) -> int:
     if formats.get(METHOD_FORMAT[cfg.method]) is not nvfp4.CODEC or _dtype_bytes(cfg) == F32:  # as PackedLinear asks
         return 0
     c = _dtype_bytes(cfg)
-    return max((triton_nvfp4.check_bytes(op, tokens, n_out, n_in, c)
-                for name, (n_in, n_out, _b) in shape.linears().items()
-                if _quantized("nvfp4", f"model.layers.0.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}", n_in,
-                              n_out, list(cfg.quantize.ignore))
-                for op in triton_nvfp4.OPS), default=0)
+    return max(
+        (
+            triton_nvfp4.check_bytes(op, tokens, n_out, n_in, c)
+            for name, (n_in, n_out, _b) in shape.linears().items()
+            if _quantized(
+                "nvfp4",
+                f"model.layers.0.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}",
+                n_in,
+                n_out,
+                list(cfg.quantize.ignore),
+            )
+            for op in triton_nvfp4.OPS
+        ),
+        default=0,
+    )
 
 
 def _ceil_block(n: int) -> int:
@@ -391,11 +448,12 @@ def engine_bytes(cfg: QerlConfig, shape: ModelShape) -> dict[str, int]:
     served = w["base_linears"] + w["biases"] + w["embeddings"] + w["lm_head"] + w["norms"]
     rv = vllm_lora_rank(cfg.lora.rank)
     lora = shape.num_hidden_layers * sum(c * rv * (n_in + n_out) for n_in, n_out, _b in shape.linears().values())
-    work = (c * VLLM_MAX_BATCHED_TOKENS * (2 * shape.hidden_size + 3 * shape.intermediate_size)
-            + 2 * F32 * VLLM_MAX_NUM_SEQS * shape.vocab_size)
+    work = (
+        c * VLLM_MAX_BATCHED_TOKENS * (2 * shape.hidden_size + 3 * shape.intermediate_size)
+        + 2 * F32 * VLLM_MAX_NUM_SEQS * shape.vocab_size
+    )
     graphs = 0 if cfg.rollout.enforce_eager else CUDA_GRAPHS_BYTES
     return {"served_weights": served, "lora_slots": lora, "workspace": work, "cuda_graphs": graphs}
-
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -448,8 +506,14 @@ def _trainer_resident(cfg: QerlConfig, shape: ModelShape) -> dict[str, int]:
     return {**w, "lora": lora, "grads": trainable, "optimizer": opt["gpu"], "optimizer_host": opt["host"]}
 
 
-def plan(cfg: QerlConfig, shape: ModelShape, gpu_gib: float, *, micro_batch: int | None = None,
-         empty_cache: bool | None = None) -> Plan:
+def plan(
+    cfg: QerlConfig,
+    shape: ModelShape,
+    gpu_gib: float,
+    *,
+    micro_batch: int | None = None,
+    empty_cache: bool | None = None,
+) -> Plan:
     """The memory plan of ``cfg`` for ``shape`` on one GPU of ``gpu_gib`` GiB (see the module docstring).
 
     ``empty_cache``: whether the trainer returns its cached activation memory
@@ -498,22 +562,49 @@ def plan(cfg: QerlConfig, shape: ModelShape, gpu_gib: float, *, micro_batch: int
         max_util = 0.0
     notes = []
     if not starts:
-        notes.append(f"engine cannot start: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization} x GPU = "
-                     f"{reserved / GIB:.1f} GiB does not hold its weights, workspace and one {L}-token sequence "
-                     f"(needs >= {min_util:.3f})")
+        notes.append(
+            f"engine cannot start: gpu_memory_utilization {cfg.rollout.gpu_memory_utilization} x GPU = "
+            f"{reserved / GIB:.1f} GiB does not hold its weights, workspace and one {L}-token sequence "
+            f"(needs >= {min_util:.3f})"
+        )
     if starts and concurrent < n_rows:
         notes.append(f"rollout batch {n_rows} runs in waves: the KV cache holds {concurrent} sequences at once")
     codec = formats.get(fmt)
     if codec.cuda_needs is not None:
-        notes.append(f"{codec.label} served as {codec.served('cuda', {codec.cuda_needs}).tag} through vLLM's "
-                     f"{codec.cuda_needs} support{codec.cuda_needs_hint}; without it vLLM serves it dense")
+        notes.append(
+            f"{codec.label} served as {codec.served('cuda', {codec.cuda_needs}).tag} through vLLM's "
+            f"{codec.cuda_needs} support{codec.cuda_needs_hint}; without it vLLM serves it dense"
+        )
     return Plan(
-        method=cfg.method, fmt=fmt, model=shape.name, gpu_bytes=gpu, micro_batch=mb, rollout_batch=n_rows, seq_len=L,
-        completion_len=T, gradient_checkpointing=cfg.lora.gradient_checkpointing, sleep=sleep,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, trainer=trainer, activations=acts, engine=eng,
-        kv_per_token=kv_tok, kv_capacity=kv_capacity, kv_needed=kv_needed, engine_reserved=reserved,
-        engine_asleep=asleep, contexts=contexts, rollout_phase=rollout_phase, update_phase=update_phase, peak=peak,
-        empty_cache=empty_cache, engine_starts=starts, fits=starts and peak <= gpu, max_micro_batch=max_mb, max_concurrent_rollouts=concurrent,
-        min_gpu_memory_utilization=min_util, max_gpu_memory_utilization=max_util, notes=notes,
+        method=cfg.method,
+        fmt=fmt,
+        model=shape.name,
+        gpu_bytes=gpu,
+        micro_batch=mb,
+        rollout_batch=n_rows,
+        seq_len=L,
+        completion_len=T,
+        gradient_checkpointing=cfg.lora.gradient_checkpointing,
+        sleep=sleep,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        trainer=trainer,
+        activations=acts,
+        engine=eng,
+        kv_per_token=kv_tok,
+        kv_capacity=kv_capacity,
+        kv_needed=kv_needed,
+        engine_reserved=reserved,
+        engine_asleep=asleep,
+        contexts=contexts,
+        rollout_phase=rollout_phase,
+        update_phase=update_phase,
+        peak=peak,
+        empty_cache=empty_cache,
+        engine_starts=starts,
+        fits=starts and peak <= gpu,
+        max_micro_batch=max_mb,
+        max_concurrent_rollouts=concurrent,
+        min_gpu_memory_utilization=min_util,
+        max_gpu_memory_utilization=max_util,
+        notes=notes,
     )
-

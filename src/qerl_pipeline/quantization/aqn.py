@@ -123,7 +123,9 @@ def draw_noise(
     return out
 
 
-def apply_noise(clean: Mapping[str, torch.Tensor], noise: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+def apply_noise(
+    clean: Mapping[str, torch.Tensor], noise: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
     """``clean + Z`` in the clean tensors' dtype (what both the engine and the trainer use).
 
     Missing noise entries (or ``noise=None``) leave the tensor clean; adding exact zeros gives

@@ -21,8 +21,15 @@ import torch
 
 from qerl_pipeline.atomic import staged_dir
 from qerl_pipeline.quantization import nf4
-from qerl_pipeline.quantization.checkpoint import (BASE_DTYPE, BNB_SUBDIR, base_format, iter_codes, iter_tensors,
-                                                   linear_shapes, write_safetensors)
+from qerl_pipeline.quantization.checkpoint import (
+    BASE_DTYPE,
+    BNB_SUBDIR,
+    base_format,
+    iter_codes,
+    iter_tensors,
+    linear_shapes,
+    write_safetensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +81,15 @@ def bnb_nf4_tensors(owner: str, code: nf4.NF4Weight, dtype: torch.dtype = BASE_D
     ``dtype`` (what dequantization returns) and ``shape``, as uint8 bytes).
     """
     if code.blocksize not in BNB_BLOCKSIZES:
-        raise ValueError(f"{owner}: NF4 blocksize {code.blocksize} has no bitsandbytes kernel; allowed: {BNB_BLOCKSIZES}")
-    state = {"quant_type": "nf4", "blocksize": int(code.blocksize), "dtype": str(dtype).removeprefix("torch."),
-             "shape": [int(s) for s in code.shape]}
+        raise ValueError(
+            f"{owner}: NF4 blocksize {code.blocksize} has no bitsandbytes kernel; allowed: {BNB_BLOCKSIZES}"
+        )
+    state = {
+        "quant_type": "nf4",
+        "blocksize": int(code.blocksize),
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": [int(s) for s in code.shape],
+    }
     prefix = f"{owner}.weight"
     return {
         prefix: code.packed.reshape(-1, 1),
@@ -89,8 +102,11 @@ def bnb_nf4_tensors(owner: str, code: nf4.NF4Weight, dtype: torch.dtype = BASE_D
 def is_bnb_nf4_config(quantization_config: dict | None) -> bool:
     """Whether a ``quantization_config`` is a pre-quantized bitsandbytes 4-bit NF4 checkpoint's."""
     qc = quantization_config or {}
-    return (qc.get("quant_method") == "bitsandbytes" and qc.get("bnb_4bit_quant_type") == "nf4"
-            and bool(qc.get("load_in_4bit", qc.get("_load_in_4bit"))))
+    return (
+        qc.get("quant_method") == "bitsandbytes"
+        and qc.get("bnb_4bit_quant_type") == "nf4"
+        and bool(qc.get("load_in_4bit", qc.get("_load_in_4bit")))
+    )
 
 
 def iter_bnb_nf4_decoded(folder: Path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
@@ -110,8 +126,13 @@ def iter_bnb_nf4_decoded(folder: Path, dtype: torch.dtype = torch.float32) -> It
             continue
         del parts[owner]
         state = json.loads(bytes(got[f"weight.{BNB_QUANT_STATE_KEY}"].tolist()).decode("utf-8"))
-        dense = nf4.decode(got["weight"].reshape(-1), got["weight.absmax"], tuple(state["shape"]),
-                           int(state["blocksize"]), torch.float32)
+        dense = nf4.decode(
+            got["weight"].reshape(-1),
+            got["weight.absmax"],
+            tuple(state["shape"]),
+            int(state["blocksize"]),
+            torch.float32,
+        )
         yield f"{owner}.weight", dense.to(dtype)
     if parts:
         raise ValueError(f"{folder}: incomplete bitsandbytes NF4 tensors for {sorted(parts)[:5]}")
@@ -144,8 +165,10 @@ def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
                 yield name, value
                 continue
             if name == "lm_head" or name.endswith(".lm_head"):
-                raise ValueError(f"{base_dir}: {name} is NF4-quantized; bitsandbytes checkpoints (and vLLM's loader) "
-                                 "keep the output head dense: quantize with lm_head in quantize.ignore")
+                raise ValueError(
+                    f"{base_dir}: {name} is NF4-quantized; bitsandbytes checkpoints (and vLLM's loader) "
+                    "keep the output head dense: quantize with lm_head in quantize.ignore"
+                )
             code = nf4.NF4Weight(value["weight_nf4"], value["weight_absmax"], shapes[name], blocksize)
             yield from bnb_nf4_tensors(name, code).items()
 
@@ -155,7 +178,11 @@ def write_bnb_nf4(base_dir: Path, out_dir: Path | None = None) -> Path:
             cfg["quantization_config"] = bnb_nf4_quantization_config(meta.get("ignore", []))
             (stage / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             for p in base_dir.iterdir():
-                if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
+                if (
+                    p.is_file()
+                    and not p.name.endswith(".safetensors")
+                    and p.name not in ("config.json", "model.safetensors.index.json")
+                ):
                     shutil.copy2(p, stage / p.name)
     except FileExistsError:
         if not (out_dir / "config.json").is_file():

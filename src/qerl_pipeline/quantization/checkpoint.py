@@ -122,7 +122,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
+def write_safetensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> int:
     """Write ``(name, tensor)`` pairs as HF safetensors shards (+ index when > 1); returns bytes."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
@@ -236,8 +238,10 @@ def base_dir_for(root: Path, method_or_format: str) -> Path:
     """``<root>/base_<format>`` for a method (qerl, qlora, ...) or a format name."""
     fmt = METHOD_FORMAT.get(method_or_format, method_or_format)
     if fmt not in formats.names():
-        raise ValueError(f"unknown method or format {method_or_format!r}; registered methods: {', '.join(METHOD_FORMAT)}; "
-                         f"formats: {', '.join(formats.names())}")
+        raise ValueError(
+            f"unknown method or format {method_or_format!r}; registered methods: {', '.join(METHOD_FORMAT)}; "
+            f"formats: {', '.join(formats.names())}"
+        )
     return Path(root) / f"base_{fmt}"
 
 
@@ -330,7 +334,9 @@ def write_base(
     return summarize(fmt, layers, out_dir)
 
 
-def _layer_stats(name: str, original: torch.Tensor, dense: torch.Tensor, code: Mapping[str, torch.Tensor] | None) -> dict:
+def _layer_stats(
+    name: str, original: torch.Tensor, dense: torch.Tensor, code: Mapping[str, torch.Tensor] | None
+) -> dict:
     numel = original.numel()
     quantized = code is not None
     return {
@@ -365,8 +371,17 @@ def summarize(fmt: str, layers: list[dict], out_dir: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- calibrated
-def calibrated_base(model, tokenizer, fmt: str, out_dir: Path, *, algorithm: str, texts: list[str], ignore: list[str],
-                    max_seq_len: int = 512) -> dict:
+def calibrated_base(
+    model,
+    tokenizer,
+    fmt: str,
+    out_dir: Path,
+    *,
+    algorithm: str,
+    texts: list[str],
+    ignore: list[str],
+    max_seq_len: int = 512,
+) -> dict:
     """A ``fmt`` base through llmcompressor's AWQ or GPTQ (its codec's ``calibration_scheme`` preset) with ``texts``
     as calibration data.
 
@@ -404,8 +419,14 @@ def calibrated_base(model, tokenizer, fmt: str, out_dir: Path, *, algorithm: str
     try:
         model.config.save_pretrained(cfg_dir)
         model.config.name_or_path = str(cfg_dir)
-        oneshot(model=model, processor=tokenizer, dataset=ds, recipe=recipe, num_calibration_samples=len(texts),
-                max_seq_length=max_seq_len)
+        oneshot(
+            model=model,
+            processor=tokenizer,
+            dataset=ds,
+            recipe=recipe,
+            num_calibration_samples=len(texts),
+            max_seq_length=max_seq_len,
+        )
     finally:
         model.config.name_or_path = old_name
         shutil.rmtree(cfg_dir, ignore_errors=True)
@@ -415,9 +436,13 @@ def calibrated_base(model, tokenizer, fmt: str, out_dir: Path, *, algorithm: str
             tokenizer.save_pretrained(stage)
         # Statistics from the codes llmcompressor wrote.
         params = codec.params(base_config(stage))
-        layers = [_layer_stats(owner, original[owner], codec.decode(code, tuple(original[owner].shape), torch.float32,
-                                                                    params), code)
-                  for owner, code in iter_codes(stage) if isinstance(code, dict)]
+        layers = [
+            _layer_stats(
+                owner, original[owner], codec.decode(code, tuple(original[owner].shape), torch.float32, params), code
+            )
+            for owner, code in iter_codes(stage)
+            if isinstance(code, dict)
+        ]
         return summarize(fmt, layers, stage)
 
 
@@ -438,8 +463,11 @@ def empty_model(base_dir: Path, dtype: torch.dtype):
 
 def linear_shapes(base_dir: Path) -> dict[str, tuple[int, ...]]:
     """``[out, in]`` of every linear of the base folder's model (``empty_model``): what a code decodes to."""
-    return {n: tuple(m.weight.shape) for n, m in empty_model(base_dir, BASE_DTYPE).named_modules()
-            if isinstance(m, torch.nn.Linear)}
+    return {
+        n: tuple(m.weight.shape)
+        for n, m in empty_model(base_dir, BASE_DTYPE).named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
 
 
 def iter_codes(base_dir: Path) -> Iterator[tuple[str, torch.Tensor | dict[str, torch.Tensor]]]:
@@ -496,6 +524,10 @@ def write_serving(base_dir: Path, out_dir: Path, dtype: torch.dtype = torch.floa
             cfg[key] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for p in base_dir.iterdir():
-        if p.is_file() and not p.name.startswith("qerl_") and not p.name.endswith(".safetensors") \
-                and p.name not in ("config.json", "model.safetensors.index.json"):
+        if (
+            p.is_file()
+            and not p.name.startswith("qerl_")
+            and not p.name.endswith(".safetensors")
+            and p.name not in ("config.json", "model.safetensors.index.json")
+        ):
             shutil.copy2(p, out_dir / p.name)

@@ -124,8 +124,9 @@ class Codec:
         """The tensors of one linear's weight, by suffix."""
         raise NotImplementedError(f"{type(self).__name__}.encode")
 
-    def encode_linears(self, weights: Mapping[str, torch.Tensor], settings: Mapping[str, Any],
-                       progress: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    def encode_linears(
+        self, weights: Mapping[str, torch.Tensor], settings: Mapping[str, Any], progress: bool = False
+    ) -> dict[str, dict[str, torch.Tensor]]:
         """Several linears (module name -> weight); a format whose linears share scales overrides this."""
         names: Iterable[str] = list(weights)
         if progress:
@@ -134,29 +135,42 @@ class Codec:
             names = track(list(names), description=f"{self.label or self.name} encode")
         return {n: self.encode(weights[n], settings) for n in names}
 
-    def decode(self, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
-               params: Mapping[str, Any]) -> torch.Tensor:
+    def decode(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        params: Mapping[str, Any],
+    ) -> torch.Tensor:
         """The dense ``[out, in]`` weight (float32 arithmetic, then ``dtype``); ``params`` from ``params(config)``."""
         raise NotImplementedError(f"{type(self).__name__}.decode")
 
-    def tensor_specs(self, n_out: int, n_in: int, params: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def tensor_specs(
+        self, n_out: int, n_in: int, params: Mapping[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each tensor of a quantized ``[n_out, n_in]`` linear, by suffix."""
         return {}
 
     def linear_bytes(self, n_out: int, n_in: int, params: Mapping[str, Any]) -> int:
         """Bytes of one quantized linear's tensors, as written and as a ``PackedLinear`` holds them."""
-        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-                   for shape, dt in self.tensor_specs(n_out, n_in, params).values())
+        return sum(
+            math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            for shape, dt in self.tensor_specs(n_out, n_in, params).values()
+        )
 
-    def check_tensors(self, tensors: Mapping[str, torch.Tensor], n_out: int, n_in: int, params: Mapping[str, Any]) -> None:
+    def check_tensors(
+        self, tensors: Mapping[str, torch.Tensor], n_out: int, n_in: int, params: Mapping[str, Any]
+    ) -> None:
         """Refuse tensors that are not this format's for a ``[n_out, n_in]`` linear (missing, shape, dtype)."""
         for suffix, (shape, dtype) in self.tensor_specs(n_out, n_in, params).items():
             t = tensors.get(suffix)
             if t is None:
                 raise ValueError(f"{self.name}: {suffix} missing for a {n_out}x{n_in} linear")
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(f"{self.name}: {suffix} is {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)} "
-                                 f"for a {n_out}x{n_in} linear")
+                raise ValueError(
+                    f"{self.name}: {suffix} is {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)} "
+                    f"for a {n_out}x{n_in} linear"
+                )
 
     # ------------------------------------------------------------------ checkpoint
     def checkpoint_config(self, ignore: Iterable[str], settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -199,9 +213,15 @@ class Codec:
         if platform == "cpu" or self.cuda is None:
             return dense
         if self.cuda_needs is not None and self.cuda_needs not in features:
-            return Served(dense.path, dense.tag, True, note=(
-                f"{self.label or self.name} base served dense on CUDA ({dense.tag}): this vLLM has no "
-                f"{self.cuda_needs} support{self.cuda_needs_hint}; its rollouts then run at BF16 speed"))
+            return Served(
+                dense.path,
+                dense.tag,
+                True,
+                note=(
+                    f"{self.label or self.name} base served dense on CUDA ({dense.tag}): this vLLM has no "
+                    f"{self.cuda_needs} support{self.cuda_needs_hint}; its rollouts then run at BF16 speed"
+                ),
+            )
         return self.cuda
 
 
@@ -236,8 +256,10 @@ def check_matrix(weight: torch.Tensor, fmt: str, group: int = 1) -> None:
     if not weight.is_floating_point():
         raise ValueError(f"{fmt} quantizes floating weights, got {weight.dtype}")
     if weight.shape[1] % group:
-        raise ValueError(f"{fmt} needs in_features divisible by {group}, got shape {tuple(weight.shape)}; "
-                         "add the module to quantize.ignore")
+        raise ValueError(
+            f"{fmt} needs in_features divisible by {group}, got shape {tuple(weight.shape)}; "
+            "add the module to quantize.ignore"
+        )
 
 
 def signed_absmax(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
@@ -256,8 +278,15 @@ def compressed_tensors_config(fmt: str, weights: Mapping[str, Any], ignore: Iter
     except Exception:  # compressed-tensors is optional for writing
         ct_version = "0.19.0"
     return {
-        "config_groups": {"group_0": {"format": fmt, "input_activations": None, "output_activations": None,
-                                      "targets": ["Linear"], "weights": dict(weights)}},
+        "config_groups": {
+            "group_0": {
+                "format": fmt,
+                "input_activations": None,
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": dict(weights),
+            }
+        },
         "format": fmt,
         "global_compression_ratio": None,
         "ignore": sorted(ignore),

@@ -36,5 +36,7 @@ def format_of(config: Mapping[str, Any], where: object = "config.json") -> str:
     qc = config.get("quantization_config") or config.get("qerl_quantization") or {}
     what = qc.get("format") or qc.get("quant_method") or "?"
     if not found:
-        raise ValueError(f"{where}: unsupported quantization format {what!r}; registered formats: {', '.join(REGISTRY)}")
+        raise ValueError(
+            f"{where}: unsupported quantization format {what!r}; registered formats: {', '.join(REGISTRY)}"
+        )
     raise ValueError(f"{where}: quantization format {what!r} is read by several codecs: {', '.join(found)}")

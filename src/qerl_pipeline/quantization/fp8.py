@@ -59,9 +59,18 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 # ----------------------------------------------------------------------------- the codec
 CT_FORMAT = "naive-quantized"
 CT_WEIGHTS = {
-    "actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "num_bits": 8,
-    "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": None, "strategy": "channel",
-    "symmetric": True, "type": "float", "zp_dtype": None,
+    "actorder": None,
+    "block_structure": None,
+    "dynamic": False,
+    "group_size": None,
+    "num_bits": 8,
+    "observer": "memoryless_minmax",
+    "observer_kwargs": {},
+    "scale_dtype": None,
+    "strategy": "channel",
+    "symmetric": True,
+    "type": "float",
+    "zp_dtype": None,
 }
 
 
@@ -76,8 +85,14 @@ class FP8Codec(CompressedTensorsCodec):
     max_rel_error = 0.05
     decode_bytes_per_weight = 8  # the codes widened to float32, and the float32 product
     ct_format, ct_weights = CT_FORMAT, CT_WEIGHTS
-    cuda = Served(".", "fp8", False, {"quantization": "compressed-tensors"}, activations_16bit=True,
-                  scheme="CompressedTensorsW8A16Fp8")
+    cuda = Served(
+        ".",
+        "fp8",
+        False,
+        {"quantization": "compressed-tensors"},
+        activations_16bit=True,
+        scheme="CompressedTensorsW8A16Fp8",
+    )
 
     def encode(self, weight, settings):
         return encode(weight)

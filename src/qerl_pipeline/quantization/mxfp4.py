@@ -96,9 +96,18 @@ def decode(packed: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype = t
 # ----------------------------------------------------------------------------- the codec
 CT_FORMAT = "mxfp4-pack-quantized"
 CT_WEIGHTS = {
-    "actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP_SIZE, "num_bits": 4,
-    "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8", "strategy": "group",
-    "symmetric": True, "type": "float", "zp_dtype": None,
+    "actorder": None,
+    "block_structure": None,
+    "dynamic": False,
+    "group_size": GROUP_SIZE,
+    "num_bits": 4,
+    "observer": "memoryless_minmax",
+    "observer_kwargs": {},
+    "scale_dtype": "torch.uint8",
+    "strategy": "group",
+    "symmetric": True,
+    "type": "float",
+    "zp_dtype": None,
 }
 
 
@@ -113,8 +122,14 @@ class MXFP4Codec(CompressedTensorsCodec):
     settings = ("ignore",)
     max_rel_error = 0.2
     ct_format, ct_weights = CT_FORMAT, CT_WEIGHTS
-    cuda = Served(".", "mxfp4", False, {"quantization": "compressed-tensors"}, activations_16bit=True,
-                  scheme="CompressedTensorsW4A4Mxfp4")
+    cuda = Served(
+        ".",
+        "mxfp4",
+        False,
+        {"quantization": "compressed-tensors"},
+        activations_16bit=True,
+        scheme="CompressedTensorsW4A4Mxfp4",
+    )
 
     def encode(self, weight, settings):
         return encode(weight)
@@ -123,7 +138,10 @@ class MXFP4Codec(CompressedTensorsCodec):
         return decode(tensors["weight_packed"], tensors["weight_scale"], dtype=dtype)
 
     def tensor_specs(self, n_out, n_in, params):
-        return {"weight_packed": ((n_out, n_in // 2), torch.uint8), "weight_scale": ((n_out, n_in // GROUP_SIZE), torch.uint8)}
+        return {
+            "weight_packed": ((n_out, n_in // 2), torch.uint8),
+            "weight_scale": ((n_out, n_in // GROUP_SIZE), torch.uint8),
+        }
 
 
 CODEC = register(MXFP4Codec())

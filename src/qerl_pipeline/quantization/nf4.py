@@ -31,9 +31,8 @@ bitsandbytes (``bnb/``, ``quantization/bnb.py``) where vLLM has bitsandbytes sup
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -128,7 +127,9 @@ def _byte_table(device: torch.device) -> torch.Tensor:
     """``[256, 2]`` float32: the NF4 levels of a packed byte's high and low nibble (``unpack``'s order)."""
     table = _BYTE_TABLES.get(torch.device(device))
     if table is None:
-        table = torch.stack([NF4_LEVELS.repeat_interleave(16), NF4_LEVELS.repeat(16)], dim=-1).to(torch.float32).to(device)
+        table = (
+            torch.stack([NF4_LEVELS.repeat_interleave(16), NF4_LEVELS.repeat(16)], dim=-1).to(torch.float32).to(device)
+        )
         _BYTE_TABLES[torch.device(device)] = table
     return table
 
@@ -172,8 +173,13 @@ class NF4Codec(Codec):
     buffers = {"weight_nf4": "packed", "weight_absmax": "absmax_bits"}
     settings = ("ignore", "nf4_blocksize", "nf4_double_quant")
     max_rel_error = 0.15
-    cuda = Served("bnb", "nf4-bnb", False, {"quantization": "bitsandbytes", "load_format": "bitsandbytes"},
-                  scheme="bitsandbytes 4-bit NF4 (vllm-bnb-plugin)")
+    cuda = Served(
+        "bnb",
+        "nf4-bnb",
+        False,
+        {"quantization": "bitsandbytes", "load_format": "bitsandbytes"},
+        scheme="bitsandbytes 4-bit NF4 (vllm-bnb-plugin)",
+    )
     cuda_needs = "bitsandbytes"
     cuda_needs_hint = " (vLLM >= 0.32 has none in-tree: `pip install vllm-bnb-plugin`)"
 
@@ -181,19 +187,29 @@ class NF4Codec(Codec):
         return encode(weight, int(settings.get("nf4_blocksize", DEFAULT_BLOCKSIZE))).state_dict()
 
     def decode(self, tensors, shape, dtype, params):
-        return decode(tensors["weight_nf4"], tensors["weight_absmax"], shape,
-                      int(params.get("blocksize", DEFAULT_BLOCKSIZE)), dtype=dtype)
+        return decode(
+            tensors["weight_nf4"],
+            tensors["weight_absmax"],
+            shape,
+            int(params.get("blocksize", DEFAULT_BLOCKSIZE)),
+            dtype=dtype,
+        )
 
     def tensor_specs(self, n_out, n_in, params):
         n, bs = n_out * n_in, int(params.get("blocksize", DEFAULT_BLOCKSIZE))
-        return {"weight_nf4": ((math.ceil(n / 2),), torch.uint8), "weight_absmax": ((math.ceil(n / bs),), torch.float32)}
+        return {
+            "weight_nf4": ((math.ceil(n / 2),), torch.uint8),
+            "weight_absmax": ((math.ceil(n / bs),), torch.float32),
+        }
 
     def layout(self, settings):
         return {"blocksize": int(settings.get("nf4_blocksize", DEFAULT_BLOCKSIZE))}
 
     def check_settings(self, settings):
         if settings.get("nf4_double_quant"):
-            raise ValueError("quantize.nf4_double_quant: double quantization is not implemented (see quantization/nf4.py)")
+            raise ValueError(
+                "quantize.nf4_double_quant: double quantization is not implemented (see quantization/nf4.py)"
+            )
 
 
 CODEC = register(NF4Codec())

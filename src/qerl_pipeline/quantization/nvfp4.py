@@ -305,9 +305,18 @@ def relative_error(weight: torch.Tensor, dense: torch.Tensor) -> float:
 #: compressed-tensors' format name and weight arguments of NVFP4A16 (weights only, group 16, FP8 scales)
 CT_FORMAT = "nvfp4-pack-quantized"
 CT_WEIGHTS = {
-    "actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP_SIZE, "num_bits": 4,
-    "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
-    "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None,
+    "actorder": None,
+    "block_structure": None,
+    "dynamic": False,
+    "group_size": GROUP_SIZE,
+    "num_bits": 4,
+    "observer": "memoryless_minmax",
+    "observer_kwargs": {},
+    "scale_dtype": "torch.float8_e4m3fn",
+    "strategy": "tensor_group",
+    "symmetric": True,
+    "type": "float",
+    "zp_dtype": None,
 }
 
 
@@ -324,8 +333,14 @@ class NVFP4Codec(CompressedTensorsCodec):
     decode_bytes_per_weight = DECODE_BYTES_PER_WEIGHT
     calibration_scheme = "NVFP4A16"
     ct_format, ct_weights = CT_FORMAT, CT_WEIGHTS
-    cuda = Served(".", "nvfp4", False, {"quantization": "compressed-tensors"}, activations_16bit=True,
-                  scheme="CompressedTensorsW4A4Fp4(use_a16=True)")
+    cuda = Served(
+        ".",
+        "nvfp4",
+        False,
+        {"quantization": "compressed-tensors"},
+        activations_16bit=True,
+        scheme="CompressedTensorsW4A4Fp4(use_a16=True)",
+    )
 
     def encode(self, weight, settings):
         return encode(weight).state_dict()
@@ -337,9 +352,11 @@ class NVFP4Codec(CompressedTensorsCodec):
         return decode(tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"], dtype=dtype)
 
     def tensor_specs(self, n_out, n_in, params):
-        return {"weight_packed": ((n_out, n_in // 2), torch.uint8),
-                "weight_scale": ((n_out, n_in // GROUP_SIZE), torch.float8_e4m3fn),
-                "weight_global_scale": ((1,), torch.float32)}
+        return {
+            "weight_packed": ((n_out, n_in // 2), torch.uint8),
+            "weight_scale": ((n_out, n_in // GROUP_SIZE), torch.float8_e4m3fn),
+            "weight_global_scale": ((1,), torch.float32),
+        }
 
     def algorithm(self, settings):
         return settings.get("nvfp4_algorithm", "rtn")

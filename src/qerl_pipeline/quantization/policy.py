@@ -132,9 +132,18 @@ class PackedLinear(nn.Module):
     Triton only on CUDA, after it agreed with the torch path and timed faster.
     """
 
-    def __init__(self, in_features: int, out_features: int, fmt: str, tensors: dict[str, torch.Tensor], *,
-                 compute_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
-                 params: dict[str, Any] | None = None, kernel: str = "auto") -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str,
+        tensors: dict[str, torch.Tensor],
+        *,
+        compute_dtype: torch.dtype = torch.float32,
+        bias: torch.Tensor | None = None,
+        params: dict[str, Any] | None = None,
+        kernel: str = "auto",
+    ) -> None:
         super().__init__()
         if kernel not in triton_nvfp4.MODES:
             raise ValueError(f"PackedLinear: kernel must be one of {triton_nvfp4.MODES}, got {kernel!r}")
@@ -232,8 +241,9 @@ def _packed_lora_class():
             if adapter is None:
                 return super().forward(x, *args, **kwargs)
             base = self.base_layer
-            out = _PackedLoraMatmul.apply(x, base, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
-                                          float(self.scaling[adapter]))
+            out = _PackedLoraMatmul.apply(
+                x, base, self.lora_A[adapter].weight, self.lora_B[adapter].weight, float(self.scaling[adapter])
+            )
             return out + base.bias.to(out.dtype) if base.bias is not None else out
 
         def _fused_adapter(self, x, args, kwargs) -> str | None:
@@ -273,7 +283,9 @@ class _PackedLoraMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: PackedLinear, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, layer: PackedLinear, a: torch.Tensor, b: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         w_eff = DENSE_TRACKER.track(torch.addmm(layer.dense_weight(x.dtype), b, a, alpha=scale))
         y = x2 @ w_eff.t()
@@ -370,21 +382,26 @@ def load_base(base_dir: Path, fmt: str, *, dtype: torch.dtype, device: str = "cp
         if owner in owners and leaf in codec.suffixes:
             groups.setdefault(owner, {})[leaf] = tensor.to(device)
         else:
-            _set_tensor(model, name, tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor.to(device))
+            _set_tensor(
+                model, name, tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor.to(device)
+            )
     for owner, tensors in groups.items():
         lin = model.get_submodule(owner)
         if not isinstance(lin, nn.Linear):
             raise ValueError(f"{owner}: quantized tensors for a {type(lin).__name__}, expected Linear")
         bias = lin.bias if lin.bias is not None and lin.bias.device.type != "meta" else None
-        packed = PackedLinear(lin.in_features, lin.out_features, fmt, tensors, compute_dtype=dtype, bias=bias,
-                              params=params)
+        packed = PackedLinear(
+            lin.in_features, lin.out_features, fmt, tensors, compute_dtype=dtype, bias=bias, params=params
+        )
         parent, _, leaf = owner.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, packed)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if missing:
-        raise ValueError(f"{base_dir}: tensors missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"{base_dir}: tensors missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
     model.requires_grad_(False)
     return model.to(device).eval()
 
@@ -393,8 +410,9 @@ def _is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm")
 
 
-def build_policy(base_dir: Path, fmt: str, lora: LoraConfig, *, dtype: torch.dtype, device: str = "cpu",
-                 norm_dtype: str = "float32") -> nn.Module:
+def build_policy(
+    base_dir: Path, fmt: str, lora: LoraConfig, *, dtype: torch.dtype, device: str = "cpu", norm_dtype: str = "float32"
+) -> nn.Module:
     """Base (packed per ``fmt``) + PEFT LoRA (+ trainable norms, gradient checkpointing).
 
     ``norm_dtype`` (``model.norm_dtype``): ``float32`` keeps the RMSNorm weights in fp32 when
@@ -412,8 +430,14 @@ def build_policy(base_dir: Path, fmt: str, lora: LoraConfig, *, dtype: torch.dty
     unknown = [t for t in targets if t not in found]
     if unknown:
         raise ValueError(f"lora.target_modules: {unknown} not found among the model's linears {sorted(found)}")
-    peft_cfg = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                              bias="none", task_type="CAUSAL_LM")
+    peft_cfg = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     peft_cfg._register_custom_module({PackedLinear: _packed_lora_class()})
     if lora.gradient_checkpointing:
         model.config.use_cache = False
@@ -525,5 +549,8 @@ def measure_training_memory(policy: nn.Module, input_ids: torch.Tensor) -> dict[
     policy.zero_grad(set_to_none=True)
     resident = parameter_bytes(policy)
     peak = DENSE_TRACKER.transient_peak
-    return {**{f"resident_{k}": v for k, v in resident.items()}, "peak_dense_transient": peak,
-            "peak_param_bytes": resident["total"] + peak}
+    return {
+        **{f"resident_{k}": v for k, v in resident.items()},
+        "peak_dense_transient": peak,
+        "peak_param_bytes": resident["total"] + peak,
+    }

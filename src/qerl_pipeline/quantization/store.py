@@ -113,7 +113,9 @@ def calibration_texts(path: str | Path, n: int) -> list[str]:
     return texts
 
 
-def _typed(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any]) -> tuple[ModelConfig, QuantizeConfig]:
+def _typed(
+    model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any]
+) -> tuple[ModelConfig, QuantizeConfig]:
     mcfg = model if isinstance(model, ModelConfig) else parse(ModelConfig, model, "model")
     qcfg = quantize if isinstance(quantize, QuantizeConfig) else parse(QuantizeConfig, quantize, "quantize")
     return mcfg, qcfg
@@ -142,8 +144,11 @@ def _model_identity(mcfg: ModelConfig) -> dict[str, Any]:
     ident: dict[str, Any] = {"source": mcfg.source, "resolved": kind}
     if kind == "random":
         gguf = _gguf_file(mcfg)
-        ident.update(random_init=mcfg.random_init.model_dump(mode="json"), max_seq_len=mcfg.max_seq_len,
-                     tokenizer_gguf={"name": gguf.name, "size": gguf.stat().st_size})
+        ident.update(
+            random_init=mcfg.random_init.model_dump(mode="json"),
+            max_seq_len=mcfg.max_seq_len,
+            tokenizer_gguf={"name": gguf.name, "size": gguf.stat().st_size},
+        )
         return ident
     ident.update(name=mcfg.name, revision=mcfg.revision)
     if kind == "gguf":
@@ -172,7 +177,9 @@ def _quantize_identity(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str) -> dic
             llmc = None
         ident.update(
             calibration_texts_sha256=_sha256_bytes(json.dumps(texts, ensure_ascii=False).encode("utf-8")),
-            calibration_count=len(texts), calibration_max_seq_len=mcfg.max_seq_len, llmcompressor=llmc,
+            calibration_count=len(texts),
+            calibration_max_seq_len=mcfg.max_seq_len,
+            llmcompressor=llmc,
         )
     return ident
 
@@ -182,7 +189,9 @@ def _digest(fingerprint: dict[str, Any]) -> str:
     return _sha256_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
 
 
-def base_fingerprint(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str) -> dict[str, Any]:
+def base_fingerprint(
+    model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str
+) -> dict[str, Any]:
     """Everything that decides the bytes of a ``fmt`` base of ``model`` under ``quantize``, + its ``digest``."""
     codec = formats.get(fmt)
     mcfg, qcfg = _typed(model, quantize)
@@ -237,9 +246,11 @@ def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         s = "(absent)" if v is _ABSENT else repr(v)
         return s if len(s) <= 60 else s[:57] + "..."
 
-    return [f"{k}: {short(a.get(k, _ABSENT))} -> {short(b.get(k, _ABSENT))}"
-            for k in sorted(set(a) | set(b)) if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
-
+    return [
+        f"{k}: {short(a.get(k, _ABSENT))} -> {short(b.get(k, _ABSENT))}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k, _ABSENT) != b.get(k, _ABSENT)
+    ]
 
 
 class BaseDamaged(ValueError):
@@ -289,8 +300,14 @@ class Decision:
         return self.reason is None
 
 
-def check_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str,
-               folder: str | Path, *, force: bool = False) -> Decision:
+def check_base(
+    model: ModelConfig | dict[str, Any],
+    quantize: QuantizeConfig | dict[str, Any],
+    fmt: str,
+    folder: str | Path,
+    *,
+    force: bool = False,
+) -> Decision:
     """Whether ``folder`` holds the ``fmt`` base for these settings (``force`` or ``quantize.force``: never)."""
     mcfg, qcfg = _typed(model, quantize)
     fp = base_fingerprint(mcfg, qcfg, fmt)
@@ -299,8 +316,10 @@ def check_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | d
     if why is None:
         files = record["files"]
         if qcfg.verify != "sizes" and all(isinstance(v, int) for v in files.values()):
-            why = (f"its stamp records no content hashes (written before bases were hashed; quantize.verify={qcfg.verify} "
-                   "re-quantizes it once, quantize.verify=sizes reuses it by its sizes)")
+            why = (
+                f"its stamp records no content hashes (written before bases were hashed; quantize.verify={qcfg.verify} "
+                "re-quantizes it once, quantize.verify=sizes reuses it by its sizes)"
+            )
         elif (damage := _damage(Path(folder), files, qcfg.verify)) is not None:
             why = f"damaged folder: {damage}"
     serving = None
@@ -347,7 +366,13 @@ def write_new_base(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str, out: Path)
     if algorithm != "rtn":
         texts = calibration_texts(qcfg.calibration_path, qcfg.calibration_samples)
         report = checkpoint.calibrated_base(
-            base, tokenizer, fmt, out, algorithm=algorithm, texts=texts, ignore=list(qcfg.ignore),
+            base,
+            tokenizer,
+            fmt,
+            out,
+            algorithm=algorithm,
+            texts=texts,
+            ignore=list(qcfg.ignore),
             max_seq_len=mcfg.max_seq_len,
         )
     else:
@@ -362,8 +387,14 @@ def write_new_base(mcfg: ModelConfig, qcfg: QuantizeConfig, fmt: str, out: Path)
     return report
 
 
-def ensure_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | dict[str, Any], fmt: str,
-                folder: str | Path, *, force: bool = False) -> tuple[Path, dict[str, Any], bool]:
+def ensure_base(
+    model: ModelConfig | dict[str, Any],
+    quantize: QuantizeConfig | dict[str, Any],
+    fmt: str,
+    folder: str | Path,
+    *,
+    force: bool = False,
+) -> tuple[Path, dict[str, Any], bool]:
     """``(folder, report, reused)``: the ``fmt`` base at ``folder``, reused when its fingerprint matches.
 
     ``force`` (or ``quantize.force``) rewrites it regardless. The report is the stored one on
@@ -376,28 +407,50 @@ def ensure_base(model: ModelConfig | dict[str, Any], quantize: QuantizeConfig | 
     decision = check_base(mcfg, qcfg, fmt, folder, force=force)
     digest = decision.fingerprint["digest"]
     if decision.damage is not None and qcfg.verify == "fail" and not (force or qcfg.force):
-        raise BaseDamaged(f"base_{fmt} in {folder} is damaged: {decision.damage} (quantize.verify=fail: not re-quantized; "
-                          "quantize.verify=requantize or quantize.force=true rewrites it)")
+        raise BaseDamaged(
+            f"base_{fmt} in {folder} is damaged: {decision.damage} (quantize.verify=fail: not re-quantized; "
+            "quantize.verify=requantize or quantize.force=true rewrites it)"
+        )
     if decision.reuse:
         if decision.serving_damage is not None:
             if qcfg.verify == "fail":
-                raise BaseDamaged(f"base_{fmt} in {folder} has a damaged serving copy: {decision.serving_damage} "
-                                  "(quantize.verify=fail: not removed; quantize.verify=requantize removes it, and it is "
-                                  "decoded again from the base on its next use)")
-            log.info("base_%s: damaged serving copy removed (%s); it is decoded again on its next use", fmt,
-                     decision.serving_damage)
+                raise BaseDamaged(
+                    f"base_{fmt} in {folder} has a damaged serving copy: {decision.serving_damage} "
+                    "(quantize.verify=fail: not removed; quantize.verify=requantize removes it, and it is "
+                    "decoded again from the base on its next use)"
+                )
+            log.info(
+                "base_%s: damaged serving copy removed (%s); it is decoded again on its next use",
+                fmt,
+                decision.serving_damage,
+            )
             shutil.rmtree(checkpoint.serving_dir(folder))
-        log.info("base_%s reused: %s (fingerprint %s, same model and quantize settings; quantize.force=true redoes it)",
-                 fmt, folder, digest[:12])
+        log.info(
+            "base_%s reused: %s (fingerprint %s, same model and quantize settings; quantize.force=true redoes it)",
+            fmt,
+            folder,
+            digest[:12],
+        )
         return folder, {**decision.record["report"], "reused": True, "fingerprint": digest}, True
     log.info("base_%s quantized into %s: %s (fingerprint %s)", fmt, folder, decision.reason, digest[:12])
     with staged_dir(folder, create=False, what="base") as stage:  # the writers create the folder themselves
         report = write_new_base(mcfg, qcfg, fmt, stage)
-        record = {"schema": STAMP_SCHEMA, "fingerprint": decision.fingerprint, "files": file_manifest(stage, skip=(STAMP,)),
-                  "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "report": report}
+        record = {
+            "schema": STAMP_SCHEMA,
+            "fingerprint": decision.fingerprint,
+            "files": file_manifest(stage, skip=(STAMP,)),
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "report": report,
+        }
         write_atomic(stage / STAMP, record, as_json=True)  # last: a folder without it is never reused
-    log.info("base_%s: %d linears, ratio %.4f vs bf16, mean rel. error %.4f, %.1f s", fmt, report["n_quantized_linears"],
-             report["linear_bytes_ratio"], report["rel_error_mean"], report["quantize_seconds"])
+    log.info(
+        "base_%s: %d linears, ratio %.4f vs bf16, mean rel. error %.4f, %.1f s",
+        fmt,
+        report["n_quantized_linears"],
+        report["linear_bytes_ratio"],
+        report["rel_error_mean"],
+        report["quantize_seconds"],
+    )
     return folder, {**report, "reused": False, "fingerprint": digest}, False
 
 
@@ -458,4 +511,3 @@ def ensure_serving(folder: str | Path) -> Path:
             raise
         log.info("%s: written meanwhile by another process; keeping it", out)
     return out
-

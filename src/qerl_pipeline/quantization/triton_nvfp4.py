@@ -59,8 +59,13 @@ from typing import Any
 import torch
 
 from qerl_pipeline.quantization import nvfp4
-from qerl_pipeline.quantization.triton_nvfp4_kernels import (HAVE_TRITON, TRITON_IMPORT_ERROR, interpreted,
-                                                            jit_functions, triton)
+from qerl_pipeline.quantization.triton_nvfp4_kernels import (
+    HAVE_TRITON,
+    TRITON_IMPORT_ERROR,
+    interpreted,
+    jit_functions,
+    triton,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +118,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     rows = max(1, REL_ERR_CHUNK_BYTES // (3 * 4 * max(1, a.shape[1])))  # a, b and a - b in float32
     diff = ref = 0.0
     for start in range(0, a.shape[0], rows):
-        ca, cb = a[start:start + rows].float(), b[start:start + rows].float()
+        ca, cb = a[start : start + rows].float(), b[start : start + rows].float()
         diff += float(torch.linalg.vector_norm(ca - cb)) ** 2
         ref += float(torch.linalg.vector_norm(cb)) ** 2
     return math.sqrt(diff) / max(math.sqrt(ref), 1e-30)
@@ -129,7 +134,6 @@ def check_bytes(op: str, m: int, n: int, k: int, elem: int) -> int:
     """
     width_in, width_out = (k, n) if op == "fwd" else (n, k)
     return elem * m * (width_in + 2 * width_out) + nvfp4.DECODE_BYTES_PER_WEIGHT * n * k + REL_ERR_CHUNK_BYTES
-
 
 
 def _precision(a: torch.Tensor) -> str:
@@ -189,17 +193,21 @@ class NVFP4Kernels:
     it runs few programs).
     """
 
-    FWD_CONFIGS = (dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
-                   dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-                   dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
-                   dict(BM=128, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4),
-                   dict(BM=64, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4),
-                   dict(BM=16, BN=128, BK=128, GROUP_M=1, num_warps=4, num_stages=4),
-                   dict(BM=16, BN=64, BK=256, GROUP_M=1, num_warps=4, num_stages=3))
-    DX_CONFIGS = (dict(BM=128, BN=64, BK=128, num_warps=8, num_stages=3),
-                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-                  dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4),
-                  dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4))
+    FWD_CONFIGS = (
+        dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+        dict(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=3),
+        dict(BM=128, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4),
+        dict(BM=64, BN=64, BK=128, GROUP_M=8, num_warps=4, num_stages=4),
+        dict(BM=16, BN=128, BK=128, GROUP_M=1, num_warps=4, num_stages=4),
+        dict(BM=16, BN=64, BK=256, GROUP_M=1, num_warps=4, num_stages=3),
+    )
+    DX_CONFIGS = (
+        dict(BM=128, BN=64, BK=128, num_warps=8, num_stages=3),
+        dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+        dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4),
+        dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4),
+    )
 
     def __init__(self, *, tune: bool | None = None, timer: Callable[..., float] = bench_ms) -> None:
         self.tune = tune
@@ -211,10 +219,17 @@ class NVFP4Kernels:
     def _fixed_config(op: str, m: int, n: int, k: int) -> dict:
         bm = min(token_bucket(m), 64)
         if op == "fwd":
-            return dict(BM=bm, BN=min(max(16, _pow2_floor(n)), 128), BK=_largest_block_dividing(k, 128), GROUP_M=1,
-                        num_warps=4, num_stages=1)
-        return dict(BM=bm, BN=min(max(16, _pow2_floor(n)), 128), BK=_largest_block_dividing(k, 128), num_warps=4,
-                    num_stages=1)
+            return dict(
+                BM=bm,
+                BN=min(max(16, _pow2_floor(n)), 128),
+                BK=_largest_block_dividing(k, 128),
+                GROUP_M=1,
+                num_warps=4,
+                num_stages=1,
+            )
+        return dict(
+            BM=bm, BN=min(max(16, _pow2_floor(n)), 128), BK=_largest_block_dividing(k, 128), num_warps=4, num_stages=1
+        )
 
     @staticmethod
     def _candidates(configs: tuple[dict, ...], k: int) -> list[dict]:
@@ -269,8 +284,19 @@ class NVFP4Kernels:
         br = 32 if packed.device.type == "cuda" else min(max(16, _pow2_floor(n)), 128)
         bk = _largest_block_dividing(k, 128)
         fns._dequant_kernel[(triton.cdiv(n, br), k // bk)](
-            packed, scale, gs, out, n, packed.stride(0), scale.stride(0), out.stride(0), BR=br, BK=bk,
-            EMULATE=interpret, enable_fp_fusion=False)
+            packed,
+            scale,
+            gs,
+            out,
+            n,
+            packed.stride(0),
+            scale.stride(0),
+            out.stride(0),
+            BR=br,
+            BK=bk,
+            EMULATE=interpret,
+            enable_fp_fusion=False,
+        )
         return out
 
     def fwd(self, x: torch.Tensor, w: nvfp4.NVFP4Weight) -> torch.Tensor:
@@ -288,9 +314,24 @@ class NVFP4Kernels:
 
         def launch(cfg: dict) -> torch.Tensor:
             grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-            fns._fused_fwd_kernel[grid](x, packed, scale, gs, y, m, n, k, x.stride(0), packed.stride(0),
-                                        scale.stride(0), y.stride(0), PRECISION=_precision(x), EMULATE=interpret,
-                                        enable_fp_fusion=False, **cfg)
+            fns._fused_fwd_kernel[grid](
+                x,
+                packed,
+                scale,
+                gs,
+                y,
+                m,
+                n,
+                k,
+                x.stride(0),
+                packed.stride(0),
+                scale.stride(0),
+                y.stride(0),
+                PRECISION=_precision(x),
+                EMULATE=interpret,
+                enable_fp_fusion=False,
+                **cfg,
+            )
             return y
 
         return launch(self._config(self._key("fwd", m, n, k, x), x, self.FWD_CONFIGS, launch))
@@ -312,9 +353,24 @@ class NVFP4Kernels:
 
         def launch(cfg: dict) -> torch.Tensor:
             grid = (triton.cdiv(m, cfg["BM"]), k // cfg["BK"])
-            fns._fused_dx_kernel[grid](g, packed, scale, gs, dx, m, n, k, g.stride(0), packed.stride(0),
-                                       scale.stride(0), dx.stride(0), PRECISION=_precision(g), EMULATE=interpret,
-                                       enable_fp_fusion=False, **cfg)
+            fns._fused_dx_kernel[grid](
+                g,
+                packed,
+                scale,
+                gs,
+                dx,
+                m,
+                n,
+                k,
+                g.stride(0),
+                packed.stride(0),
+                scale.stride(0),
+                dx.stride(0),
+                PRECISION=_precision(g),
+                EMULATE=interpret,
+                enable_fp_fusion=False,
+                **cfg,
+            )
             return dx
 
         return launch(self._config(self._key("dx", m, n, k, g), g, self.DX_CONFIGS, launch))
@@ -345,8 +401,15 @@ class Decision:
         return asdict(self)
 
 
-def decide(platform: str, *, available: bool, check: Callable[[], float], time_triton: Callable[[], float],
-           time_torch: Callable[[], float], tolerance: float) -> Decision:
+def decide(
+    platform: str,
+    *,
+    available: bool,
+    check: Callable[[], float],
+    time_triton: Callable[[], float],
+    time_torch: Callable[[], float],
+    tolerance: float,
+) -> Decision:
     """The one-time choice between the fused kernel and the torch path.
 
     ``platform`` is the device type (the kernel is considered on ``"cuda"`` only);
@@ -356,15 +419,20 @@ def decide(platform: str, *, available: bool, check: Callable[[], float], time_t
     if platform != "cuda":
         return Decision("torch", f"platform {platform!r}: the fused kernel is used on CUDA only")
     if not available:
-        return Decision("torch", f"triton unavailable ({TRITON_IMPORT_ERROR})" if not HAVE_TRITON
-                        else "triton unavailable")
+        return Decision(
+            "torch", f"triton unavailable ({TRITON_IMPORT_ERROR})" if not HAVE_TRITON else "triton unavailable"
+        )
     try:
         err = float(check())
     except Exception as exc:
         return Decision("torch", f"the Triton kernel failed: {exc!r}", failed=True)
     if not math.isfinite(err) or err > tolerance:
-        return Decision("torch", f"the Triton kernel disagrees with the torch path: relative error {err:.3g} > "
-                        f"{tolerance:g}", rel_err=err, failed=True)
+        return Decision(
+            "torch",
+            f"the Triton kernel disagrees with the torch path: relative error {err:.3g} > {tolerance:g}",
+            rel_err=err,
+            failed=True,
+        )
     try:
         t_triton = float(time_triton())
     except Exception as exc:
@@ -394,8 +462,14 @@ class Dispatcher:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         platform = platform or a.device.type
         if platform != "cuda" or not HAVE_TRITON:  # answered at no cost, not cached
-            return decide(platform, available=HAVE_TRITON, check=lambda: math.nan, time_triton=lambda: math.inf,
-                          time_torch=lambda: 0.0, tolerance=0.0)
+            return decide(
+                platform,
+                available=HAVE_TRITON,
+                check=lambda: math.nan,
+                time_triton=lambda: math.inf,
+                time_torch=lambda: 0.0,
+                tolerance=0.0,
+            )
         if a.dtype not in AUTO_DTYPES:
             return Decision("torch", f"dtype {a.dtype}: auto considers the fused kernel for {AUTO_DTYPES} only")
         key = self.key(op, a, w)
@@ -411,10 +485,14 @@ class Dispatcher:
                 fused = self.kernels.matmul(op, probe, w)
                 return rel_err(fused, torch_matmul(op, probe, w))
 
-            decision = decide(platform, available=True, check=check,
-                              time_triton=lambda: self.timer(lambda: self.kernels.matmul(op, probe, w), a.device),
-                              time_torch=lambda: self.timer(lambda: torch_matmul(op, probe, w), a.device),
-                              tolerance=TOLERANCE[a.dtype])
+            decision = decide(
+                platform,
+                available=True,
+                check=check,
+                time_triton=lambda: self.timer(lambda: self.kernels.matmul(op, probe, w), a.device),
+                time_torch=lambda: self.timer(lambda: torch_matmul(op, probe, w), a.device),
+                tolerance=TOLERANCE[a.dtype],
+            )
         self.decisions[key] = decision
         if decision.failed:
             msg = f"NVFP4 Triton kernel not used for {key}: {decision.reason}; using the torch path"

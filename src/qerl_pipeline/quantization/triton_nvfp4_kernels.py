@@ -92,8 +92,19 @@ def _dequant_tile(p_ptr, s_ptr, gs, rows, k0, n_rows, stride_p, stride_s, BR: tl
     return w * eff
 
 
-def _dequant_kernel(p_ptr, s_ptr, gs_ptr, out_ptr, N, stride_p, stride_s, stride_o,
-                    BR: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr):
+def _dequant_kernel(
+    p_ptr,
+    s_ptr,
+    gs_ptr,
+    out_ptr,
+    N,
+    stride_p,
+    stride_s,
+    stride_o,
+    BR: tl.constexpr,
+    BK: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     k0 = tl.program_id(1) * BK
     gs = tl.load(gs_ptr)
@@ -101,13 +112,33 @@ def _dequant_kernel(p_ptr, s_ptr, gs_ptr, out_ptr, N, stride_p, stride_s, stride
     if EMULATE:
         w = _round_like(w, out_ptr.dtype.element_ty)
     cols = k0 + tl.arange(0, BK)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=(rows < N)[:, None])
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
+        w.to(out_ptr.dtype.element_ty),
+        mask=(rows < N)[:, None],
+    )
 
 
-def _fused_fwd_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, stride_p, stride_s, stride_ym,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                      PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+def _fused_fwd_kernel(
+    x_ptr,
+    p_ptr,
+    s_ptr,
+    gs_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_p,
+    stride_s,
+    stride_ym,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     """``y[M, N] = x[M, K] @ dequant(W)[N, K]^T``; K % BK == 0; grouped tile order."""
     pid = tl.program_id(0)
     n_m = (M + BM - 1) // BM
@@ -132,13 +163,32 @@ def _fused_fwd_kernel(x_ptr, p_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, stride_xm, st
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
     if EMULATE:
         acc = _round_like(acc, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm64[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    tl.store(
+        y_ptr + rm64[:, None] * stride_ym + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm < M)[:, None] & (rn < N)[None, :],
+    )
 
 
-def _fused_dx_kernel(g_ptr, p_ptr, s_ptr, gs_ptr, dx_ptr, M, N, K, stride_gm, stride_p, stride_s, stride_dm,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                     EMULATE: tl.constexpr):
+def _fused_dx_kernel(
+    g_ptr,
+    p_ptr,
+    s_ptr,
+    gs_ptr,
+    dx_ptr,
+    M,
+    N,
+    K,
+    stride_gm,
+    stride_p,
+    stride_s,
+    stride_dm,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     """``dx[M, K] = g[M, N] @ dequant(W)[N, K]``; K % BK == 0."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rm64 = rm.to(tl.int64)
@@ -147,8 +197,9 @@ def _fused_dx_kernel(g_ptr, p_ptr, s_ptr, gs_ptr, dx_ptr, M, N, K, stride_gm, st
     acc = tl.full((BM, BK), 0.0, tl.float32)
     for n0 in range(0, N, BN):
         rn = n0 + tl.arange(0, BN)
-        g = tl.load(g_ptr + rm64[:, None] * stride_gm + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :],
-                    other=0.0)
+        g = tl.load(
+            g_ptr + rm64[:, None] * stride_gm + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :], other=0.0
+        )
         w = _dequant_tile(p_ptr, s_ptr, gs, rn, k0, N, stride_p, stride_s, BN, BK)
         if EMULATE:
             acc = tl.dot(g.to(tl.float32), _round_like(w, g.dtype), acc, input_precision="ieee")
@@ -157,8 +208,7 @@ def _fused_dx_kernel(g_ptr, p_ptr, s_ptr, gs_ptr, dx_ptr, M, N, K, stride_gm, st
     if EMULATE:
         acc = _round_like(acc, dx_ptr.dtype.element_ty)
     rk = k0 + tl.arange(0, BK)
-    tl.store(dx_ptr + rm64[:, None] * stride_dm + rk[None, :], acc.to(dx_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None])
+    tl.store(dx_ptr + rm64[:, None] * stride_dm + rk[None, :], acc.to(dx_ptr.dtype.element_ty), mask=(rm < M)[:, None])
 
 
 _KERNEL_NAMES = ("_e2m1", "_round_like", "_dequant_tile", "_dequant_kernel", "_fused_fwd_kernel", "_fused_dx_kernel")

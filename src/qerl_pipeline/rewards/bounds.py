@@ -70,8 +70,15 @@ BIG_OPERATORS = ("\\int", "\\iint", "\\iiint", "\\oint", "\\sum", "\\prod", "\\l
 ANCHOR_WINDOW_CHARS = 100 + MAX_ANSWER_CHARS + 20
 #: The names a rejected completion's ``rejected`` field can take (one per check, in check order).
 REJECTION_REASONS = (
-    "length", "nesting_depth", "number_digits", "operators", "big_operator",
-    "exponent_depth", "exponent_value", "power_expansion", "combinatorial_arg",
+    "length",
+    "nesting_depth",
+    "number_digits",
+    "operators",
+    "big_operator",
+    "exponent_depth",
+    "exponent_value",
+    "power_expansion",
+    "combinatorial_arg",
 )
 
 _DIGITS = re.compile(r"\d+")
@@ -81,9 +88,7 @@ _OPERATOR_CMDS = re.compile(
 )
 _OPERATOR_CHARS = frozenset("+-*/=<>,;&^_!|")
 _BIG_OPERATOR = re.compile(r"\\(?:i{1,3}nt|oint|sum|prod|lim)(?![a-zA-Z])")
-_FUNCTIONS = frozenset(
-    "sin cos tan cot sec csc sinh cosh tanh coth arcsin arccos arctan log ln lg exp".split()
-)
+_FUNCTIONS = frozenset("sin cos tan cot sec csc sinh cosh tanh coth arcsin arccos arctan log ln lg exp".split())
 _LOG10_EXPONENT_MAX = math.log10(MAX_EXPONENT_VALUE) + 1e-9  # the tolerance absorbs float rounding
 
 
@@ -154,7 +159,7 @@ class _Magnitude:
         if self.peek() == "^":
             self.take()
             exponent = self.factor()
-            return 0.0 if base <= 0 else (math.inf if exponent > 300 else base * 10.0 ** exponent)
+            return 0.0 if base <= 0 else (math.inf if exponent > 300 else base * 10.0**exponent)
         return base
 
     def expect(self, allowed: str) -> None:
@@ -290,7 +295,7 @@ def _power_violation(text: str) -> str | None:
         if bound is not None:
             if bound > _LOG10_EXPONENT_MAX:
                 return "exponent_value"
-            n = int(round(10.0 ** bound))
+            n = int(round(10.0**bound))
             j = i - 1
             while j >= 0 and text[j].isspace():
                 j -= 1

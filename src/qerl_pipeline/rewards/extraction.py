@@ -281,7 +281,8 @@ def box_group(region: str) -> tuple[str, int] | None:
         gap = region[close:later_at]
         same = text.strip() == later
         if not (
-            0 <= env_start <= prev or len(gap) < BOX_GAP_CHARS
+            0 <= env_start <= prev
+            or len(gap) < BOX_GAP_CHARS
             or (not same and len(gap) < BOX_SEPARATOR_GAP_CHARS and _BOX_SEPARATOR.search(gap))
         ):
             break
@@ -321,7 +322,9 @@ def _is_prose(span: str) -> bool:
     "$x$ = $5$", "5%"): then math-verify's own anchored patterns read it (step 3 of the module docstring)."""
     bare = _CONTROL_WORD.sub(" ", _TEXT_ARG.sub(" ", span))
     return bool(
-        _PROSE_WORD.search(bare) or _NUMBER_THEN_WORD.match(bare) or "$" in span.replace("\\$", "")
+        _PROSE_WORD.search(bare)
+        or _NUMBER_THEN_WORD.match(bare)
+        or "$" in span.replace("\\$", "")
         or re.search(r"(?<!\\)%", span)
     )
 
@@ -402,8 +405,13 @@ def prediction_trace(
         if reason:
             return {"parsed": [], "rejected": reason, "inputs": inputs}
         inputs.append((kind, text))
-        parsed = mv.parse(f"\\boxed{{{text}}}" if kind == "boxed" else text, extraction_config=cfg,
-                          extraction_mode="first_match", fallback_mode="no_fallback", parsing_timeout=None)
+        parsed = mv.parse(
+            f"\\boxed{{{text}}}" if kind == "boxed" else text,
+            extraction_config=cfg,
+            extraction_mode="first_match",
+            fallback_mode="no_fallback",
+            parsing_timeout=None,
+        )
         parsed = [p for p in parsed if not isinstance(p, str)]
         if parsed:
             return {"parsed": parsed, "rejected": None, "inputs": inputs}
@@ -430,5 +438,8 @@ def score_accuracy(completion: str, gold: str, answer_tag_as_boxed: bool = True,
     if gold_parsed and pred:
         accuracy = 1.0 if _math_verify().verify(list(gold_parsed), pred, timeout_seconds=None) else 0.0
     return {
-        "accuracy": accuracy, "extracted": extracted, "gold_parsed": bool(gold_parsed), "rejected": trace["rejected"],
+        "accuracy": accuracy,
+        "extracted": extracted,
+        "gold_parsed": bool(gold_parsed),
+        "rejected": trace["rejected"],
     }

@@ -38,7 +38,9 @@ class FunctionScorer:
         """The function's results as dicts with a float ``reward``, other keys as it returned them."""
         out = self.fn(list(completions), list(golds), list(samples or []))
         if len(out) != len(completions):
-            raise ValueError(f"reward function {self.name!r} returned {len(out)} rewards for {len(completions)} completions")
+            raise ValueError(
+                f"reward function {self.name!r} returned {len(out)} rewards for {len(completions)} completions"
+            )
         rows = []
         for i, x in enumerate(out):
             x = {"reward": float(x)} if isinstance(x, (int, float)) else dict(x)
@@ -76,8 +78,10 @@ class WeightedScorer:
         self.parts = parts
 
     def score(self, completions: list[str], golds: list[str], samples: list | None = None) -> list[dict]:
-        per = [sc.score(completions, golds) if isinstance(sc, RewardScorer) else sc.rows(completions, golds, samples)
-               for _, _, sc in self.parts]
+        per = [
+            sc.score(completions, golds) if isinstance(sc, RewardScorer) else sc.rows(completions, golds, samples)
+            for _, _, sc in self.parts
+        ]
         first = sorted(range(len(self.parts)), key=lambda j: not isinstance(self.parts[j][2], RewardScorer))
         out = []
         for i in range(len(completions)):

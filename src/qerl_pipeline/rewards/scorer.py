@@ -60,8 +60,14 @@ def _worker_loop() -> None:
         req = json.loads(line)
         try:
             out = score_accuracy(req["c"], req["g"], req["tag"], req["plain"])
-        except Exception as err:  # noqa: BLE001 - a scoring error is accuracy 0, reported
-            out = {"accuracy": 0.0, "extracted": None, "gold_parsed": False, "rejected": None, "error": repr(err)[:200]}
+        except Exception as err:
+            out = {
+                "accuracy": 0.0,
+                "extracted": None,
+                "gold_parsed": False,
+                "rejected": None,
+                "error": repr(err)[:200],
+            }
         proto.write((json.dumps(out) + "\n").encode())
 
 
@@ -74,7 +80,10 @@ class _Worker:
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from qerl_pipeline.rewards.scorer import _worker_main; _worker_main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
         )
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
@@ -149,7 +158,7 @@ class RewardScorer:
         try:
             if not self._closed:
                 self.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
     # -- scoring
@@ -165,15 +174,17 @@ class RewardScorer:
         out = []
         for completion, a in zip(completions, acc):
             fmt = format_reward(str(completion), self.cfg.format_reward, self.cfg.format_style)
-            out.append({
-                "reward": self.cfg.accuracy_weight * a["accuracy"] + self.cfg.format_weight * fmt,
-                "accuracy": a["accuracy"],
-                "format": fmt,
-                "extracted": a["extracted"],
-                "timed_out": a["timed_out"],
-                "gold_parsed": a["gold_parsed"],
-                "rejected": a.get("rejected"),
-            })
+            out.append(
+                {
+                    "reward": self.cfg.accuracy_weight * a["accuracy"] + self.cfg.format_weight * fmt,
+                    "accuracy": a["accuracy"],
+                    "format": fmt,
+                    "extracted": a["extracted"],
+                    "timed_out": a["timed_out"],
+                    "gold_parsed": a["gold_parsed"],
+                    "rejected": a.get("rejected"),
+                }
+            )
         return out
 
     def _run(self, completions: list[str], golds: list[str]) -> list[dict]:
@@ -203,7 +214,12 @@ class RewardScorer:
                     lines = w.read_lines()
                     if lines is None:
                         if w.item is not None:  # died while scoring: accuracy 0, not a timeout
-                            results[w.item] = {"accuracy": 0.0, "extracted": None, "gold_parsed": None, "timed_out": False}
+                            results[w.item] = {
+                                "accuracy": 0.0,
+                                "extracted": None,
+                                "gold_parsed": None,
+                                "timed_out": False,
+                            }
                             log.warning("reward worker died while scoring completion %d", w.item)
                         elif not w.ready:
                             raise RuntimeError("reward worker exited during start-up (see its stderr above)")
@@ -224,7 +240,9 @@ class RewardScorer:
                     if w.item is not None and now >= w.deadline:
                         results[w.item] = {"accuracy": 0.0, "extracted": None, "gold_parsed": None, "timed_out": True}
                         self.timeouts += 1
-                        log.warning("reward: completion %d exceeded %.1f s; worker restarted", w.item, self.cfg.timeout_s)
+                        log.warning(
+                            "reward: completion %d exceeded %.1f s; worker restarted", w.item, self.cfg.timeout_s
+                        )
                         w.item = None
                         self._replace(w, sel, "timeout")
                     elif not w.ready and now - w.started > _WORKER_START_TIMEOUT_S:

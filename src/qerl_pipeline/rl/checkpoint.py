@@ -145,7 +145,7 @@ def previous_runs(run_dir: Path | str) -> list[Path]:
     prefix = f"{run_dir.name}{PREVIOUS}"
 
     def key(p: Path) -> tuple[str, int]:
-        stamp, _, n = p.name[len(prefix):].partition("-")
+        stamp, _, n = p.name[len(prefix) :].partition("-")
         return stamp, int(n) if n.isdigit() else 0
 
     return sorted((p for p in run_dir.parent.iterdir() if p.name.startswith(prefix) and p.is_dir()), key=key)
@@ -284,7 +284,7 @@ def _read(path: Path, **kwargs: Any) -> Any:
     """``torch.load`` of a checkpoint file to the CPU; any failure becomes ``CheckpointDamaged`` naming the file."""
     try:
         return torch.load(path, map_location="cpu", **kwargs)
-    except Exception as err:  # noqa: BLE001 - zip, unpickling and I/O errors name no file
+    except Exception as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise CheckpointDamaged(f"{path}: cannot be read ({type(err).__name__}: {first})") from err
 
@@ -357,7 +357,8 @@ def find_resumable(run_dir: Path | str) -> Path | None:
         damaged.append(found)
     if damaged:
         raise CheckpointDamaged(
-            f"no intact checkpoint to resume in {checkpoint_root(run_dir)}: " + "; ".join(map(str, damaged))
+            f"no intact checkpoint to resume in {checkpoint_root(run_dir)}: "
+            + "; ".join(map(str, damaged))
             + " (nothing was deleted; train.resume=false starts anew and moves this run folder aside)"
         )
     return None

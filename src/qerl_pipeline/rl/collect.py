@@ -51,7 +51,9 @@ def tokenize_prompts(records: list[dict], tokenizer, max_prompt_len: int) -> tup
             continue
         items.append(PromptItem(ids, str(rec["gold"]), rec))
     if not items:
-        raise ValueError(f"no usable prompts: all {len(records)} are longer than {max_prompt_len} tokens or the set is empty")
+        raise ValueError(
+            f"no usable prompts: all {len(records)} are longer than {max_prompt_len} tokens or the set is empty"
+        )
     return items, dropped
 
 
@@ -110,8 +112,16 @@ def sampling_seeds(seed: int, step: int, round_: int, prompts: list[int]) -> lis
     return out
 
 
-def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg: QerlConfig, step: int,
-            adapter_dir: Path | None, dist=None) -> Rollout:
+def collect(
+    engine,
+    scorer,
+    sampler: PromptSampler,
+    items: list[PromptItem],
+    cfg: QerlConfig,
+    step: int,
+    adapter_dir: Path | None,
+    dist=None,
+) -> Rollout:
     """Rollout + rewards for one step, with DAPO dynamic sampling when enabled: this rank's ``Rollout``.
 
     Its rows are this rank's of the batch the update trains on (groups of samples, their reward
@@ -137,7 +147,11 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
     global_view = gc.dynamic_sampling and d.active  # every rank sees every group's rewards
     mine: dict[tuple, list] = {}  # key (round, position in the round) -> a group of samples this rank rolled out
     owner: dict[tuple, int] = {}  # key -> the rank that rolled it out
-    seen, kept, sampled = [], [], []  # (key, prompt, reward rows) of the groups in view, of the kept ones; my reward rows
+    seen, kept, sampled = (
+        [],
+        [],
+        [],
+    )  # (key, prompt, reward rows) of the groups in view, of the kept ones; my reward rows
     seconds = tokens = reward_s = 0.0
     rounds, zero_std, need, first = 0, None, want, 0
     while True:
@@ -145,7 +159,9 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
         seeds = sampling_seeds(rc.seed, step, rounds, idx)
         bounds = [shard_bounds(len(idx), r, d.world_size, balanced=True) for r in range(d.world_size)]
         lo, hi = bounds[d.rank]
-        groups, rows, timing = _roll_out(engine, scorer, [items[i] for i in idx[lo:hi]], seeds[lo:hi], cfg, adapter_dir)
+        groups, rows, timing = _roll_out(
+            engine, scorer, [items[i] for i in idx[lo:hi]], seeds[lo:hi], cfg, adapter_dir
+        )
         seconds, tokens, reward_s = seconds + timing[0], tokens + timing[1], reward_s + timing[2]
         sampled += [x for grp in rows for x in grp]
         mine.update({(rounds, lo + j): grp for j, grp in enumerate(groups)})
@@ -167,10 +183,19 @@ def collect(engine, scorer, sampler: PromptSampler, items: list[PromptItem], cfg
             break
     chosen = (kept or seen[:first])[:want]  # nothing informative: the first round (zero advantages, zero loss)
     share = _rows_of_rank(chosen, mine, owner, g, d) if global_view else [(k, p, mine[k], grp) for k, p, grp in chosen]
-    return Rollout(groups=[grp for _, _, grp, _ in share], rewards=[x for *_, grp in share for x in grp],
-                   prompts=[p for _, p, _, _ in share], sampled=sampled, rounds=rounds, zero_std_fraction=zero_std,
-                   sampled_groups=len(mine), kept_groups=sum(owner[k] == d.rank for k, _, _ in chosen),
-                   seconds=seconds, tokens=tokens, reward_s=reward_s)
+    return Rollout(
+        groups=[grp for _, _, grp, _ in share],
+        rewards=[x for *_, grp in share for x in grp],
+        prompts=[p for _, p, _, _ in share],
+        sampled=sampled,
+        rounds=rounds,
+        zero_std_fraction=zero_std,
+        sampled_groups=len(mine),
+        kept_groups=sum(owner[k] == d.rank for k, _, _ in chosen),
+        seconds=seconds,
+        tokens=tokens,
+        reward_s=reward_s,
+    )
 
 
 def _roll_out(engine, scorer, prompts: list[PromptItem], seeds: list[int], cfg: QerlConfig, adapter_dir: Path | None):
@@ -181,8 +206,13 @@ def _roll_out(engine, scorer, prompts: list[PromptItem], seeds: list[int], cfg: 
     if not prompts:
         return [], [], (0.0, 0, 0.0)
     res = engine.generate(
-        [p.ids for p in prompts], n=g, temperature=rc.temperature, top_p=rc.top_p,
-        max_new_tokens=rc.max_new_tokens, seed=seeds, lora_path=adapter_dir,
+        [p.ids for p in prompts],
+        n=g,
+        temperature=rc.temperature,
+        top_p=rc.top_p,
+        max_new_tokens=rc.max_new_tokens,
+        seed=seeds,
+        lora_path=adapter_dir,
     )
     t0 = time.perf_counter()
     flat = [s for grp in res.samples for s in grp]
@@ -202,8 +232,11 @@ def _rows_of_rank(chosen: list, mine: dict, owner: dict, g: int, d) -> list[tupl
     ``(key, prompt, samples, reward rows)`` per whole or partial group: the groups another rank
     rolled out arrive from it (every rank sends those of its groups that reach past its own rows)."""
     lo, hi = shard_bounds(len(chosen) * g, d.rank, d.world_size, balanced=True)
-    outgoing = {key: mine[key] for q, (key, _, _) in enumerate(chosen)
-                if owner[key] == d.rank and not lo <= q * g < (q + 1) * g <= hi}
+    outgoing = {
+        key: mine[key]
+        for q, (key, _, _) in enumerate(chosen)
+        if owner[key] == d.rank and not lo <= q * g < (q + 1) * g <= hi
+    }
     arrived = {key: grp for part in d.all_gather_object(outgoing) for key, grp in part.items()}
     share = []
     for q, (key, prompt, rows) in enumerate(chosen):
@@ -221,11 +254,20 @@ def completion_rows(rollout: Rollout, items: list[PromptItem], step: int) -> lis
         item = items[rollout.prompts[j]]
         for s in grp:
             x = rollout.rewards[k]
-            rows.append({
-                "step": step, "prompt_id": item.record.get("id"), "question": item.record.get("question", ""),
-                "gold": item.gold, "completion": s.text, "reward": x["reward"], "accuracy": x["accuracy"],
-                "extracted": x.get("extracted"), "length": len(s.completion_ids), "finish_reason": s.finish_reason,
-                **({"rewards": x["rewards"]} if "rewards" in x else {}),
-            })
+            rows.append(
+                {
+                    "step": step,
+                    "prompt_id": item.record.get("id"),
+                    "question": item.record.get("question", ""),
+                    "gold": item.gold,
+                    "completion": s.text,
+                    "reward": x["reward"],
+                    "accuracy": x["accuracy"],
+                    "extracted": x.get("extracted"),
+                    "length": len(s.completion_ids),
+                    "finish_reason": s.finish_reason,
+                    **({"rewards": x["rewards"]} if "rewards" in x else {}),
+                }
+            )
             k += 1
     return rows

@@ -77,7 +77,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     """Advantages for rewards ``[N]`` in consecutive groups of ``group_size``."""
     rewards = rewards.to(torch.float32)
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}"
+        )
     grouped = rewards.view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
@@ -102,7 +104,9 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tenso
     return grouped.max(dim=1).values != grouped.min(dim=1).values
 
 
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_tokens: int, penalty: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_new_tokens: int, buffer_tokens: int, penalty: float = 1.0
+) -> torch.Tensor:
     """DAPO soft overlong punishment per completion (<= 0), to be added to the reward."""
     lengths = lengths.to(torch.float32)
     start = max_new_tokens - buffer_tokens
@@ -178,8 +182,12 @@ class ISStats:
     def merge(parts: list[ISStats]) -> ISStats:
         if not parts:
             return ISStats("token", torch.zeros(0))
-        return ISStats(parts[0].level, torch.cat([p.ratios for p in parts]), sum(p.masked for p in parts),
-                       sum(p.clipped for p in parts))
+        return ISStats(
+            parts[0].level,
+            torch.cat([p.ratios for p in parts]),
+            sum(p.masked for p in parts),
+            sum(p.clipped for p in parts),
+        )
 
     def metrics(self) -> dict[str, float]:
         """The raw ratios' min/mean/max and the masked/clipped fractions (of tokens or sequences), by metric name."""
@@ -188,15 +196,21 @@ class ISStats:
             return {}
         r = self.ratios.double()
         return {
-            tracking.IS_RATIO_MIN: float(r.min()), tracking.IS_RATIO_MEAN: float(r.mean()),
-            tracking.IS_RATIO_MAX: float(r.max()), tracking.IS_MASKED_FRACTION: self.masked / n,
+            tracking.IS_RATIO_MIN: float(r.min()),
+            tracking.IS_RATIO_MEAN: float(r.mean()),
+            tracking.IS_RATIO_MAX: float(r.max()),
+            tracking.IS_MASKED_FRACTION: self.masked / n,
             tracking.IS_CLIPPED_FRACTION: self.clipped / n,
         }
 
 
 def is_weights(
-    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, mode: str = "token_truncate",
-    cap: float | None = 2.0, lower: float | None = None,
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_truncate",
+    cap: float | None = 2.0,
+    lower: float | None = None,
 ) -> tuple[torch.Tensor | None, ISStats | None]:
     """Importance weights ``[N, T]`` (detached) for ``mode`` (``IS_MODES``) and their ``ISStats``; ``(None, None)`` for none.
 
@@ -294,8 +308,9 @@ class LossParams:
             raise ValueError(f"grpo.loss_type: {err}") from None
         missing = [f for f in spec.fields if f not in self.options]
         if missing:
-            raise ValueError(f"loss_type {self.loss_type!r} reads {', '.join(missing)}: "
-                             "missing from LossParams.options")
+            raise ValueError(
+                f"loss_type {self.loss_type!r} reads {', '.join(missing)}: missing from LossParams.options"
+            )
         if self.level not in ("token", "sequence"):
             raise ValueError(f"grpo.importance_sampling_level: unknown {self.level!r} (token | sequence)")
 
@@ -305,9 +320,15 @@ class LossParams:
         ``importance_sampling_level``, ``kl_beta``, ``kl_bias_correction``, ``entropy_coef``) with the batch's
         ``counts`` (``num_sequences``, ``num_tokens``, ``max_len``, ``num_micro_batches``)."""
         spec = losses.loss_spec(section.loss_type)
-        return cls(loss_type=spec.name, options={f: float(getattr(section, f)) for f in spec.fields},
-                   level=section.importance_sampling_level, kl_beta=section.kl_beta,
-                   kl_bias_correction=section.kl_bias_correction, entropy_coef=section.entropy_coef, **counts)
+        return cls(
+            loss_type=spec.name,
+            options={f: float(getattr(section, f)) for f in spec.fields},
+            level=section.importance_sampling_level,
+            kl_beta=section.kl_beta,
+            kl_bias_correction=section.kl_bias_correction,
+            entropy_coef=section.entropy_coef,
+            **counts,
+        )
 
 
 @dataclass
@@ -362,8 +383,10 @@ def policy_loss(
     term = spec.fn(losses.LossTerms(logp, log_ratio, ratio, adv, mask, is_weights), p.options)
     per_token = term.per_token
     if per_token.shape != mask.shape:
-        raise ValueError(f"loss_type {p.loss_type!r}: per-token loss of shape {tuple(per_token.shape)}, "
-                         f"expected the mask's {tuple(mask.shape)}")
+        raise ValueError(
+            f"loss_type {p.loss_type!r}: per-token loss of shape {tuple(per_token.shape)}, "
+            f"expected the mask's {tuple(mask.shape)}"
+        )
     if token_select is not None:
         per_token = per_token * token_select.detach()
     if is_weights is not None and not spec.folds_is_weights:
@@ -374,8 +397,15 @@ def policy_loss(
         if p.kl_beta > 0:
             per_token = per_token + p.kl_beta * (kl_tok * ratio if p.kl_bias_correction else kl_tok)
         kl_val = float((kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1.0))
-    loss = aggregate(per_token, mask, spec.aggregation, num_sequences=p.num_sequences, num_tokens=p.num_tokens,
-                     max_len=p.max_len, num_micro_batches=p.num_micro_batches)
+    loss = aggregate(
+        per_token,
+        mask,
+        spec.aggregation,
+        num_sequences=p.num_sequences,
+        num_tokens=p.num_tokens,
+        max_len=p.max_len,
+        num_micro_batches=p.num_micro_batches,
+    )
     if entropy is not None and p.entropy_coef != 0.0:
         chosen = mask if token_select is None else mask * token_select.detach()
         loss = loss - p.entropy_coef * (entropy * chosen).sum() / chosen.sum().clamp(min=1.0) / p.num_micro_batches

@@ -80,20 +80,41 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------ launching
-def launcher_command(nproc: int, payload: Path, *, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-                     master_port: int = 29500) -> list[str]:
+def launcher_command(
+    nproc: int,
+    payload: Path,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+) -> list[str]:
     """The torchrun command line that runs ``_worker(payload)`` on ``nproc`` ranks (per node)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1:
         cmd.append("--standalone")
     else:
-        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}"]
+        cmd += [
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            f"--master-addr={master_addr}",
+            f"--master-port={master_port}",
+        ]
     return cmd + ["-m", "qerl_pipeline.rl.launch", str(payload)]
 
 
-def launch(cfg, base_dir: Path, records: list[dict], *, output_dir: str | Path | None = None, tracking: dict | None = None,
-           dataset_name: str | None = None, data_report: dict | None = None, reward_fn: str | None = None,
-           on_line: Callable[[str], None] | None = None):
+def launch(
+    cfg,
+    base_dir: Path,
+    records: list[dict],
+    *,
+    output_dir: str | Path | None = None,
+    tracking: dict | None = None,
+    dataset_name: str | None = None,
+    data_report: dict | None = None,
+    reward_fn: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+):
     """Run ``trainer.train`` on ``cfg.train.nproc`` ranks under torchrun, follow it, return rank 0's ``TrainResult``.
 
     ``tracking``: ``{"uri", "active_run_id", "name", "params"}`` for rank 0's MLflow logger
@@ -102,23 +123,49 @@ def launch(cfg, base_dir: Path, records: list[dict], *, output_dir: str | Path |
     which ends its workers, whose engines end with them (rollout/server.py's guard).
     """
     if reward_fn is not None and not isinstance(reward_fn, str):
-        raise TypeError("train.nproc > 1: the reward function must be an import path ('package.module:function'), "
-                        "a callable cannot be sent to the ranks")
+        raise TypeError(
+            "train.nproc > 1: the reward function must be an import path ('package.module:function'), "
+            "a callable cannot be sent to the ranks"
+        )
     tc = cfg.train
     work = Path(tempfile.mkdtemp(prefix="qerl-dist-"))
     (work / "records.json").write_text(json.dumps(records))
     payload = work / "payload.json"
-    payload.write_text(json.dumps({
-        "config": cfg.model_dump(mode="json"), "base_dir": str(base_dir), "records": str(work / "records.json"),
-        "output_dir": None if output_dir is None else str(output_dir), "tracking": tracking, "dataset_name": dataset_name,
-        "data_report": data_report, "reward_fn": reward_fn, "result": str(work / "result.json"),
-    }, default=str))
-    cmd = launcher_command(tc.nproc, payload, nnodes=tc.nnodes, node_rank=tc.node_rank, master_addr=tc.master_addr,
-                           master_port=tc.master_port)
+    payload.write_text(
+        json.dumps(
+            {
+                "config": cfg.model_dump(mode="json"),
+                "base_dir": str(base_dir),
+                "records": str(work / "records.json"),
+                "output_dir": None if output_dir is None else str(output_dir),
+                "tracking": tracking,
+                "dataset_name": dataset_name,
+                "data_report": data_report,
+                "reward_fn": reward_fn,
+                "result": str(work / "result.json"),
+            },
+            default=str,
+        )
+    )
+    cmd = launcher_command(
+        tc.nproc,
+        payload,
+        nnodes=tc.nnodes,
+        node_rank=tc.node_rank,
+        master_addr=tc.master_addr,
+        master_port=tc.master_port,
+    )
     log.info("train.nproc=%d: %s", tc.nproc, " ".join(cmd))
     tail: list[str] = []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                            bufsize=1, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        bufsize=1,
+        preexec_fn=_die_with_parent,
+    )
     try:
         for line in proc.stdout:
             line = line.rstrip("\n")
@@ -131,10 +178,21 @@ def launch(cfg, base_dir: Path, records: list[dict], *, output_dir: str | Path |
         raise
     result_path = work / "result.json"
     if rc != 0 or not result_path.exists():
-        raise RuntimeError(f"distributed training ({tc.nproc} ranks) failed with exit code {rc}; its last lines:\n" + "\n".join(tail))
+        raise RuntimeError(
+            f"distributed training ({tc.nproc} ranks) failed with exit code {rc}; its last lines:\n" + "\n".join(tail)
+        )
     raw = json.loads(result_path.read_text())
-    return trainer.TrainResult(Path(raw["run_dir"]), Path(raw["adapter_dir"]), raw["steps"], raw["resumed_from"], raw["run_id"],
-                       raw["history"], raw["seconds"], Path(raw["moved_aside"]) if raw["moved_aside"] else None, raw["reused"])
+    return trainer.TrainResult(
+        Path(raw["run_dir"]),
+        Path(raw["adapter_dir"]),
+        raw["steps"],
+        raw["resumed_from"],
+        raw["run_id"],
+        raw["history"],
+        raw["seconds"],
+        Path(raw["moved_aside"]) if raw["moved_aside"] else None,
+        raw["reused"],
+    )
 
 
 def _die_with_parent() -> None:
@@ -146,25 +204,46 @@ def _worker(payload_path: str) -> int:
     p = json.loads(Path(payload_path).read_text())
     cfg = QerlConfig.model_validate(p["config"])
     d = init(current_platform())
-    logging.basicConfig(level=logging.INFO, format=f"rank {d.rank}: %(levelname)s %(name)s: %(message)s", force=True)  # no brackets: rich markup
+    logging.basicConfig(
+        level=logging.INFO, format=f"rank {d.rank}: %(levelname)s %(name)s: %(message)s", force=True
+    )  # no brackets: rich markup
     tr = p.get("tracking")
     reporting = Reporting(dataset_name=p.get("dataset_name"), data_report=p.get("data_report"), progress=False)
     if d.is_main and tr:  # rank 0 logs into the launching process's run; the other ranks in memory
         import mlflow
 
         mlflow.set_tracking_uri(tr["uri"])
-        reporting.make_logger = TrainingRun(tr["name"], cfg.method, tr.get("params") or {},
-                                            active_run_id=tr["active_run_id"]).logger
+        reporting.make_logger = TrainingRun(
+            tr["name"], cfg.method, tr.get("params") or {}, active_run_id=tr["active_run_id"]
+        ).logger
     try:
-        result = trainer.train(cfg, Path(p["base_dir"]), json.loads(Path(p["records"]).read_text()),
-                               output_dir=p["output_dir"], reporting=reporting, reward_fn=p.get("reward_fn"), dist=d)
+        result = trainer.train(
+            cfg,
+            Path(p["base_dir"]),
+            json.loads(Path(p["records"]).read_text()),
+            output_dir=p["output_dir"],
+            reporting=reporting,
+            reward_fn=p.get("reward_fn"),
+            dist=d,
+        )
         if d.is_main:
-            write_atomic(Path(p["result"]), json.dumps({
-                "run_dir": str(result.run_dir), "adapter_dir": str(result.adapter_dir), "steps": result.steps,
-                "resumed_from": result.resumed_from, "run_id": result.run_id, "history": result.history,
-                "seconds": result.seconds, "moved_aside": str(result.moved_aside) if result.moved_aside else None,
-                "reused": result.reused,
-            }, default=float).encode())
+            write_atomic(
+                Path(p["result"]),
+                json.dumps(
+                    {
+                        "run_dir": str(result.run_dir),
+                        "adapter_dir": str(result.adapter_dir),
+                        "steps": result.steps,
+                        "resumed_from": result.resumed_from,
+                        "run_id": result.run_id,
+                        "history": result.history,
+                        "seconds": result.seconds,
+                        "moved_aside": str(result.moved_aside) if result.moved_aside else None,
+                        "reused": result.reused,
+                    },
+                    default=float,
+                ).encode(),
+            )
     finally:
         if d.active and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

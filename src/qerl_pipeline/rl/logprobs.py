@@ -108,7 +108,9 @@ class _TokenLogprobs(torch.autograd.Function):
                 budget -= p.numel() * p.element_size()
             zmax[s:e], logsum[s:e] = m.squeeze(1), ls.squeeze(1)
             del z, p
-        ctx.save_for_backward(hidden, weight, bias, targets, zmax, logsum, entropy if entropy_grad else None)  # the planner counts it only then
+        ctx.save_for_backward(
+            hidden, weight, bias, targets, zmax, logsum, entropy if entropy_grad else None
+        )  # the planner counts it only then
         ctx.temperature = temperature
         ctx.chunk = chunk
         ctx.kept = kept
@@ -169,7 +171,9 @@ class _TokenLogprobs(torch.autograd.Function):
                 dz = kept[s].index_select(0, r - s).mul_(g.neg())  # -g * p
             else:
                 z = _chunk_logits(h_c, weight, bias, t, acc)
-                z.sub_(zmax.index_select(0, r).unsqueeze(1)).sub_(logsum.index_select(0, r).unsqueeze(1)).exp_()  # softmax
+                z.sub_(zmax.index_select(0, r).unsqueeze(1)).sub_(
+                    logsum.index_select(0, r).unsqueeze(1)
+                ).exp_()  # softmax
                 dz = z.mul_(g.neg())  # -g * p
             dz.scatter_add_(1, targets.index_select(0, r).unsqueeze(1), g)  # + g * onehot
             if t != 1.0:
@@ -236,6 +240,7 @@ def token_logprobs(
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     if int(keep_bytes) < 0:
         raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
-    logp, entropy = _TokenLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature), int(chunk_tokens), int(keep_bytes),
-                                         bool(entropy_grad))
+    logp, entropy = _TokenLogprobs.apply(
+        flat_h, weight, bias, flat_t, float(temperature), int(chunk_tokens), int(keep_bytes), bool(entropy_grad)
+    )
     return logp.view(targets.shape), entropy.view(targets.shape)

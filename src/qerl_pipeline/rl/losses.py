@@ -107,9 +107,15 @@ class LossSpec:
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, *, aggregation: str, fields: Mapping[str, str | None] | None = None,
-                  trl_name: str | None = None, rules: tuple[Rule, ...] = (),
-                  folds_is_weights: bool = False) -> Callable[[LossFn], LossFn]:
+def register_loss(
+    name: str,
+    *,
+    aggregation: str,
+    fields: Mapping[str, str | None] | None = None,
+    trl_name: str | None = None,
+    rules: tuple[Rule, ...] = (),
+    folds_is_weights: bool = False,
+) -> Callable[[LossFn], LossFn]:
     """Decorator: register the function as loss type ``name`` (refused when the name is taken or the
     aggregation unknown). Returns the function unchanged."""
     if name in LOSSES:
@@ -184,8 +190,9 @@ def dapo(t: LossTerms, options: Mapping[str, float]) -> TokenLoss:
     return clipped_surrogate(t, options)
 
 
-@register_loss("cispo", aggregation="token", fields={"cispo_clip_max": "epsilon_high"}, trl_name="cispo",
-               rules=(LENGTH_WEIGHTED,))
+@register_loss(
+    "cispo", aggregation="token", fields={"cispo_clip_max": "epsilon_high"}, trl_name="cispo", rules=(LENGTH_WEIGHTED,)
+)
 def cispo(t: LossTerms, options: Mapping[str, float]) -> TokenLoss:
     """-sg(min(ratio, cispo_clip_max)) A logp, the ratio clipped as a detached weight so clipped tokens keep their
     gradient, dapo's normaliser (MiniMax-M1, arXiv 2506.13585; ScaleRL, arXiv 2510.13786)."""
@@ -194,8 +201,12 @@ def cispo(t: LossTerms, options: Mapping[str, float]) -> TokenLoss:
     return TokenLoss(per_token, high=(t.ratio > cap) & (t.advantages > 0))
 
 
-@register_loss("sapo", aggregation="sequence", fields={"sapo_temperature_pos": "sapo_temperature_pos",
-                                                       "sapo_temperature_neg": "sapo_temperature_neg"}, trl_name="sapo")
+@register_loss(
+    "sapo",
+    aggregation="sequence",
+    fields={"sapo_temperature_pos": "sapo_temperature_pos", "sapo_temperature_neg": "sapo_temperature_neg"},
+    trl_name="sapo",
+)
 def sapo(t: LossTerms, options: Mapping[str, float]) -> TokenLoss:
     """a soft, temperature-controlled gate -(4/tau) sigmoid(tau (ratio - 1)) A instead of the clip
     (sapo_temperature_pos for A > 0, sapo_temperature_neg otherwise), grpo's normaliser (SAPO, arXiv 2511.20347)."""
@@ -204,10 +215,19 @@ def sapo(t: LossTerms, options: Mapping[str, float]) -> TokenLoss:
     return TokenLoss(-(torch.sigmoid(tau * (t.ratio - 1.0)) * 4.0 / tau) * adv)
 
 
-@register_loss("luspo", aggregation="sequence_sum", fields=CLIP_FIELDS, trl_name="luspo", rules=(Rule(
-    lambda g: g.importance_sampling_level != "sequence",
-    "grpo.loss_type luspo is meant for importance_sampling_level 'sequence' (the LUSPO paper's setup), "
-    "got {g.importance_sampling_level!r}"),))
+@register_loss(
+    "luspo",
+    aggregation="sequence_sum",
+    fields=CLIP_FIELDS,
+    trl_name="luspo",
+    rules=(
+        Rule(
+            lambda g: g.importance_sampling_level != "sequence",
+            "grpo.loss_type luspo is meant for importance_sampling_level 'sequence' (the LUSPO paper's setup), "
+            "got {g.importance_sampling_level!r}",
+        ),
+    ),
+)
 def luspo(t: LossTerms, options: Mapping[str, float]) -> TokenLoss:
     """GSPO with each sequence's loss scaled by its length: clipped surrogate summed over each sequence's tokens,
     mean over sequences (LUSPO, arXiv 2602.05261; meant for importance_sampling_level sequence, warned otherwise
@@ -220,14 +240,26 @@ VESPO_FIELDS = {f: f for f in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
 VESPO_LOG_MIN, VESPO_LOG_MAX = math.log(1e-8), 20.0
 
 
-@register_loss("vespo", aggregation="token", fields=VESPO_FIELDS, trl_name="vespo", folds_is_weights=True, rules=(
-    Rule(lambda g: g.is_mode not in ("token_truncate", "token_mask", "none"),
-         "grpo.loss_type vespo folds the token importance weights into its sequence weight: grpo.is_mode must be "
-         "token_truncate, token_mask or none, got {g.is_mode!r} (TRL 1.16 refuses the same)", refuse=True),
-    Rule(lambda g: g.importance_sampling_level != "token",
-         "grpo.loss_type vespo computes its sequence weight itself: importance_sampling_level should be 'token' "
-         "(it only changes the KL's bias correction here), got {g.importance_sampling_level!r}"),
-))
+@register_loss(
+    "vespo",
+    aggregation="token",
+    fields=VESPO_FIELDS,
+    trl_name="vespo",
+    folds_is_weights=True,
+    rules=(
+        Rule(
+            lambda g: g.is_mode not in ("token_truncate", "token_mask", "none"),
+            "grpo.loss_type vespo folds the token importance weights into its sequence weight: grpo.is_mode must be "
+            "token_truncate, token_mask or none, got {g.is_mode!r} (TRL 1.16 refuses the same)",
+            refuse=True,
+        ),
+        Rule(
+            lambda g: g.importance_sampling_level != "token",
+            "grpo.loss_type vespo computes its sequence weight itself: importance_sampling_level should be 'token' "
+            "(it only changes the KL's bias correction here), got {g.importance_sampling_level!r}",
+        ),
+    ),
+)
 def vespo(t: LossTerms, options: Mapping[str, float]) -> TokenLoss:
     """-sg(phi(w)) A logp with the Gamma weight phi(w) = exp(lambda) w^k exp(-lambda w) of the sequence ratio w
     (times the token IS weights, which then do not multiply the loss), dapo's normaliser (VESPO, arXiv 2602.10693;
@@ -237,8 +269,13 @@ def vespo(t: LossTerms, options: Mapping[str, float]) -> TokenLoss:
 
 
 @torch.no_grad()
-def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-                  is_weights: torch.Tensor | None, options: Mapping[str, float]) -> torch.Tensor:
+def vespo_weights(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    is_weights: torch.Tensor | None,
+    options: Mapping[str, float],
+) -> torch.Tensor:
     """VESPO's Gamma weights ``phi(w) = exp(lambda + k log w - lambda w)`` ``[N, 1]`` (detached; phi(1) = 1).
 
     ``log_ratio`` ``[N, T]``: ``logp - old_logp`` per token, each clamped to +-20; ``w`` is the
@@ -251,7 +288,9 @@ def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, advantages: torch
     """
     seq = (log_ratio.detach().clamp(-20.0, 20.0) * mask).sum(dim=1, keepdim=True)
     if is_weights is not None:
-        seq = seq + (torch.log(is_weights.detach()).clamp(VESPO_LOG_MIN, VESPO_LOG_MAX) * mask).sum(dim=1, keepdim=True)
+        seq = seq + (torch.log(is_weights.detach()).clamp(VESPO_LOG_MIN, VESPO_LOG_MAX) * mask).sum(
+            dim=1, keepdim=True
+        )
     log_w = seq.clamp(VESPO_LOG_MIN, VESPO_LOG_MAX)
     pos = advantages >= 0
     k = torch.where(pos, options["vespo_k_pos"], options["vespo_k_neg"]).to(log_w.dtype)

@@ -27,7 +27,7 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: QerlConfig) -> tuple[
     if o.name == "adamw_8bit":
         on_cuda = any(p.is_cuda for p in params)
         try:
-            import bitsandbytes as bnb  # noqa: PLC0415
+            import bitsandbytes as bnb
 
             if on_cuda:
                 return bnb.optim.AdamW8bit(params, **kwargs), "bitsandbytes AdamW8bit"

@@ -81,8 +81,9 @@ def _checkpointing(decoder: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in decoder.modules())
 
 
-def share_plan(input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int,
-               checkpointing: bool) -> tuple[list[int], torch.Tensor] | None:
+def share_plan(
+    input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int, checkpointing: bool
+) -> tuple[list[int], torch.Tensor] | None:
     """``prompt_groups`` of the batch when the shared path applies to it, else ``None``
     (two rows at least, a completion position, prompts of 2+ tokens, no gradient
     checkpointing, some prompt shared: the module docstring). The benchmark counts its
@@ -94,8 +95,9 @@ def share_plan(input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int,
     return None if len(first) == n else (first, of_row)
 
 
-def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
-                         t_max: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def shared_prompt_hidden(
+    decoder: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Hidden states ``[n, T, H]`` at the positions that predict completion tokens, and the targets ``[n, T]``.
 
     ``decoder``: the base model's decoder (``model.model`` of a causal LM); ``input_ids``
@@ -134,7 +136,9 @@ def shared_prompt_hidden(decoder: torch.nn.Module, input_ids: torch.Tensor, prom
     suffix = input_ids.gather(1, src)
     targets = input_ids.gather(1, (start + 1 + steps).clamp(max=length - 1))
     mask = torch.cat([prefix_mask.index_select(0, rows), torch.ones(n, t_max, dtype=torch.long, device=device)], dim=1)
-    out = decoder(input_ids=suffix, attention_mask=mask, position_ids=start + steps, past_key_values=cache, use_cache=True)
+    out = decoder(
+        input_ids=suffix, attention_mask=mask, position_ids=start + steps, past_key_values=cache, use_cache=True
+    )
     if cache.get_seq_length() != p_max + t_max:
         _warn_once("grow", f"{type(decoder).__name__}'s layers did not extend the KV cache; scoring full rows")
         return None

@@ -76,16 +76,18 @@ class Dist:
         if not self.active or not params:
             return
         device = params[0].device
-        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, torch.float32)
-                 for p in params]
+        parts = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device, torch.float32)
+            for p in params
+        ]
         flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
         flat = torch.cat([*parts, flags])
         torch.distributed.all_reduce(flat)
-        anyone = (flat[-len(params):] > 0).tolist()
+        anyone = (flat[-len(params) :] > 0).tolist()
         offset = 0
         for p, part, has in zip(params, parts, anyone):
             n = part.numel()
-            summed = flat[offset:offset + n].view_as(p)
+            summed = flat[offset : offset + n].view_as(p)
             if p.grad is not None:
                 p.grad.copy_(summed.to(p.grad.dtype))
             elif has:

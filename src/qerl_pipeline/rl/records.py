@@ -100,9 +100,20 @@ class RolloutStats:
     def of(cls, rollout: Rollout) -> RolloutStats:
         """One rank's share."""
         samples = rollout.samples
-        return cls(rollout.rewards, [len(rollout.rewards)], rollout.sampled, [len(s.completion_ids) for s in samples],
-                   [s.finish_reason == "length" for s in samples], rollout.seconds, rollout.tokens, rollout.reward_s,
-                   rollout.zero_std_fraction, rollout.sampled_groups, rollout.kept_groups, rollout.rounds)
+        return cls(
+            rollout.rewards,
+            [len(rollout.rewards)],
+            rollout.sampled,
+            [len(s.completion_ids) for s in samples],
+            [s.finish_reason == "length" for s in samples],
+            rollout.seconds,
+            rollout.tokens,
+            rollout.reward_s,
+            rollout.zero_std_fraction,
+            rollout.sampled_groups,
+            rollout.kept_groups,
+            rollout.rounds,
+        )
 
     @classmethod
     def gather(cls, rollout: Rollout, dist) -> RolloutStats:
@@ -113,11 +124,18 @@ class RolloutStats:
     def join(cls, parts: list[RolloutStats]) -> RolloutStats:
         """The ranks' shares, in rank order, as one: rows concatenated, counts summed, the slowest rank's times."""
         return cls(
-            [x for p in parts for x in p.rewards], [c for p in parts for c in p.counts],
-            [x for p in parts for x in p.sampled], [n for p in parts for n in p.lengths],
-            [t for p in parts for t in p.truncated], max(p.seconds for p in parts), sum(p.tokens for p in parts),
-            max(p.reward_s for p in parts), mean(p.zero_std_fraction for p in parts),
-            sum(p.sampled_groups for p in parts), sum(p.kept_groups for p in parts), parts[0].rounds,
+            [x for p in parts for x in p.rewards],
+            [c for p in parts for c in p.counts],
+            [x for p in parts for x in p.sampled],
+            [n for p in parts for n in p.lengths],
+            [t for p in parts for t in p.truncated],
+            max(p.seconds for p in parts),
+            sum(p.tokens for p in parts),
+            max(p.reward_s for p in parts),
+            mean(p.zero_std_fraction for p in parts),
+            sum(p.sampled_groups for p in parts),
+            sum(p.kept_groups for p in parts),
+            parts[0].rounds,
         )
 
     def reward_tensor(self) -> torch.Tensor:
@@ -126,10 +144,11 @@ class RolloutStats:
 
     def advantages(self, grpo_cfg, rank: int) -> torch.Tensor:
         """Rank ``rank``'s rows of the group advantages over the global batch (``grpo.group_advantages``)."""
-        adv = grpo.group_advantages(self.reward_tensor(), grpo_cfg.num_generations, grpo_cfg.advantage_scale,
-                                    grpo_cfg.advantage_eps)
+        adv = grpo.group_advantages(
+            self.reward_tensor(), grpo_cfg.num_generations, grpo_cfg.advantage_scale, grpo_cfg.advantage_eps
+        )
         offset = sum(self.counts[:rank])
-        return adv[offset: offset + self.counts[rank]]
+        return adv[offset : offset + self.counts[rank]]
 
     @property
     def tokens_per_s(self) -> float:
@@ -142,15 +161,19 @@ class RolloutStats:
             tracking.REWARD_ACCURACY: mean(x["accuracy"] for x in sampled),
             tracking.REWARD_FORMAT: mean(x["format"] for x in sampled),
             tracking.TRAIN_ACCURACY: mean(x["accuracy"] for x in sampled),
-            tracking.REWARD_KEPT_MEAN: float(r.mean()), tracking.REWARD_STD: float(r.std(unbiased=False)),
+            tracking.REWARD_KEPT_MEAN: float(r.mean()),
+            tracking.REWARD_STD: float(r.std(unbiased=False)),
             tracking.REWARD_KEPT_ACCURACY: mean(x["accuracy"] for x in kept),
             tracking.REWARD_KEPT_FORMAT: mean(x["format"] for x in kept),
-            tracking.GROUPS_SAMPLED: self.sampled_groups, tracking.GROUPS_KEPT: self.kept_groups,
+            tracking.GROUPS_SAMPLED: self.sampled_groups,
+            tracking.GROUPS_KEPT: self.kept_groups,
             tracking.REWARD_OVERLONG: mean(x.get("overlong", 0.0) for x in kept),
             tracking.COMPLETION_LENGTH: float(torch.tensor(self.lengths).float().mean()),
             tracking.TRUNCATED_FRACTION: float(torch.tensor(self.truncated, dtype=torch.bool).float().mean()),
-            tracking.GROUPS_ZERO_STD_FRACTION: self.zero_std_fraction, tracking.GROUPS_REFILL_ROUNDS: self.rounds - 1,
-            tracking.ROLLOUT_TOKENS_PER_S: self.tokens_per_s, tracking.ROLLOUT_TIME_S: self.seconds,
+            tracking.GROUPS_ZERO_STD_FRACTION: self.zero_std_fraction,
+            tracking.GROUPS_REFILL_ROUNDS: self.rounds - 1,
+            tracking.ROLLOUT_TOKENS_PER_S: self.tokens_per_s,
+            tracking.ROLLOUT_TIME_S: self.seconds,
             tracking.REWARD_TIME_S: self.reward_s,
             **reward_component_metrics(sampled),  # rewards/<name>/mean|std of a train.reward_fn list
         }
@@ -194,8 +217,15 @@ class Batch:
     noisy: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, samples: list[Sample], adv: torch.Tensor, noisy: dict[str, torch.Tensor], *, pad_id: int,
-           mask_truncated: bool) -> Batch:
+    def of(
+        cls,
+        samples: list[Sample],
+        adv: torch.Tensor,
+        noisy: dict[str, torch.Tensor],
+        *,
+        pad_id: int,
+        mask_truncated: bool,
+    ) -> Batch:
         """The batch of ``samples`` (``collate``); with ``mask_truncated`` (``grpo.mask_truncated``) the rows that
         hit the length limit count no token."""
         ids, p_lens, c_lens, roll_logp = collate(samples, pad_id)
@@ -235,9 +265,13 @@ class UpdateStats(Mapping):
 
     def metrics(self) -> dict[str, float]:
         out = {
-            tracking.LEARNING_RATE: self.lr, tracking.LOSS: self.loss, tracking.GRAD_NORM: self.grad_norm,
-            tracking.POLICY_ENTROPY: self.entropy, tracking.CLIP_FRACTION: self.clip_fraction,
-            tracking.CLIP_LOW_FRACTION: self.clip_low_fraction, tracking.CLIP_HIGH_FRACTION: self.clip_high_fraction,
+            tracking.LEARNING_RATE: self.lr,
+            tracking.LOSS: self.loss,
+            tracking.GRAD_NORM: self.grad_norm,
+            tracking.POLICY_ENTROPY: self.entropy,
+            tracking.CLIP_FRACTION: self.clip_fraction,
+            tracking.CLIP_LOW_FRACTION: self.clip_low_fraction,
+            tracking.CLIP_HIGH_FRACTION: self.clip_high_fraction,
             tracking.MISMATCH_KL: self.mismatch_kl,
         }
         if self.selected_token_fraction is not None:
@@ -283,10 +317,16 @@ class StepStats:
 
     def metrics(self) -> dict[str, float]:
         out = {
-            **self.rollout.metrics(), tracking.AQN_SIGMA: self.aqn_sigma,
-            tracking.AQN_SIGMA_EFFECTIVE: self.aqn_sigma_effective, tracking.AQN_STAGE: self.aqn_stage,
-            tracking.SYNC_TIME_S: self.sync_s, tracking.UPDATE_TIME_S: self.update_s, tracking.STEP_TIME_S: self.step_s,
-            tracking.PEAK_MEMORY_GB: self.peak_memory_gb, **self.update.metrics(), **self.sleep,
+            **self.rollout.metrics(),
+            tracking.AQN_SIGMA: self.aqn_sigma,
+            tracking.AQN_SIGMA_EFFECTIVE: self.aqn_sigma_effective,
+            tracking.AQN_STAGE: self.aqn_stage,
+            tracking.SYNC_TIME_S: self.sync_s,
+            tracking.UPDATE_TIME_S: self.update_s,
+            tracking.STEP_TIME_S: self.step_s,
+            tracking.PEAK_MEMORY_GB: self.peak_memory_gb,
+            **self.update.metrics(),
+            **self.sleep,
         }
         if self.engine_cpu_s is not None:
             out[tracking.ENGINE_CPU_DURING_UPDATE_S] = self.engine_cpu_s

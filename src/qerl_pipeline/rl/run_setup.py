@@ -118,9 +118,18 @@ class Run:
             self.engine.close()
 
 
-def setup(cfg: QerlConfig, base_dir: Path, records: list[dict], folder: RunFolder, reporting: Reporting, *,
-          engine: Any = None, engine_factory: Callable[[Any], Any] | None = None,
-          reward_fn: RewardFn | str | None = None, dist: Any = SINGLE) -> Run:
+def setup(
+    cfg: QerlConfig,
+    base_dir: Path,
+    records: list[dict],
+    folder: RunFolder,
+    reporting: Reporting,
+    *,
+    engine: Any = None,
+    engine_factory: Callable[[Any], Any] | None = None,
+    reward_fn: RewardFn | str | None = None,
+    dist: Any = SINGLE,
+) -> Run:
     """A training's parts, in the order their random draws need (``torch.manual_seed(train.seed)``, then the
     LoRA's initialisation): the policy and its optimiser, the prompts, the checkpoint's state (a resume) or
     the fresh run's record, the engine, the scorer, the norms the engine serves, the first step's adapter."""
@@ -131,10 +140,17 @@ def setup(cfg: QerlConfig, base_dir: Path, records: list[dict], folder: RunFolde
     check_noise_precision(cfg, dtype)  # before any model loads
     limit_heap_fragmentation()  # glibc keeps freed activations otherwise (qerl_pipeline.memory)
     served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=platform)
-    sync = resolve_sync(rc.sync, served, rc.tensor_parallel_size)  # adapter | merge, before any model loads (rollout/serving.py)
-    policy = build_policy(base_dir, METHOD_FORMAT[cfg.method], cfg.lora, dtype=dtype,
-                          device=rank_device(platform, d.local_rank) if d.active else platform,
-                          norm_dtype=cfg.model.norm_dtype)
+    sync = resolve_sync(
+        rc.sync, served, rc.tensor_parallel_size
+    )  # adapter | merge, before any model loads (rollout/serving.py)
+    policy = build_policy(
+        base_dir,
+        METHOD_FORMAT[cfg.method],
+        cfg.lora,
+        dtype=dtype,
+        device=rank_device(platform, d.local_rank) if d.active else platform,
+        norm_dtype=cfg.model.norm_dtype,
+    )
     policy.train()
     # the base's values of trained norms, before a resume loads trained ones: the KL reference's norms
     base_norms = {n: t.clone() for n, t in trained_norms(policy).items()}
@@ -142,7 +158,8 @@ def setup(cfg: QerlConfig, base_dir: Path, records: list[dict], folder: RunFolde
     optimizer, opt_note = build_optimizer(params, cfg)
     total_updates = tc.steps * cfg.grpo.updates_per_rollout
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: lr_factor(i, warmup=cfg.optim.warmup_steps, total=total_updates, schedule=cfg.optim.schedule)
+        optimizer,
+        lambda i: lr_factor(i, warmup=cfg.optim.warmup_steps, total=total_updates, schedule=cfg.optim.schedule),
     )
     tokenizer = _tokenizer(base_dir, cfg)
     items, dropped = tokenize_prompts(records, tokenizer, cfg.model.max_seq_len - rc.max_new_tokens)
@@ -153,29 +170,55 @@ def setup(cfg: QerlConfig, base_dir: Path, records: list[dict], folder: RunFolde
         sampler = PromptSampler(len(items), tc.seed, **state["sampler"])
         _log_resume(folder, start_step, d)
     else:
-        _log_fresh_run(folder.logger, cfg, base_dir, dataset_name=reporting.dataset_name, optimizer_note=opt_note,
-                       data_report=reporting.data_report, moved_aside=folder.moved_aside)
+        _log_fresh_run(
+            folder.logger,
+            cfg,
+            base_dir,
+            dataset_name=reporting.dataset_name,
+            optimizer_note=opt_note,
+            data_report=reporting.data_report,
+            moved_aside=folder.moved_aside,
+        )
     if dropped:
-        log.warning("%d prompts longer than %d tokens were dropped", dropped, cfg.model.max_seq_len - rc.max_new_tokens)
+        log.warning(
+            "%d prompts longer than %d tokens were dropped", dropped, cfg.model.max_seq_len - rc.max_new_tokens
+        )
     own_engine = engine is None and engine_factory is None
     engine, sleeper = _start_engine(cfg, served, sync, items, d, platform, engine, engine_factory)
     scorer = make_scorer(cfg, reward_fn)
     aqn_on = cfg.aqn_enabled()
     engine_norms = engine.norm_weight_names()
-    sync_names = sorted(set((aqn.noisy_target_names(engine_norms) if aqn_on else []) + (engine_norms if cfg.lora.train_norms else [])))
+    sync_names = sorted(
+        set((aqn.noisy_target_names(engine_norms) if aqn_on else []) + (engine_norms if cfg.lora.train_norms else []))
+    )
     norm_params = aqn.norm_parameters(policy, sync_names) if sync_names else {}
     serving_tags = {**served_tags(served, engine), "model.norm_dtype": cfg.model.norm_dtype, "rollout.sync": sync}
     folder.logger.set_tags(serving_tags)
     log.info("engine serves %s in %s", serving_tags["rollout.served_format"], serving_tags["rollout.served_dtype"])
-    run = Run(cfg, d, folder, start_step, policy, Optim(optimizer, scheduler, params, norm_params),
-              ref_norms={n: base_norms[n] for n in norm_params if n in base_norms} or None,
-              noisy_names=aqn.noisy_target_names(norm_params) if aqn_on else [], sampler=sampler, items=items,
-              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, engine=engine,
-              own_engine=own_engine, sleeper=sleeper, scorer=scorer, sync=sync)
+    run = Run(
+        cfg,
+        d,
+        folder,
+        start_step,
+        policy,
+        Optim(optimizer, scheduler, params, norm_params),
+        ref_norms={n: base_norms[n] for n in norm_params if n in base_norms} or None,
+        noisy_names=aqn.noisy_target_names(norm_params) if aqn_on else [],
+        sampler=sampler,
+        items=items,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        engine=engine,
+        own_engine=own_engine,
+        sleeper=sleeper,
+        scorer=scorer,
+        sync=sync,
+    )
     run.adapter_dir = _save_step_adapter(policy, folder.path / "adapters" / f"step-{start_step:06d}", d)
     run.written = [run.adapter_dir]
-    folder.logger.log_metrics({tracking.DATA_PROMPTS: len(items), tracking.DATA_DROPPED_PROMPTS: dropped,
-                               tracking.WORLD_SIZE: d.world_size}, step=start_step)
+    folder.logger.log_metrics(
+        {tracking.DATA_PROMPTS: len(items), tracking.DATA_DROPPED_PROMPTS: dropped, tracking.WORLD_SIZE: d.world_size},
+        step=start_step,
+    )
     return run
 
 
@@ -183,12 +226,22 @@ def _log_resume(folder: RunFolder, start_step: int, d) -> None:
     """A resumed run's log line and tags; rank 0 keeps damaged newer checkpoints aside (``qerl.resume_fallback``)."""
     log.info("resuming from %s (step %d, MLflow run %s)", folder.checkpoint, start_step, folder.run_id)
     kept = ckpt.set_aside_damaged(folder.path, folder.checkpoint) if d.is_main else []
-    fallback = {"qerl.resume_fallback": " | ".join(f"{dmg} (kept as {to.name})" for dmg, to in kept)[:4000]} if kept else {}
+    fallback = (
+        {"qerl.resume_fallback": " | ".join(f"{dmg} (kept as {to.name})" for dmg, to in kept)[:4000]} if kept else {}
+    )
     folder.logger.set_tags({"qerl.resumed_at_step": str(start_step), **fallback})
 
 
-def _start_engine(cfg: QerlConfig, served, sync: str, items: list[PromptItem], d, platform: str, engine: Any,
-                  engine_factory: Callable[[Any], Any] | None) -> tuple[Any, EngineSleeper]:
+def _start_engine(
+    cfg: QerlConfig,
+    served,
+    sync: str,
+    items: list[PromptItem],
+    d,
+    platform: str,
+    engine: Any,
+    engine_factory: Callable[[Any], Any] | None,
+) -> tuple[Any, EngineSleeper]:
     """The rollout engine (``engine`` as given, else ``engine_factory(served)``'s, else one started here on
     this rank's GPUs) and its sleep during the updates (``rollout/sleep.py``)."""
     rc = cfg.rollout
@@ -197,11 +250,22 @@ def _start_engine(cfg: QerlConfig, served, sync: str, items: list[PromptItem], d
     own_engine = engine is None and engine_factory is None
     if engine is None:
         # a merging engine needs no LoRA slots; its KV cache holds one step's rollout (CPU)
-        kv_need = (math.ceil(cfg.train.prompts_per_step / d.world_size) * cfg.grpo.num_generations,
-                   max((len(it.ids) for it in items), default=0) + rc.max_new_tokens)
-        engine = engine_factory(served) if engine_factory else open_engine(
-            served, cfg.model, rollout=rc, lora_rank=cfg.lora.rank if sync == "adapter" else None,
-            devices=layout.devices, kv_need=kv_need)
+        kv_need = (
+            math.ceil(cfg.train.prompts_per_step / d.world_size) * cfg.grpo.num_generations,
+            max((len(it.ids) for it in items), default=0) + rc.max_new_tokens,
+        )
+        engine = (
+            engine_factory(served)
+            if engine_factory
+            else open_engine(
+                served,
+                cfg.model,
+                rollout=rc,
+                lora_rank=cfg.lora.rank if sync == "adapter" else None,
+                devices=layout.devices,
+                kv_need=kv_need,
+            )
+        )
     if sync == "adapter" and not own_engine:
         engine.unmerge()  # a shared engine may still serve an earlier run's merged adapter under its LoRAs
     engine_on = engine_platform(engine, platform)  # where the engine runs, as its process reports
@@ -210,13 +274,26 @@ def _start_engine(cfg: QerlConfig, served, sync: str, items: list[PromptItem], d
     return engine, sleeper
 
 
-def _log_fresh_run(logger: MetricsLogger, cfg: QerlConfig, base_dir: Path, *, dataset_name: str | None, optimizer_note: str,
-                   data_report: dict | None, moved_aside: Path | None) -> None:
+def _log_fresh_run(
+    logger: MetricsLogger,
+    cfg: QerlConfig,
+    base_dir: Path,
+    *,
+    dataset_name: str | None,
+    optimizer_note: str,
+    data_report: dict | None,
+    moved_aside: Path | None,
+) -> None:
     """A fresh run's tags, resolved config and inputs (a resumed run has them already)."""
-    logger.set_tags({
-        "method": cfg.method, "model": cfg.model.name, "dataset": dataset_name or cfg.data.train_source,
-        "git_commit": git_commit(), "optimizer": optimizer_note,
-    })
+    logger.set_tags(
+        {
+            "method": cfg.method,
+            "model": cfg.model.name,
+            "dataset": dataset_name or cfg.data.train_source,
+            "git_commit": git_commit(),
+            "optimizer": optimizer_note,
+        }
+    )
     logger.log_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config/resolved_config.yaml")
     log_inputs(logger, base_dir, data_report)
     if moved_aside is not None:

@@ -153,11 +153,29 @@ def open_run_dir(cfg: QerlConfig, output_dir: str | Path | None = None) -> tuple
 
 #: Settings a resume may change: how long to train and how often to save/log, and the
 #: sections training never reads. Any other difference makes the checkpoint another run.
-RESUMABLE_CHANGES = ("train.steps", "train.resume", "train.checkpoint_every", "train.log_completions_every",
-                     "train.output_dir", "train.nproc", "train.nnodes", "train.node_rank", "train.master_addr",
-                     "train.master_port", "quantize.force", "quantize.verify", "rollout.shared_engines",
-                     "rollout.gpu_memory_utilization", "rollout.sleep_between_steps", "rollout.sleep_level",
-                     "reward.max_workers", "data.eval_files", "evaluate", "compare", "benchmark")
+RESUMABLE_CHANGES = (
+    "train.steps",
+    "train.resume",
+    "train.checkpoint_every",
+    "train.log_completions_every",
+    "train.output_dir",
+    "train.nproc",
+    "train.nnodes",
+    "train.node_rank",
+    "train.master_addr",
+    "train.master_port",
+    "quantize.force",
+    "quantize.verify",
+    "rollout.shared_engines",
+    "rollout.gpu_memory_utilization",
+    "rollout.sleep_between_steps",
+    "rollout.sleep_level",
+    "reward.max_workers",
+    "data.eval_files",
+    "evaluate",
+    "compare",
+    "benchmark",
+)
 
 
 def resume_config(cfg: QerlConfig) -> dict[str, Any]:
@@ -166,15 +184,21 @@ def resume_config(cfg: QerlConfig) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)}
 
 
-def config_changes(stored: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None) -> list[str]:
+def config_changes(
+    stored: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> list[str]:
     """Dotted keys whose value differs between a checkpoint's settings and the current ones.
 
     A key the checkpoint lacks whose current value is its default (``defaults``) is no change:
     the checkpoint predates that setting, and a new setting's default keeps the behaviour it was trained with.
     """
     defaults = defaults or {}
-    return sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k)
-                  and not (k not in stored and k in defaults and current.get(k) == defaults[k]))
+    return sorted(
+        k
+        for k in stored.keys() | current.keys()
+        if stored.get(k) != current.get(k)
+        and not (k not in stored and k in defaults and current.get(k) == defaults[k])
+    )
 
 
 def prune_adapters(adapters: Path, keep: list[Path]) -> None:
@@ -189,9 +213,18 @@ def _peak_memory_gb() -> float:
     return peak_memory_bytes() / 2**30
 
 
-def train(cfg: QerlConfig, base_dir: str | Path, records: list[dict], *, output_dir: str | Path | None = None,
-          reporting: Reporting | None = None, engine: Any = None, engine_factory: Callable[[Any], Any] | None = None,
-          reward_fn: RewardFn | str | None = None, dist: Any = None) -> TrainResult:
+def train(
+    cfg: QerlConfig,
+    base_dir: str | Path,
+    records: list[dict],
+    *,
+    output_dir: str | Path | None = None,
+    reporting: Reporting | None = None,
+    engine: Any = None,
+    engine_factory: Callable[[Any], Any] | None = None,
+    reward_fn: RewardFn | str | None = None,
+    dist: Any = None,
+) -> TrainResult:
     """Train ``cfg.method`` on ``records`` (prompt records) over the base in ``base_dir``.
 
     ``output_dir``: where the run folder goes (default ``train.output_dir``; ``open_run_dir``).
@@ -210,12 +243,35 @@ def train(cfg: QerlConfig, base_dir: str | Path, records: list[dict], *, output_
     d, tc, reporting = dist or SINGLE, cfg.train, reporting or Reporting()
     folder = open_run(cfg, output_dir, reporting, d)
     if folder.finished(tc.steps):  # a compare or a kedro run resumed after a later step failed: reuse it
-        log.info("%s: already trained to step %d in %s (MLflow run %s); reusing it (train.resume=false trains anew)",
-                 cfg.method, int(folder.state["step"]), folder.path, folder.run_id)
-        return TrainResult(folder.path, folder.final, tc.steps, int(folder.state["step"]), folder.run_id,
-                           _full_history(folder.logger), time.perf_counter() - t_start, None, reused=True)
-    run = setup(cfg, Path(base_dir), records, folder, reporting, engine=engine,
-                engine_factory=engine_factory, reward_fn=reward_fn, dist=d)
+        log.info(
+            "%s: already trained to step %d in %s (MLflow run %s); reusing it (train.resume=false trains anew)",
+            cfg.method,
+            int(folder.state["step"]),
+            folder.path,
+            folder.run_id,
+        )
+        return TrainResult(
+            folder.path,
+            folder.final,
+            tc.steps,
+            int(folder.state["step"]),
+            folder.run_id,
+            _full_history(folder.logger),
+            time.perf_counter() - t_start,
+            None,
+            reused=True,
+        )
+    run = setup(
+        cfg,
+        Path(base_dir),
+        records,
+        folder,
+        reporting,
+        engine=engine,
+        engine_factory=engine_factory,
+        reward_fn=reward_fn,
+        dist=d,
+    )
     logger, history = folder.logger, []
     bar = TrainProgress(tc.steps, run.start_step) if reporting.progress and d.is_main else None
     try:
@@ -224,16 +280,27 @@ def train(cfg: QerlConfig, base_dir: str | Path, records: list[dict], *, output_
             metrics = stats.metrics()
             logger.log_metrics(metrics, step=step + 1)
             history.append({"step": step + 1, **metrics})
-            if (step + 1) % tc.log_completions_every == 0 or step == run.start_step:  # rank 0's share of the completions
-                logger.log_table(completion_rows(rollout, run.items, step + 1), f"completions/step_{step + 1:05d}.json")
+            if (
+                step + 1
+            ) % tc.log_completions_every == 0 or step == run.start_step:  # rank 0's share of the completions
+                logger.log_table(
+                    completion_rows(rollout, run.items, step + 1), f"completions/step_{step + 1:05d}.json"
+                )
             if d.is_main and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
                 _save_checkpoint(run, step + 1, stats)
             if bar is not None:
                 bar.advance(metrics)
             log.info(
                 "step %d/%d reward %.3f acc %.3f entropy %.3f sigma %.1e | rollout %.1fs (%.0f tok/s) update %.1fs",
-                step + 1, tc.steps, metrics[tracking.REWARD_MEAN], metrics[tracking.TRAIN_ACCURACY],
-                stats.update.entropy, stats.aqn_sigma, rollout.seconds, rollout.tokens_per_s, stats.update_s,
+                step + 1,
+                tc.steps,
+                metrics[tracking.REWARD_MEAN],
+                metrics[tracking.TRAIN_ACCURACY],
+                stats.update.entropy,
+                stats.aqn_sigma,
+                rollout.seconds,
+                rollout.tokens_per_s,
+                stats.update_s,
             )
     except BaseException as exc:  # the run says how it ended: KILLED (Ctrl-C, SIGTERM) or FAILED, after which step
         tracking.mark_ended(logger, exc, last_step=history[-1]["step"] if history else run.start_step)
@@ -247,8 +314,9 @@ def train(cfg: QerlConfig, base_dir: str | Path, records: list[dict], *, output_
     d.barrier()
     seconds = time.perf_counter() - t_start
     logger.log_metrics({tracking.TOTAL_TIME_S: seconds}, step=tc.steps)
-    return TrainResult(folder.path, folder.final, tc.steps, run.start_step, folder.run_id, history, seconds,
-                       folder.moved_aside)
+    return TrainResult(
+        folder.path, folder.final, tc.steps, run.start_step, folder.run_id, history, seconds, folder.moved_aside
+    )
 
 
 def open_run(cfg: QerlConfig, output_dir: str | Path | None, reporting: Reporting, d) -> RunFolder:
@@ -280,8 +348,13 @@ def _train_step(run: Run, step: int) -> tuple[Rollout, StepStats]:
     run.sleeper.before_update(lora, first)  # CUDA + colocated: the update gets the memory
     t_roll = time.perf_counter()
     totals = RolloutStats.gather(rollout, d)  # the global batch (every rank's share, in rank order)
-    batch = Batch.of(rollout.samples, totals.advantages(cfg.grpo, d.rank), norms.values, pad_id=run.pad_id,
-                     mask_truncated=cfg.grpo.mask_truncated)
+    batch = Batch.of(
+        rollout.samples,
+        totals.advantages(cfg.grpo, d.rank),
+        norms.values,
+        pad_id=run.pad_id,
+        mask_truncated=cfg.grpo.mask_truncated,
+    )
     engine_cpu0 = _engine_cpu(engine)
     update = policy_update(run.policy, run.optim, batch, cfg, step, ref_norms=run.ref_norms, dist=d)
     t_upd = time.perf_counter()
@@ -289,9 +362,19 @@ def _train_step(run: Run, step: int) -> tuple[Rollout, StepStats]:
     _next_adapter(run, step + 1)
     sleep = run.sleeper.after_update(run.adapter_dir if run.sync == "adapter" else None)  # wake, probe, register it
     engine_cpu = engine_cpu1 - engine_cpu0 if engine_cpu0 is not None and engine_cpu1 is not None else None
-    return rollout, StepStats(totals, update, norms.stage, norms.sigma, norms.sigma_effective, sync_s=sync_s,
-                              update_s=t_upd - t_roll, step_s=time.perf_counter() - t0,
-                              peak_memory_gb=_peak_memory_gb(), sleep=sleep, engine_cpu_s=engine_cpu)
+    return rollout, StepStats(
+        totals,
+        update,
+        norms.stage,
+        norms.sigma,
+        norms.sigma_effective,
+        sync_s=sync_s,
+        update_s=t_upd - t_roll,
+        step_s=time.perf_counter() - t0,
+        peak_memory_gb=_peak_memory_gb(),
+        sleep=sleep,
+        engine_cpu_s=engine_cpu,
+    )
 
 
 @dataclass
@@ -335,20 +418,40 @@ def _next_adapter(run: Run, step: int) -> None:
 def _save_checkpoint(run: Run, step: int, stats: StepStats) -> None:
     """Checkpoint ``step`` (completed steps) of the run folder: what a resume restores (``rl/checkpoint.py``)."""
     ckpt.save_checkpoint(
-        run.folder.path, step, policy=run.policy, optimizer=run.optim.optimizer, scheduler=run.optim.scheduler,
-        state={"step": step, "sampler": run.sampler.state(), "aqn_stage": stats.aqn_stage, "aqn_sigma": stats.aqn_sigma,
-               "run_id": run.folder.run_id, "config": resume_config(run.cfg), "world_size": run.dist.world_size},
+        run.folder.path,
+        step,
+        policy=run.policy,
+        optimizer=run.optim.optimizer,
+        scheduler=run.optim.scheduler,
+        state={
+            "step": step,
+            "sampler": run.sampler.state(),
+            "aqn_stage": stats.aqn_stage,
+            "aqn_sigma": stats.aqn_sigma,
+            "run_id": run.folder.run_id,
+            "config": resume_config(run.cfg),
+            "world_size": run.dist.world_size,
+        },
     )
 
 
 def _save_final_adapter(run: Run, base_dir: str | Path) -> None:
     """Rank 0: ``final_adapter/`` with what it is, into MLflow with the training curves."""
     cfg, folder = run.cfg, run.folder
-    save_adapter(run.policy, folder.final, meta={
-        "method": cfg.method, "model": cfg.model.name, "seed": cfg.train.seed, "steps": cfg.train.steps,
-        "mlflow_run_id": folder.run_id, "base_dir": str(base_dir), "run_dir": str(folder.path),
-        "world_size": run.dist.world_size,
-    })
+    save_adapter(
+        run.policy,
+        folder.final,
+        meta={
+            "method": cfg.method,
+            "model": cfg.model.name,
+            "seed": cfg.train.seed,
+            "steps": cfg.train.steps,
+            "mlflow_run_id": folder.run_id,
+            "base_dir": str(base_dir),
+            "run_dir": str(folder.path),
+            "world_size": run.dist.world_size,
+        },
+    )
     folder.logger.log_artifact(folder.final, artifact_path="final_adapter")
     _log_curves(folder.logger, folder.path, cfg.method)
 
@@ -371,7 +474,7 @@ def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:
     try:
         write_atomic(path, figure_png(plot_training(history, method)))
         logger.log_artifact(path, artifact_path="plots")
-    except Exception as exc:  # noqa: BLE001 - a plot must never fail a finished training
+    except Exception as exc:
         log.warning("could not draw the training curves: %s", exc)
 
 

@@ -37,8 +37,14 @@ class TrainingDiverged(RuntimeError):
 
 # --------------------------------------------------------------- log-probs
 def completion_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, prompt_lens: torch.Tensor, t_max: int, temperature: float,
-    *, share_prompts: bool = True, entropy_grad: bool = False,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    t_max: int,
+    temperature: float,
+    *,
+    share_prompts: bool = True,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs ``[n, T]`` of the completion tokens and the policy entropy ``[n, T]``.
 
@@ -59,7 +65,9 @@ def completion_logprobs(
     else:
         hidden = inner.model(input_ids=input_ids, use_cache=False).last_hidden_state  # [n, L, H]
         length = input_ids.shape[1]
-        pos = (prompt_lens.to(device).unsqueeze(1) - 1 + torch.arange(t_max, device=device).unsqueeze(0)).clamp(max=length - 2)
+        pos = (prompt_lens.to(device).unsqueeze(1) - 1 + torch.arange(t_max, device=device).unsqueeze(0)).clamp(
+            max=length - 2
+        )
         rows = torch.arange(input_ids.shape[0], device=device).unsqueeze(1)
         targets = input_ids[rows, pos + 1]
         hidden = hidden[rows, pos]
@@ -71,7 +79,9 @@ def completion_logprobs(
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
     # chunked: log-softmax at the targets and the entropy without materialising [n, T, V] (rl/logprobs.py)
-    return token_logprobs(hidden, head.weight, targets, bias=head.bias, temperature=temperature, entropy_grad=entropy_grad)
+    return token_logprobs(
+        hidden, head.weight, targets, bias=head.bias, temperature=temperature, entropy_grad=entropy_grad
+    )
 
 
 # --------------------------------------------------------------- the update
@@ -96,8 +106,16 @@ class Optim:
     norm_params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
 
 
-def policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int, *,
-                  ref_norms: dict[str, torch.Tensor] | None = None, dist=None) -> UpdateStats:
+def policy_update(
+    policy,
+    opt: Optim,
+    batch: Batch,
+    cfg: QerlConfig,
+    step: int,
+    *,
+    ref_norms: dict[str, torch.Tensor] | None = None,
+    dist=None,
+) -> UpdateStats:
     """``updates_per_rollout`` optimizer steps on one rollout batch.
 
     Forward and backward run under the batch's noisy norms (``aqn.noisy_norms``: the
@@ -135,7 +153,14 @@ def policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int, 
 
 def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int, ref_norms, dist) -> UpdateStats:
     optimizer, scheduler, params, norm_params = opt.optimizer, opt.scheduler, opt.params, opt.norm_params
-    ids, p_lens, roll_logp, mask, adv, noisy = batch.ids, batch.p_lens, batch.roll_logp, batch.mask, batch.adv, batch.noisy
+    ids, p_lens, roll_logp, mask, adv, noisy = (
+        batch.ids,
+        batch.p_lens,
+        batch.roll_logp,
+        batch.mask,
+        batch.adv,
+        batch.noisy,
+    )
     d = dist or SINGLE
     gc, tc, rc = cfg.grpo, cfg.train, cfg.rollout
     n_local, t_max = roll_logp.shape
@@ -145,8 +170,9 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
     share = tc.share_prompt_forward
     chunks = [slice(i, min(n_local, i + mb)) for i in range(0, n_local, mb)]
     n_mb = int(d.sum(len(chunks)))  # micro-batches of the global batch (bnpo's and the entropy bonus's divisor)
-    loss_params = grpo.LossParams.of(gc, num_sequences=n, num_tokens=n_tok, max_len=rc.max_new_tokens,
-                                     num_micro_batches=n_mb)
+    loss_params = grpo.LossParams.of(
+        gc, num_sequences=n, num_tokens=n_tok, max_len=rc.max_new_tokens, num_micro_batches=n_mb
+    )
     want_entropy_grad = gc.entropy_coef != 0.0
     old_logp: dict[int, torch.Tensor] = {}
     is_w: dict[int, torch.Tensor | None] = {}
@@ -162,18 +188,25 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
     if want_ref:
         with torch.no_grad(), policy.disable_adapter(), aqn.noisy_norms(norm_params, ref_norms):
             for k, sl in enumerate(chunks):
-                ref_logp[k] = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share)[0].detach().cpu()
+                ref_logp[k] = (
+                    completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share)[0]
+                    .detach()
+                    .cpu()
+                )
     if gc.top_entropy_quantile < 1.0:  # the batch's entropies before the first backward (and pi_old with them)
         ents = []
         with torch.no_grad(), aqn.noisy_norms(norm_params, noisy):
             for k, sl in enumerate(chunks):
-                logp0, ent0 = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share)
+                logp0, ent0 = completion_logprobs(
+                    policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share
+                )
                 old_logp[k] = logp0.detach().cpu()
                 ents.append(ent0.detach().cpu())
         ent_all = torch.cat(ents) if ents else torch.zeros(0, t_max)  # no rows: a rank's empty share
         real_ent = ent_all[mask > 0]
-        threshold = grpo.entropy_threshold(torch.cat(d.all_gather_object(real_ent)) if d.active else real_ent,
-                                           gc.top_entropy_quantile)
+        threshold = grpo.entropy_threshold(
+            torch.cat(d.all_gather_object(real_ent)) if d.active else real_ent, gc.top_entropy_quantile
+        )
         chosen = ((ent_all >= threshold) & (mask > 0)).to(mask.dtype)
         for k, sl in enumerate(chunks):
             select[k] = chosen[sl]
@@ -183,8 +216,15 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
         total = 0.0
         with aqn.noisy_norms(norm_params, noisy):
             for k, sl in enumerate(chunks):
-                logp, ent = completion_logprobs(policy, ids[sl], p_lens[sl], t_max, rc.temperature, share_prompts=share,
-                                                entropy_grad=want_entropy_grad)
+                logp, ent = completion_logprobs(
+                    policy,
+                    ids[sl],
+                    p_lens[sl],
+                    t_max,
+                    rc.temperature,
+                    share_prompts=share,
+                    entropy_grad=want_entropy_grad,
+                )
                 logp = logp.cpu() if logp.device.type != "cpu" else logp
                 ent = ent.cpu() if ent.device.type != "cpu" else ent
                 m = mask[sl]
@@ -200,9 +240,17 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
                     if st_is is not None:
                         is_parts.append(st_is)
                         stats_acc["is_weight"] += float((is_w[k] * m).sum()) / max(n_tok, 1.0)
-                loss, st = grpo.policy_loss(logp, old_logp[k], adv[sl], m, loss_params, is_weights=is_w[k],
-                                            ref_logp=ref_logp.get(k), token_select=select.get(k),
-                                            entropy=ent if want_entropy_grad else None)
+                loss, st = grpo.policy_loss(
+                    logp,
+                    old_logp[k],
+                    adv[sl],
+                    m,
+                    loss_params,
+                    is_weights=is_w[k],
+                    ref_logp=ref_logp.get(k),
+                    token_select=select.get(k),
+                    entropy=ent if want_entropy_grad else None,
+                )
                 if not torch.isfinite(loss):
                     raise TrainingDiverged(
                         f"non-finite loss ({float(loss.detach())}) at step {step + 1} (update {u + 1}, micro-batch {k + 1}); "
@@ -219,21 +267,32 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
         d.all_reduce_grads(params)  # the global batch's gradient on every rank (each loss is its share)
         gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
         if not torch.isfinite(gn):
-            raise TrainingDiverged(f"non-finite gradient norm at step {step + 1} (update {u + 1}); training stopped before the optimizer update")
+            raise TrainingDiverged(
+                f"non-finite gradient norm at step {step + 1} (update {u + 1}); training stopped before the optimizer update"
+            )
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()  # clean norms are back: their update sticks
         scheduler.step()
         grad_norms.append(float(gn))
         losses.append(d.sum(total))
     if d.active:  # each rank's statistics are its share of the global ones (global denominators): add them up
-        sums = d.sum_tensor(torch.tensor([clip_sum, clip_low, clip_high, *stats_acc.values()], dtype=torch.float64)).tolist()
+        sums = d.sum_tensor(
+            torch.tensor([clip_sum, clip_low, clip_high, *stats_acc.values()], dtype=torch.float64)
+        ).tolist()
         clip_sum, clip_low, clip_high = sums[:3]
         stats_acc = dict(zip(stats_acc, sums[3:]))
         is_parts = [p for parts in d.all_gather_object(is_parts) for p in parts]
     return UpdateStats(
-        lr=lr, loss=mean(losses), grad_norm=mean(grad_norms), entropy=stats_acc["entropy"], clip_fraction=clip_sum,
-        clip_low_fraction=clip_low, clip_high_fraction=clip_high, mismatch_kl=stats_acc["mismatch_kl"],
-        selected_token_fraction=selected, entropy_threshold=threshold,
+        lr=lr,
+        loss=mean(losses),
+        grad_norm=mean(grad_norms),
+        entropy=stats_acc["entropy"],
+        clip_fraction=clip_sum,
+        clip_low_fraction=clip_low,
+        clip_high_fraction=clip_high,
+        mismatch_kl=stats_acc["mismatch_kl"],
+        selected_token_fraction=selected,
+        entropy_threshold=threshold,
         importance=grpo.ISStats.merge(is_parts) if is_parts else None,
         is_weight_mean=stats_acc["is_weight"] if is_parts else None,
         kl_to_base=stats_acc["kl_to_base"] if want_ref else None,

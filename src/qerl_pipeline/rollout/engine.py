@@ -154,11 +154,25 @@ def start_engine_process(cmd: list[str], env: dict[str, str], log) -> subprocess
 
 #: Environment variables torchrun sets for its workers; a rank's engine process must not see
 #: them (vLLM would take the trainer's rank/world for its own).
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-                "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
 
 
 def without_launcher_env(env: dict[str, str]) -> dict[str, str]:
@@ -261,7 +275,7 @@ class RolloutEngine:
         def _accept() -> None:
             try:
                 accepted["conn"] = listener.accept()
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:
                 accepted["error"] = exc
 
         thread = threading.Thread(target=_accept, daemon=True)
@@ -271,7 +285,9 @@ class RolloutEngine:
             while thread.is_alive():
                 thread.join(0.2)
                 if self._proc.poll() is not None and thread.is_alive():
-                    raise self._failure(f"engine process exited ({exit_status(self._proc.returncode)}) before connecting")
+                    raise self._failure(
+                        f"engine process exited ({exit_status(self._proc.returncode)}) before connecting"
+                    )
                 if time.monotonic() > deadline:
                     raise self._failure(f"engine process did not connect within {self.rollout.startup_timeout_s} s")
             if "error" in accepted:
@@ -289,8 +305,11 @@ class RolloutEngine:
             text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
         except OSError:
             return EngineError(cause)
-        return EngineError(f"{cause}\n--- engine log tail ({self.log_path}) ---\n" + "\n".join(text)
-                           + f"\n--- end of engine log tail ---\n{cause}")
+        return EngineError(
+            f"{cause}\n--- engine log tail ({self.log_path}) ---\n"
+            + "\n".join(text)
+            + f"\n--- end of engine log tail ---\n{cause}"
+        )
 
     def _wait(self, op: str, timeout: float | None = None):
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -312,7 +331,9 @@ class RolloutEngine:
             ) from None
         if not reply["ok"]:
             cause = f"engine op {op!r} failed: {reply['error']}"
-            raise EngineError(f"{cause}\n--- engine traceback ---\n{reply['traceback']}--- end of engine traceback ---\n{cause}")
+            raise EngineError(
+                f"{cause}\n--- engine traceback ---\n{reply['traceback']}--- end of engine traceback ---\n{cause}"
+            )
         return reply["result"]
 
     def _call(self, op: str, **kwargs):
@@ -351,7 +372,7 @@ class RolloutEngine:
                 except psutil.Error:
                     pass
             return float(total)
-        except Exception:  # noqa: BLE001 - psutil missing or the process gone
+        except Exception:
             return None
 
     def alive(self) -> bool:
@@ -428,7 +449,9 @@ class RolloutEngine:
         if isinstance(seed, (list, tuple)) and len(seed) != len(prompts):
             raise ValueError(f"seed: {len(seed)} seeds for {len(prompts)} prompts")
         if n < 1 or max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"bad sampling settings: n={n}, max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}")
+            raise ValueError(
+                f"bad sampling settings: n={n}, max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}"
+            )
         path = version = None
         if lora_path is not None:
             path = Path(lora_path).resolve()
@@ -547,7 +570,9 @@ def merged_weights(base: dict[str, torch.Tensor], adapter_dir: str | Path) -> di
     return add_deltas(base, lora_deltas(adapter_dir), adapter_dir)
 
 
-def add_deltas(base: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], adapter_dir: str | Path) -> dict[str, torch.Tensor]:
+def add_deltas(
+    base: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], adapter_dir: str | Path
+) -> dict[str, torch.Tensor]:
     """``W + delta`` in W's dtype for every name of ``deltas`` (from ``lora_deltas(adapter_dir)``)."""
     out = {}
     for name, delta in deltas.items():

@@ -65,8 +65,15 @@ class EnginePlan:
     why: str
 
 
-def engine_plan(rollout: Any, platform: str, *, world_size: int = 1, rank: int = 0, local_rank: int | None = None,
-                gpus: int | None = None) -> EnginePlan:
+def engine_plan(
+    rollout: Any,
+    platform: str,
+    *,
+    world_size: int = 1,
+    rank: int = 0,
+    local_rank: int | None = None,
+    gpus: int | None = None,
+) -> EnginePlan:
     """The rollout engine of rank ``rank`` of ``world_size`` (``rollout.engines``, ``rollout.tensor_parallel_size``).
 
     Pure (``gpus``: the GPUs this process sees, checked when given). The table, with t =
@@ -96,7 +103,9 @@ def engine_plan(rollout: Any, platform: str, *, world_size: int = 1, rank: int =
     local = rank if local_rank is None else int(local_rank)
     opens = mode == "per_rank" or rank == 0
     if platform == "cpu":
-        why = (f"{mode} engine on the host" if opens else "shared engine: rank 0's") + ("" if world_size == 1 else f" (rank {rank}/{world_size})")
+        why = (f"{mode} engine on the host" if opens else "shared engine: rank 0's") + (
+            "" if world_size == 1 else f" (rank {rank}/{world_size})"
+        )
         return EnginePlan(opens, 1, None, {}, False, why)
     if mode == "per_rank":
         if world_size > 1 and t > 1:
@@ -114,6 +123,9 @@ def engine_plan(rollout: Any, platform: str, *, world_size: int = 1, rank: int =
             f"{list(devices)} but this process sees {gpus}"
         )
     colocated = opens and local in devices
-    why = (f"{mode} engine on GPU(s) {list(devices)}" if opens else "shared engine: rank 0's") + (
-        f", rank {rank}/{world_size}" if world_size > 1 else "") + ("" if colocated or not opens else ", not on this rank's GPU")
+    why = (
+        (f"{mode} engine on GPU(s) {list(devices)}" if opens else "shared engine: rank 0's")
+        + (f", rank {rank}/{world_size}" if world_size > 1 else "")
+        + ("" if colocated or not opens else ", not on this rank's GPU")
+    )
     return EnginePlan(opens, t, devices if opens else None, args, colocated, why)

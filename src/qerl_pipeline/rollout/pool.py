@@ -101,8 +101,12 @@ def _key(served, model_cfg, max_model_len: int | None) -> tuple:
     from qerl_pipeline.rollout.serving import engine_dtype, engine_norm_dtype
 
     mc = model_cfg if isinstance(model_cfg, ModelConfig) else parse(ModelConfig, dict(model_cfg or {}), "model")
-    return (str(Path(served.path).resolve()), engine_dtype(mc, served.platform, served), engine_norm_dtype(mc),
-            max_model_len or mc.max_seq_len)
+    return (
+        str(Path(served.path).resolve()),
+        engine_dtype(mc, served.platform, served),
+        engine_norm_dtype(mc),
+        max_model_len or mc.max_seq_len,
+    )
 
 
 def shared_engine(served, model_cfg, *, rollout=None, lora_rank: int = 8, max_model_len: int | None = None):
@@ -119,16 +123,24 @@ def shared_engine(served, model_cfg, *, rollout=None, lora_rank: int = 8, max_mo
             shared.handed_out += 1
             shared.engine.unmerge()  # a training with rollout.sync merge leaves its adapter in the linears
             restore_norms(shared.engine, shared.clean)
-            log.info("shared engine reused for %s (hand-out %d, clean linears and norms restored)", served.path,
-                     shared.handed_out)
+            log.info(
+                "shared engine reused for %s (hand-out %d, clean linears and norms restored)",
+                served.path,
+                shared.handed_out,
+            )
             return shared.engine
     keep = capacity(rollout, served.platform)
     while len(_live) >= keep:
         _live.pop(0).engine.close()
     engine = open_engine(served, model_cfg, rollout=rollout, lora_rank=lora_rank, max_model_len=max_model_len)
     _live.append(_Shared(key, lora_rank, engine, clean_norms(engine, Path(served.path)), 1))
-    log.info("shared engine started for %s in %.1f s (%d of at most %d alive)", served.path, engine.start_seconds,
-             len(_live), keep)
+    log.info(
+        "shared engine started for %s in %.1f s (%d of at most %d alive)",
+        served.path,
+        engine.start_seconds,
+        len(_live),
+        keep,
+    )
     return engine
 
 

@@ -114,6 +114,7 @@ def in_process_engine(cuda: bool, environ=os.environ) -> bool:
     environ.setdefault(MULTIPROCESSING_ENV, "0")
     return environ[MULTIPROCESSING_ENV] == "0"
 
+
 # ------------------------------------------------------------------ no orphans (see above)
 PARENT_PID_ENV = "QERL_ENGINE_PARENT_PID"  # pid of the process that created this one
 PARENT_MAIN_THREAD_ENV = "QERL_ENGINE_PARENT_MAIN_THREAD"  # "1": created from its main thread
@@ -295,8 +296,13 @@ class Server:
 
     # ------------------------------------------------------------------ ops
     def info(self) -> dict:
-        return {"startup_s": self.startup_s, "cuda": self.is_cuda, "dtype": self.dtype, "pid": os.getpid(),
-                "model_runner": self.model_runner}
+        return {
+            "startup_s": self.startup_s,
+            "cuda": self.is_cuda,
+            "dtype": self.dtype,
+            "pid": os.getpid(),
+            "model_runner": self.model_runner,
+        }
 
     def _awake(self) -> dict:
         out = {"was_asleep": self.asleep, "level": self.asleep_level, "reloaded": False, "reapplied": []}
@@ -346,7 +352,9 @@ class Server:
         if level not in (1, 2):
             raise ValueError(f"sleep level {level}: expected 1 or 2")
         if level == 2 and self.kept is None:
-            raise ValueError("sleep level 2 on an engine started with sleep_level 1: its in-place updates were not kept")
+            raise ValueError(
+                "sleep level 2 on an engine started with sleep_level 1: its in-place updates were not kept"
+            )
         self.llm.sleep(level=level)
         self.asleep, self.asleep_level = True, level
         return True

@@ -156,8 +156,9 @@ def decide(fmt: str, platform: str, *, vllm_features: Collection[str] = ()) -> S
     codec = formats.get(fmt)
     check_platform(platform)
     row = codec.served(platform, vllm_features)
-    return ServedModel(Path(row.path), row.tag, row.dense, dict(row.engine_args), fmt, platform, row.activations_16bit,
-                       row.note)
+    return ServedModel(
+        Path(row.path), row.tag, row.dense, dict(row.engine_args), fmt, platform, row.activations_16bit, row.note
+    )
 
 
 SYNC_MODES = ("auto", "adapter", "merge")
@@ -195,8 +196,9 @@ DEFAULT_CPU_KV_CACHE_GIB = DEFAULT_CPU_KV_CACHE_BYTES / 2**30
 _KV_BLOCK = 128
 
 
-def cpu_kv_cache_bytes(model_config: dict[str, Any], dtype: str, *, sequences: int, tokens_per_sequence: int,
-                       max_model_len: int) -> int:
+def cpu_kv_cache_bytes(
+    model_config: dict[str, Any], dtype: str, *, sequences: int, tokens_per_sequence: int, max_model_len: int
+) -> int:
     """KV cache bytes for ``sequences`` concurrent sequences of up to ``tokens_per_sequence`` tokens.
 
     Whole blocks of vLLM-CPU's 128 tokens per sequence (no prompt sharing counted: a block is
@@ -237,7 +239,9 @@ def vllm_features() -> frozenset[str]:
 
 
 def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
-    method = next((m for m, spec in METHOD_SPECS.items() if spec.format == fmt), "<method>")  # the first on that format
+    method = next(
+        (m for m, spec in METHOD_SPECS.items() if spec.format == fmt), "<method>"
+    )  # the first on that format
     return FileNotFoundError(
         f"{what}; run `kedro run --pipeline=quantize --params method={method}` (same --env) to write the base {base_dir}"
     )
@@ -268,7 +272,9 @@ def served_model(base_dir: str | Path, fmt: str | None = None, platform: str | N
     else:
         path = base_dir
     if not (path / "config.json").is_file():
-        raise _missing(base_dir, actual, f"base {base_dir} has no {decision.path}/ folder to serve ({decision.served_format})")
+        raise _missing(
+            base_dir, actual, f"base {base_dir} has no {decision.path}/ folder to serve ({decision.served_format})"
+        )
     return replace(decision, path=path.resolve())
 
 
@@ -325,9 +331,17 @@ def engine_norm_dtype(model_cfg: Any) -> str | None:
     return "float32" if value == "float32" else None
 
 
-def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lora_rank: int | None = None,
-                max_model_len: int | None = None, seed: int | None = None, kv_need: tuple[int, int] | None = None,
-                **kwargs: Any):
+def open_engine(
+    served: ServedModel,
+    model_cfg: Any,
+    *,
+    rollout: Any = None,
+    lora_rank: int | None = None,
+    max_model_len: int | None = None,
+    seed: int | None = None,
+    kv_need: tuple[int, int] | None = None,
+    **kwargs: Any,
+):
     """The one place a ``RolloutEngine`` is built for a served base (trainer, evaluation, compare, benchmark).
 
     ``served``: ``served_model``'s decision; ``model_cfg``: ``ModelConfig`` (dtype, norm dtype,
@@ -354,11 +368,18 @@ def open_engine(served: ServedModel, model_cfg: Any, *, rollout: Any = None, lor
             extra["kv_cache_memory_bytes"] = int(gib * 2**30)
         elif kv_need is not None:
             config = json.loads((Path(served.path) / "config.json").read_text())
-            extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, dtype, sequences=kv_need[0],
-                                                                tokens_per_sequence=kv_need[1], max_model_len=length)
+            extra["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                config, dtype, sequences=kv_need[0], tokens_per_sequence=kv_need[1], max_model_len=length
+            )
     release_trainer_cache(collect=True)  # a no-op off CUDA
     return RolloutEngine(
-        served.path, max_model_len=length, max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else None,
-        dtype=dtype, seed=seed if seed is not None else getattr(rollout, "seed", 0),
-        rollout=rollout, extra_engine_args=extra, norm_dtype=engine_norm_dtype(mc), **kwargs,
+        served.path,
+        max_model_len=length,
+        max_lora_rank=vllm_lora_rank(lora_rank) if lora_rank is not None else None,
+        dtype=dtype,
+        seed=seed if seed is not None else getattr(rollout, "seed", 0),
+        rollout=rollout,
+        extra_engine_args=extra,
+        norm_dtype=engine_norm_dtype(mc),
+        **kwargs,
     )

@@ -140,18 +140,28 @@ def sleep_plan(rollout_cfg: Any, platform: str, colocated: bool) -> SleepPlan:
     if platform not in ("cuda", "cpu"):
         raise ValueError(f"unknown platform {platform!r}; expected cuda or cpu")
     if platform == "cpu":
-        return SleepPlan(False, None, "CPU: vLLM-CPU has no sleep mode (enable_sleep_mode raises 'Sleep mode is not "
-                                      "supported on current platform.'); the engine's memory is host RAM")
+        return SleepPlan(
+            False,
+            None,
+            "CPU: vLLM-CPU has no sleep mode (enable_sleep_mode raises 'Sleep mode is not "
+            "supported on current platform.'); the engine's memory is host RAM",
+        )
     if not colocated:
-        return SleepPlan(False, None, "the engine is not on this rank's GPU: sleeping it frees nothing the update uses")
+        return SleepPlan(
+            False, None, "the engine is not on this rank's GPU: sleeping it frees nothing the update uses"
+        )
     if not getattr(rollout_cfg, "sleep_between_steps", False):
         return SleepPlan(False, None, "rollout.sleep_between_steps is false")
     level = int(getattr(rollout_cfg, "sleep_level", 1))
     if level == 1:
         return SleepPlan(True, 1, "level 1: weights offloaded to CPU RAM and KV cache freed during each update")
     if level == 2:
-        return SleepPlan(True, 2, "level 2: weights and KV cache discarded during each update; on wake the weights "
-                                  "are reloaded from the served folder and the in-place updates re-applied")
+        return SleepPlan(
+            True,
+            2,
+            "level 2: weights and KV cache discarded during each update; on wake the weights "
+            "are reloaded from the served folder and the in-place updates re-applied",
+        )
     raise ValueError(f"rollout.sleep_level {level}: expected 1 or 2")
 
 
@@ -186,8 +196,9 @@ class EngineSleeper:
         return self.plan.enabled
 
     def _run_probe(self, prompt: list[int], adapter: str | None) -> Probe:
-        res = self.engine.generate([prompt], n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.probe_tokens,
-                                   seed=0, lora_path=adapter)
+        res = self.engine.generate(
+            [prompt], n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.probe_tokens, seed=0, lora_path=adapter
+        )
         sample = res.samples[0][0]
         return Probe(list(sample.completion_ids), [float(x) for x in sample.logprobs])
 
@@ -231,16 +242,26 @@ class EngineSleeper:
         if adapter_dir is not None:  # None: an engine without LoRA
             repairs += self._check_registered(Path(adapter_dir))
         check_s = self._check_s + time.perf_counter() - t0
-        return {tracking.SLEEP_TIME_S: self._sleep_s, tracking.WAKE_TIME_S: wake_s, tracking.WAKE_CHECK_TIME_S: check_s,
-                tracking.SLEEP_REPAIRS: repairs}
+        return {
+            tracking.SLEEP_TIME_S: self._sleep_s,
+            tracking.WAKE_TIME_S: wake_s,
+            tracking.WAKE_CHECK_TIME_S: check_s,
+            tracking.SLEEP_REPAIRS: repairs,
+        }
 
     def _check_probe(self, woke: Any) -> int:
         prompt, adapter, before = self._probe
         after = self._run_probe(prompt, adapter)
         if probe_agrees(before, after):
             return 0
-        log.warning("engine output changed across sleep/wake (level %s; %s): before %s after %s; dropping its adapters "
-                    "(vLLM #53888) and probing again", self.plan.level, woke, _shown(before), _shown(after))
+        log.warning(
+            "engine output changed across sleep/wake (level %s; %s): before %s after %s; dropping its adapters "
+            "(vLLM #53888) and probing again",
+            self.plan.level,
+            woke,
+            _shown(before),
+            _shown(after),
+        )
         self.engine.reset_adapters()
         again = self._run_probe(prompt, adapter)
         if not probe_agrees(before, again):
@@ -257,8 +278,12 @@ class EngineSleeper:
         reg = self.engine.register_adapter(adapter_dir)
         if reg["lora_id"] in reg["loaded"]:
             return 0
-        log.warning("adapter %s (LoRA id %s) not listed by the engine after wake (listed: %s); reloading it",
-                    adapter_dir, reg["lora_id"], reg["loaded"])
+        log.warning(
+            "adapter %s (LoRA id %s) not listed by the engine after wake (listed: %s); reloading it",
+            adapter_dir,
+            reg["lora_id"],
+            reg["loaded"],
+        )
         self.engine.reset_adapters()
         reg = self.engine.register_adapter(adapter_dir)
         if reg["lora_id"] not in reg["loaded"]:

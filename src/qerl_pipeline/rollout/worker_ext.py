@@ -105,8 +105,11 @@ def _refuse_unservable(name: str, target: _Target, action: str) -> None:
     sharded over tensor-parallel workers (module docstring); return otherwise."""
     if target.kind == "quantized":
         quant = type(getattr(target.module, "quant_method", None)).__name__
-        why = ("its served bytes are the kernel's repacked layout, not the checkpoint's" if action == "read" else
-               "dense weights cannot be written there (use rollout.sync: adapter on a quantized base)")
+        why = (
+            "its served bytes are the kernel's repacked layout, not the checkpoint's"
+            if action == "read"
+            else "dense weights cannot be written there (use rollout.sync: adapter on a quantized base)"
+        )
         raise NotImplementedError(f"{name}: served layer is quantized ({quant}); {action} refused: {why}")
     if target.sharded > 1:
         raise NotImplementedError(

@@ -47,46 +47,83 @@ def measure_hardware_limits(benchmark: dict[str, Any]) -> dict[str, Any]:
     """Measured copy bandwidth (GB/s) and matmul rate (FLOP/s) of this machine."""
     parse(BenchmarkConfig, benchmark, "benchmark")
     hw = hardware.measure_hardware(current_platform())
-    log.info("hardware: %.1f GB/s copy bandwidth, %.1f GFLOP/s %s matmul", hw["bandwidth_gbs"],
-             hw["matmul_flops"] / 1e9, hw["matmul_dtype"])
+    log.info(
+        "hardware: %.1f GB/s copy bandwidth, %.1f GFLOP/s %s matmul",
+        hw["bandwidth_gbs"],
+        hw["matmul_flops"] / 1e9,
+        hw["matmul_dtype"],
+    )
     return hw
 
 
 def prepare_bases(model: dict[str, Any], quantize: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, str]:
     """``{format: base folder}`` for every needed format, written (RTN) unless already there."""
-    return bench_bases.prepare_bases(parse(ModelConfig, model, "model"), parse(QuantizeConfig, quantize, "quantize"),
-                                     parse(BenchmarkConfig, benchmark, "benchmark"))
+    return bench_bases.prepare_bases(
+        parse(ModelConfig, model, "model"),
+        parse(QuantizeConfig, quantize, "quantize"),
+        parse(BenchmarkConfig, benchmark, "benchmark"),
+    )
 
 
-def benchmark_rollout(bases: dict[str, str], model: dict[str, Any], lora: dict[str, Any], rollout: dict[str, Any],
-                      grpo: dict[str, Any], benchmark: dict[str, Any], reward: dict[str, Any], train: dict[str, Any],
-                      data: dict[str, Any]) -> dict[str, Any]:
+def benchmark_rollout(
+    bases: dict[str, str],
+    model: dict[str, Any],
+    lora: dict[str, Any],
+    rollout: dict[str, Any],
+    grpo: dict[str, Any],
+    benchmark: dict[str, Any],
+    reward: dict[str, Any],
+    train: dict[str, Any],
+    data: dict[str, Any],
+) -> dict[str, Any]:
     """Rollout tokens/s per format and batch size, with and without LoRA; sync time per step; the reward's time
     (the run's own scorer: ``reward``, ``train.reward_fn``, ``data.system_prompt`` as training has them)."""
     cfg = _config(model=model, lora=lora, rollout=rollout, grpo=grpo, reward=reward, train=train, data=data)
     return rollout_benchmark(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
 
 
-def benchmark_training(bases: dict[str, str], model: dict[str, Any], lora: dict[str, Any], grpo: dict[str, Any],
-                       optim: dict[str, Any], rollout: dict[str, Any], train: dict[str, Any],
-                       benchmark: dict[str, Any]) -> list[dict[str, Any]]:
+def benchmark_training(
+    bases: dict[str, str],
+    model: dict[str, Any],
+    lora: dict[str, Any],
+    grpo: dict[str, Any],
+    optim: dict[str, Any],
+    rollout: dict[str, Any],
+    train: dict[str, Any],
+    benchmark: dict[str, Any],
+) -> list[dict[str, Any]]:
     """Training step time, tokens/s, peak memory and parameter bytes per method (own process each)."""
     cfg = _config(model=model, lora=lora, grpo=grpo, optim=optim, rollout=rollout, train=train)
     return measure_methods(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
 
 
-def benchmark_trl(bases: dict[str, str], model: dict[str, Any], lora: dict[str, Any], grpo: dict[str, Any],
-                  optim: dict[str, Any], rollout: dict[str, Any], train: dict[str, Any],
-                  benchmark: dict[str, Any]) -> dict[str, Any]:
+def benchmark_trl(
+    bases: dict[str, str],
+    model: dict[str, Any],
+    lora: dict[str, Any],
+    grpo: dict[str, Any],
+    optim: dict[str, Any],
+    rollout: dict[str, Any],
+    train: dict[str, Any],
+    benchmark: dict[str, Any],
+) -> dict[str, Any]:
     """One TRL GRPOTrainer step (after a warm-up) on the bf16 base, or the reason it was skipped."""
     cfg = _config(model=model, lora=lora, grpo=grpo, optim=optim, rollout=rollout, train=train)
     return measure_peer(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
 
 
-def build_table(hardware_figures: dict[str, Any], bases: dict[str, str], rollout: dict[str, Any],
-                training: list[dict[str, Any]], trl: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, Any]:
+def build_table(
+    hardware_figures: dict[str, Any],
+    bases: dict[str, str],
+    rollout: dict[str, Any],
+    training: list[dict[str, Any]],
+    trl: dict[str, Any],
+    benchmark: dict[str, Any],
+) -> dict[str, Any]:
     """Every figure as a row ``(section, subject, metric, value, unit, limit, fraction_of_limit, note)``."""
-    return table.build_table(hardware_figures, bases, rollout, training, trl, parse(BenchmarkConfig, benchmark, "benchmark"))
+    return table.build_table(
+        hardware_figures, bases, rollout, training, trl, parse(BenchmarkConfig, benchmark, "benchmark")
+    )
 
 
 def write_report(benchmark_table: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, Any]:
@@ -97,5 +134,10 @@ def write_report(benchmark_table: dict[str, Any], benchmark: dict[str, Any]) -> 
     run_id = report.log_report(benchmark_table, paths, metrics)
     out = Path(bcfg.report_dir)
     log.info("benchmark report: %s (%d figures logged to MLflow run %s)", out, len(metrics), run_id)
-    return {"report_dir": str(out), "files": {k: str(v) for k, v in paths.items()}, "mlflow_run_id": run_id,
-            "n_metrics": len(metrics), "metrics": metrics}
+    return {
+        "report_dir": str(out),
+        "files": {k: str(v) for k, v in paths.items()},
+        "mlflow_run_id": run_id,
+        "n_metrics": len(metrics),
+        "metrics": metrics,
+    }

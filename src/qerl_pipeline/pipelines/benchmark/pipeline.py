@@ -20,8 +20,15 @@ from qerl_pipeline.pipelines.benchmark.nodes import (
     write_report,
 )
 
-_TRAIN_PARAMS = ["params:model", "params:lora", "params:grpo", "params:optim", "params:rollout", "params:train",
-                 "params:benchmark"]
+_TRAIN_PARAMS = [
+    "params:model",
+    "params:lora",
+    "params:grpo",
+    "params:optim",
+    "params:rollout",
+    "params:train",
+    "params:benchmark",
+]
 
 
 def create_pipeline(**kwargs) -> Pipeline:
@@ -29,18 +36,54 @@ def create_pipeline(**kwargs) -> Pipeline:
     return Pipeline(
         [
             Node(measure_hardware_limits, "params:benchmark", "benchmark_hardware", name="measure_hardware_limits"),
-            Node(prepare_bases, ["params:model", "params:quantize", "params:benchmark"], "benchmark_bases",
-                 name="prepare_benchmark_bases"),
-            Node(benchmark_rollout, ["benchmark_bases", "params:model", "params:lora", "params:rollout", "params:grpo",
-                                     "params:benchmark", "params:reward", "params:train", "params:data"],
-                 "benchmark_rollout", name="benchmark_rollout"),
-            Node(benchmark_training, ["benchmark_bases", *_TRAIN_PARAMS], "benchmark_training",
-                 name="benchmark_training"),
+            Node(
+                prepare_bases,
+                ["params:model", "params:quantize", "params:benchmark"],
+                "benchmark_bases",
+                name="prepare_benchmark_bases",
+            ),
+            Node(
+                benchmark_rollout,
+                [
+                    "benchmark_bases",
+                    "params:model",
+                    "params:lora",
+                    "params:rollout",
+                    "params:grpo",
+                    "params:benchmark",
+                    "params:reward",
+                    "params:train",
+                    "params:data",
+                ],
+                "benchmark_rollout",
+                name="benchmark_rollout",
+            ),
+            Node(
+                benchmark_training,
+                ["benchmark_bases", *_TRAIN_PARAMS],
+                "benchmark_training",
+                name="benchmark_training",
+            ),
             Node(benchmark_trl, ["benchmark_bases", *_TRAIN_PARAMS], "benchmark_trl", name="benchmark_trl"),
-            Node(build_table, ["benchmark_hardware", "benchmark_bases", "benchmark_rollout", "benchmark_training",
-                               "benchmark_trl", "params:benchmark"], "benchmark_table", name="build_benchmark_table"),
-            Node(write_report, ["benchmark_table", "params:benchmark"], "benchmark_summary",
-                 name="write_benchmark_report"),
+            Node(
+                build_table,
+                [
+                    "benchmark_hardware",
+                    "benchmark_bases",
+                    "benchmark_rollout",
+                    "benchmark_training",
+                    "benchmark_trl",
+                    "params:benchmark",
+                ],
+                "benchmark_table",
+                name="build_benchmark_table",
+            ),
+            Node(
+                write_report,
+                ["benchmark_table", "params:benchmark"],
+                "benchmark_summary",
+                name="write_benchmark_report",
+            ),
         ],
         tags="benchmark",
     )

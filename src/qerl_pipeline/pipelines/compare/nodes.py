@@ -53,12 +53,16 @@ def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branc
         if summary is None:
             raise ValueError(f"compare.methods: no branch for {method!r} in the compare pipeline")
         if summary.get(SKIPPED_BRANCH):  # only when this node runs alone after a compare with other methods
-            raise ValueError(f"compare.methods lists {method!r}, but its branch's train_summary says "
-                             f"{summary[SKIPPED_BRANCH]!r}: run the compare (or its branch, --namespaces=compare.{method}) "
-                             f"with {method} in compare.methods first")
+            raise ValueError(
+                f"compare.methods lists {method!r}, but its branch's train_summary says "
+                f"{summary[SKIPPED_BRANCH]!r}: run the compare (or its branch, --namespaces=compare.{method}) "
+                f"with {method} in compare.methods first"
+            )
         runs = summary.get("runs", [summary])  # one entry per seed (train/nodes.py)
         selection[method] = [{"run_id": r["mlflow_run_id"], "eval_run_id": None, "seed": r.get("seed")} for r in runs]
-    return report_outputs(report_runs.load_selected(selection, client=MlflowClient()), compare_group["run_id"], cc.methods)
+    return report_outputs(
+        report_runs.load_selected(selection, client=MlflowClient()), compare_group["run_id"], cc.methods
+    )
 
 
 def report_outputs(runs: list[report_runs.RunData], compare_run_id: str, methods: list[str]) -> dict[str, Any]:
@@ -76,7 +80,11 @@ def report_outputs(runs: list[report_runs.RunData], compare_run_id: str, methods
     logger.set_tags(tags)
     selection = report_runs.selection(runs)
     files = report_artifacts(runs, title=f"QeRL comparison: {', '.join(report_runs.by_method(runs))}", found=found)
-    summary = {"compare_run_id": compare_run_id, "runs": selection, "files": list(files),
-               "system": system_table(runs).reset_index().to_dict(orient="records"),
-               "claims": {c.id: c.text for c in found}}
+    summary = {
+        "compare_run_id": compare_run_id,
+        "runs": selection,
+        "files": list(files),
+        "system": system_table(runs).reset_index().to_dict(orient="records"),
+        "claims": {c.id: c.text for c in found},
+    }
     return {"runs": selection, "accuracy_table": accuracy_frame(runs), "summary": summary, **files}

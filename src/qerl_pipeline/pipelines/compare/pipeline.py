@@ -70,11 +70,17 @@ from qerl_pipeline.pipelines.quantize.pipeline import format_nodes
 from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SECTIONS, SEEDS_PARAM, training_nodes
 
 #: Parameters every branch shares (everything but ``params:method``), compare's seeds and methods included.
-SHARED_PARAMS = sorted({f"params:{s}" for s in SECTIONS}
-                       | {"params:evaluate", "params:export", "params:quantize", SEEDS_PARAM, METHODS_PARAM})
+SHARED_PARAMS = sorted(
+    {f"params:{s}" for s in SECTIONS}
+    | {"params:evaluate", "params:export", "params:quantize", SEEDS_PARAM, METHODS_PARAM}
+)
 #: The report nodes' outputs (``nodes.report_outputs``'s keys) -> datasets; ``<stem>.<ext>`` -> ``compare_report_<stem>_<ext>``.
-OUTPUTS = {"runs": "compare_runs", "accuracy_table": "compare_accuracy", "summary": "compare_summary",
-           **{name: "compare_report_" + name.replace(".", "_") for name in REPORT_FILES}}
+OUTPUTS = {
+    "runs": "compare_runs",
+    "accuracy_table": "compare_accuracy",
+    "summary": "compare_summary",
+    **{name: "compare_report_" + name.replace(".", "_") for name in REPORT_FILES},
+}
 
 
 def namespace(method: str) -> str:
@@ -83,8 +89,16 @@ def namespace(method: str) -> str:
 
 
 def _group() -> Pipeline:
-    return Pipeline([Node(open_compare, ["params:compare", "params:model", "params:train"], "compare_group",
-                          name="open_compare_run")])
+    return Pipeline(
+        [
+            Node(
+                open_compare,
+                ["params:compare", "params:model", "params:train"],
+                "compare_group",
+                name="open_compare_run",
+            )
+        ]
+    )
 
 
 def branch(method: str) -> Pipeline:
@@ -92,9 +106,13 @@ def branch(method: str) -> Pipeline:
     return pipeline(
         training_nodes(in_compare=True) + evaluation_nodes(in_compare=True) + export_nodes(in_compare=True),
         namespace=namespace(method),
-        inputs={"train_prompts": "train_prompts", "eval_prompts": "eval_prompts", "compare_group": "compare_group",
-                "data_prep_report": "data_prep_report",
-                "base_model": f"base_{METHOD_FORMAT[method]}"},
+        inputs={
+            "train_prompts": "train_prompts",
+            "eval_prompts": "eval_prompts",
+            "compare_group": "compare_group",
+            "data_prep_report": "data_prep_report",
+            "base_model": f"base_{METHOD_FORMAT[method]}",
+        },
         parameters={p: p for p in SHARED_PARAMS},
         tags=["compare", method],
     )
@@ -113,4 +131,3 @@ def create_pipeline(**kwargs) -> Pipeline:
         warnings.filterwarnings("ignore", message="One or more dataset names contain")
         report = Pipeline([Node(build_report, report_inputs, OUTPUTS, name="build_comparison_report")], tags="compare")
     return data_prep() + _group() + bases + branches + report
-

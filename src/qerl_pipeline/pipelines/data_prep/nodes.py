@@ -39,7 +39,9 @@ def _generator_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
 
 def _source_config(cfg: DataConfig, key: str, role: str) -> SourceConfig:
     if key not in cfg.sources:
-        raise ValueError(f"data.{role}: source {key!r} has no entry under data.sources (known: {', '.join(cfg.sources)})")
+        raise ValueError(
+            f"data.{role}: source {key!r} has no entry under data.sources (known: {', '.join(cfg.sources)})"
+        )
     return cfg.sources[key]
 
 
@@ -50,8 +52,17 @@ def _records(
     good, bad = split_valid(rows, name, limit)
     system = system_prompt(cfg.system_prompt)
     records = [
-        make_record(id=r["id"], source=name, split=split, question=r["question"], gold=r["gold"], level=r["level"],
-                    system=system, style=cfg.prompt_style, messages=r.get("messages"))
+        make_record(
+            id=r["id"],
+            source=name,
+            split=split,
+            question=r["question"],
+            gold=r["gold"],
+            level=r["level"],
+            system=system,
+            style=cfg.prompt_style,
+            messages=r.get("messages"),
+        )
         for r in good
     ]
     summary = {
@@ -59,7 +70,9 @@ def _records(
         "kept": len(records),
         "dropped": len(bad),
         "unparsable_golds": sum(b.reason.startswith(UNPARSABLE_GOLD) for b in bad),
-        "levels": {str(k): v for k, v in sorted(Counter(r["level"] for r in records).items(), key=lambda kv: str(kv[0]))},
+        "levels": {
+            str(k): v for k, v in sorted(Counter(r["level"] for r in records).items(), key=lambda kv: str(kv[0]))
+        },
     }
     forms = Counter(r["answer_form"] for r in rows if r.get("answer_form"))  # the user's sets: how each gold was read
     if forms:
@@ -111,7 +124,12 @@ def prepare_train_prompts(data: dict[str, Any]) -> tuple[list[dict[str, Any]], d
     cfg: DataConfig = parse(DataConfig, data, "data")
     name = cfg.train_source
     if name == GENERATOR:
-        rows, origin, split, limit = _generator_rows(cfg, "train"), f"generator(seed={cfg.generator.seed})", "train", None
+        rows, origin, split, limit = (
+            _generator_rows(cfg, "train"),
+            f"generator(seed={cfg.generator.seed})",
+            "train",
+            None,
+        )
     elif name == USER_FILE:
         try:
             rows, origin = load_user_set(name, "data.train_file", cfg.train_file, cfg.seed)
@@ -148,7 +166,12 @@ def prepare_eval_prompts(data: dict[str, Any]) -> tuple[dict[str, list[dict[str,
     all_bad: list[BadRow] = []
     for name in [*dict.fromkeys(cfg.eval_sources), *cfg.eval_files]:  # unique, in order
         if name == GENERATOR:
-            rows, origin, split, limit = _generator_rows(cfg, "test"), f"generator(seed={cfg.generator.seed})", "test", None
+            rows, origin, split, limit = (
+                _generator_rows(cfg, "test"),
+                f"generator(seed={cfg.generator.seed})",
+                "test",
+                None,
+            )
         else:
             user = cfg.eval_files.get(name)
             src = user or _source_config(cfg, name, "eval_sources")
@@ -174,7 +197,9 @@ def prepare_eval_prompts(data: dict[str, Any]) -> tuple[dict[str, list[dict[str,
     return out, summary
 
 
-def build_data_report(train_summary: dict[str, Any], eval_summary: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+def build_data_report(
+    train_summary: dict[str, Any], eval_summary: dict[str, Any], data: dict[str, Any]
+) -> dict[str, Any]:
     """The data report: per-set counts (rows read, kept, dropped, of those with a gold math-verify cannot
     parse; for the user's sets the rows read in each answer form, ``answer_forms``), dropped rows (id, source,
     reason; file and line for the user's sets), skipped sources, settings."""

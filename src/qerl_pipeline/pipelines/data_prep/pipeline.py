@@ -30,8 +30,15 @@ def create_pipeline(**kwargs) -> Pipeline:
     """Wire the data_prep nodes."""
     return Pipeline(
         [
-            Node(prepare_train_prompts, "params:data", ["train_prompts", "train_data_summary"], name="prepare_train_prompts"),
-            Node(prepare_eval_prompts, "params:data", ["eval_prompts", "eval_data_summary"], name="prepare_eval_prompts"),
+            Node(
+                prepare_train_prompts,
+                "params:data",
+                ["train_prompts", "train_data_summary"],
+                name="prepare_train_prompts",
+            ),
+            Node(
+                prepare_eval_prompts, "params:data", ["eval_prompts", "eval_data_summary"], name="prepare_eval_prompts"
+            ),
             Node(
                 build_data_report,
                 ["train_data_summary", "eval_data_summary", "params:data"],

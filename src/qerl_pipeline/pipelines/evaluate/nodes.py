@@ -36,11 +36,24 @@ from typing import Any
 import pandas as pd
 
 from qerl_pipeline.adapter import adapter_meta, trained_adapter
-from qerl_pipeline.config import (SKIPPED_BRANCH, EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig, compare_branch,
-                                  parse)
+from qerl_pipeline.config import (
+    SKIPPED_BRANCH,
+    EvaluateConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    compare_branch,
+    parse,
+)
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.evaluation.evaluator import EvalResult
-from qerl_pipeline.evaluation.seeds import accuracy_rows, evaluate_adapters, evaluate_config, flatten_prompts, result_metrics
+from qerl_pipeline.evaluation.seeds import (
+    accuracy_rows,
+    evaluate_adapters,
+    evaluate_config,
+    flatten_prompts,
+    result_metrics,
+)
 from qerl_pipeline.export.accuracy import evaluate_folder
 from qerl_pipeline.export.folders import read_manifest
 from qerl_pipeline.tracking import label_run, run_name
@@ -48,10 +61,20 @@ from qerl_pipeline.tracking import label_run, run_name
 log = logging.getLogger(__name__)
 
 
-def run_evaluation(eval_prompts: dict[str, list[dict[str, Any]]], base_dir: Any, trained_adapters: Any, method: str,
-                   evaluate: dict[str, Any], reward: dict[str, Any], model: dict[str, Any], rollout: dict[str, Any],
-                   data: dict[str, Any] | None = None, compare_group: dict | None = None,
-                   seeds: list[int] | str | None = None, methods: list[str] | str | None = None) -> dict[str, Any]:
+def run_evaluation(
+    eval_prompts: dict[str, list[dict[str, Any]]],
+    base_dir: Any,
+    trained_adapters: Any,
+    method: str,
+    evaluate: dict[str, Any],
+    reward: dict[str, Any],
+    model: dict[str, Any],
+    rollout: dict[str, Any],
+    data: dict[str, Any] | None = None,
+    compare_group: dict | None = None,
+    seeds: list[int] | str | None = None,
+    methods: list[str] | str | None = None,
+) -> dict[str, Any]:
     """Evaluate ``trained`` (base + the adapter of ``method``, per seed in a compare branch) and ``base``.
 
     Standalone, the active MLflow run (a separate evaluation run) is named and tagged with the
@@ -74,23 +97,42 @@ def run_evaluation(eval_prompts: dict[str, list[dict[str, Any]]], base_dir: Any,
         return _evaluate_folder(Path(cfg.model_path), flatten_prompts(eval_prompts), cfg, reward, mc, rollout, method)
     branch_seeds = (seeds if seeds is not None else [0]) if compare_group else [None]
     adapters = {s: trained_adapter(folder_of(trained_adapters), method, s) for s in branch_seeds}
-    result = evaluate_adapters(method, folder_of(base_dir), adapters, flatten_prompts(eval_prompts), cfg,
-                               parse(RewardConfig, reward, "reward"), mc, parse(RolloutConfig, rollout, "rollout"),
-                               branch=bool(compare_group))
+    result = evaluate_adapters(
+        method,
+        folder_of(base_dir),
+        adapters,
+        flatten_prompts(eval_prompts),
+        cfg,
+        parse(RewardConfig, reward, "reward"),
+        mc,
+        parse(RolloutConfig, rollout, "rollout"),
+        branch=bool(compare_group),
+    )
     if not compare_group:
         meta = adapter_meta(adapters[None])
         trained_run = meta.get("mlflow_run_id")
-        label_run(run_name("evaluate", method, mc, meta.get("seed")), "evaluate",
-                  {**result.tags, "method": method, **({"qerl.trained_run_id": trained_run} if trained_run else {})})
+        label_run(
+            run_name("evaluate", method, mc, meta.get("seed")),
+            "evaluate",
+            {**result.tags, "method": method, **({"qerl.trained_run_id": trained_run} if trained_run else {})},
+        )
     return result.as_dict()
 
 
-def _evaluate_folder(folder: Path, records: list[dict[str, Any]], cfg: EvaluateConfig, reward: dict[str, Any],
-                     mc: ModelConfig, rollout: dict[str, Any], method: str) -> dict[str, Any]:
+def _evaluate_folder(
+    folder: Path,
+    records: list[dict[str, Any]],
+    cfg: EvaluateConfig,
+    reward: dict[str, Any],
+    mc: ModelConfig,
+    rollout: dict[str, Any],
+    method: str,
+) -> dict[str, Any]:
     """``evaluate.model_path``: the exported folder alone, as the policy named after it; the run tagged with it
     and, when the folder is part of an export (``export.json`` beside it), the training run it came from."""
-    result = evaluate_folder(folder, records, cfg, parse(RewardConfig, reward, "reward"), mc,
-                             parse(RolloutConfig, rollout, "rollout"))
+    result = evaluate_folder(
+        folder, records, cfg, parse(RewardConfig, reward, "reward"), mc, parse(RolloutConfig, rollout, "rollout")
+    )
     manifest = read_manifest(folder.parent)
     tags = {**result.tags, "method": manifest.get("method") or method, "qerl.model_path": str(folder)}
     if manifest.get("training_run_id"):
@@ -99,7 +141,9 @@ def _evaluate_folder(folder: Path, records: list[dict[str, Any]], cfg: EvaluateC
     return result.as_dict()
 
 
-def eval_outputs(eval_result: dict[str, Any]) -> tuple[list[dict[str, Any]], pd.DataFrame, dict[str, dict[str, float]]]:
+def eval_outputs(
+    eval_result: dict[str, Any],
+) -> tuple[list[dict[str, Any]], pd.DataFrame, dict[str, dict[str, float]]]:
     """Per-problem records, the accuracy table and the MLflow metrics of one evaluation
     (compare's seeds: metric names ``seed-<k>/eval/...``, as logged into each seed's run). A skipped
     compare branch's result (``skipped``): no records, a table of one ``skipped`` cell saying why, no metrics."""

@@ -37,9 +37,17 @@ def _upstream() -> Pipeline:
 
 def evaluation_nodes(in_compare: bool = False) -> Pipeline:
     """Engine + scoring -> ``eval_result`` -> ``eval_records``, ``eval_accuracy``, ``eval_metrics``."""
-    inputs = {"eval_prompts": PROMPTS_DATASET, "base_dir": BASE_DATASET, "trained_adapters": ADAPTERS_DATASET,
-              "method": "params:method", "evaluate": "params:evaluate", "reward": "params:reward",
-              "model": "params:model", "rollout": "params:rollout", "data": "params:data"}
+    inputs = {
+        "eval_prompts": PROMPTS_DATASET,
+        "base_dir": BASE_DATASET,
+        "trained_adapters": ADAPTERS_DATASET,
+        "method": "params:method",
+        "evaluate": "params:evaluate",
+        "reward": "params:reward",
+        "model": "params:model",
+        "rollout": "params:rollout",
+        "data": "params:data",
+    }
     if in_compare:  # every seed of compare.seeds, each logged into its training run, if compare.methods has it
         inputs["compare_group"] = "compare_group"
         inputs["seeds"] = SEEDS_PARAM
@@ -47,7 +55,12 @@ def evaluation_nodes(in_compare: bool = False) -> Pipeline:
     return Pipeline(
         [
             Node(run_evaluation, inputs, "eval_result", name="evaluate_policies"),
-            Node(eval_outputs, "eval_result", ["eval_records", "eval_accuracy", "eval_metrics"], name="evaluation_outputs"),
+            Node(
+                eval_outputs,
+                "eval_result",
+                ["eval_records", "eval_accuracy", "eval_metrics"],
+                name="evaluation_outputs",
+            ),
         ],
         tags="evaluate",
     )

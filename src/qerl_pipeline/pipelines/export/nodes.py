@@ -30,13 +30,29 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.adapter import adapter_meta, trained_adapter
-from qerl_pipeline.config import (SKIPPED_BRANCH, ExportConfig, ModelConfig, QuantizeConfig, RewardConfig, RolloutConfig,
-                                  compare_branch, parse)
+from qerl_pipeline.config import (
+    SKIPPED_BRANCH,
+    ExportConfig,
+    ModelConfig,
+    QuantizeConfig,
+    RewardConfig,
+    RolloutConfig,
+    compare_branch,
+    parse,
+)
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.evaluation.evaluator import EvalResult
 from qerl_pipeline.evaluation.seeds import accuracy_rows, evaluate_config, flatten_prompts
 from qerl_pipeline.export import ExportInputError
-from qerl_pipeline.export.accuracy import QUANTIZED, TRAINED, cost_rows, cost_sentence, evaluate_export, log_cost, seed_rows
+from qerl_pipeline.export.accuracy import (
+    QUANTIZED,
+    TRAINED,
+    cost_rows,
+    cost_sentence,
+    evaluate_export,
+    log_cost,
+    seed_rows,
+)
 from qerl_pipeline.export.folders import MERGED, base_folder, read_manifest, write_export
 from qerl_pipeline.export.registry import register_export, registered_name, training_fingerprint
 from qerl_pipeline.quantization.store import fingerprint_diff, stored_fingerprint
@@ -45,8 +61,15 @@ from qerl_pipeline.tracking import MlflowLogger, label_run, run_name, scalar_met
 log = logging.getLogger(__name__)
 
 
-def _trainings(trained_adapters: Any, method: str, train: dict | None, ec: ExportConfig, compare_group: dict | None,
-               seeds: Any, methods: Any) -> tuple[dict[str, tuple[int | None, Path]], str]:
+def _trainings(
+    trained_adapters: Any,
+    method: str,
+    train: dict | None,
+    ec: ExportConfig,
+    compare_group: dict | None,
+    seeds: Any,
+    methods: Any,
+) -> tuple[dict[str, tuple[int | None, Path]], str]:
     """``({dataset key: (seed, adapter folder)}, "")`` of the trainings to export, or ``({}, why none)``."""
     root = folder_of(trained_adapters)
     want = int((train or {}).get("seed", 0))
@@ -66,13 +89,19 @@ def _check_base(adapter: Path, base_dir: Path) -> None:
     meta = adapter_meta(adapter)
     recorded, current = training_fingerprint(meta.get("mlflow_run_id")), stored_fingerprint(base_dir)
     if recorded is None or current is None:
-        log.warning("export %s: cannot tell whether %s is the base the training used (no fingerprint %s); exporting "
-                    "over it", adapter, base_dir, "in its run" if recorded is None else "stamp in the base")
+        log.warning(
+            "export %s: cannot tell whether %s is the base the training used (no fingerprint %s); exporting over it",
+            adapter,
+            base_dir,
+            "in its run" if recorded is None else "stamp in the base",
+        )
         return
     if recorded.get("digest") != current.get("digest"):
         diff = "; ".join(fingerprint_diff(recorded, current)[:3])
-        raise ExportInputError(f"the base {base_dir} is not the one {adapter} was trained on (fingerprint: {diff}); "
-                               "quantize with the training's settings again, or train again on this base")
+        raise ExportInputError(
+            f"the base {base_dir} is not the one {adapter} was trained on (fingerprint: {diff}); "
+            "quantize with the training's settings again, or train again on this base"
+        )
 
 
 def _stage(adapter: Path) -> Path:
@@ -84,9 +113,17 @@ def _stage(adapter: Path) -> Path:
     return adapter.parent / f".{adapter.name}.export"
 
 
-def export_policy(trained_adapters: Any, base: Any, method: str, export: dict[str, Any], train: dict[str, Any],
-                  quantize: dict[str, Any], compare_group: dict | None = None, seeds: Any = None,
-                  methods: Any = None) -> dict[str, str]:
+def export_policy(
+    trained_adapters: Any,
+    base: Any,
+    method: str,
+    export: dict[str, Any],
+    train: dict[str, Any],
+    quantize: dict[str, Any],
+    compare_group: dict | None = None,
+    seeds: Any = None,
+    methods: Any = None,
+) -> dict[str, str]:
     """Write the export of each training to export (module docstring); the ``exports`` dataset's save.
 
     ``base``: the folder of bases (``existing_base_models``, standalone) or the method's base folder (compare)."""
@@ -107,10 +144,24 @@ def export_policy(trained_adapters: Any, base: Any, method: str, export: dict[st
     return out
 
 
-def evaluate_exports(exports: Any, trained_adapters: Any, base: Any, eval_prompts: Any, method: str, export: dict[str, Any],
-                     evaluate: dict[str, Any], reward: dict[str, Any], model: dict[str, Any], rollout: dict[str, Any],
-                     data: dict[str, Any], train: dict[str, Any], compare_group: dict | None = None, seeds: Any = None,
-                     methods: Any = None, eval_result: Any = None) -> dict[str, Any]:
+def evaluate_exports(
+    exports: Any,
+    trained_adapters: Any,
+    base: Any,
+    eval_prompts: Any,
+    method: str,
+    export: dict[str, Any],
+    evaluate: dict[str, Any],
+    reward: dict[str, Any],
+    model: dict[str, Any],
+    rollout: dict[str, Any],
+    data: dict[str, Any],
+    train: dict[str, Any],
+    compare_group: dict | None = None,
+    seeds: Any = None,
+    methods: Any = None,
+    eval_result: Any = None,
+) -> dict[str, Any]:
     """``trained`` (+ ``base``) and ``merged_nvfp4`` of every exported training (``export.accuracy``).
 
     ``eval_result`` (a compare branch's evaluation) only orders this node after it, so its logged
@@ -124,10 +175,17 @@ def evaluate_exports(exports: Any, trained_adapters: Any, base: Any, eval_prompt
     if why:  # a branch that exports nothing: export_policy said why
         return {**EvalResult(records=[]).as_dict(), SKIPPED_BRANCH: why}
     root = folder_of(exports)
-    result = evaluate_export(method, base_folder(folder_of(base), method), {s: a for s, a in targets.values()},
-                             {s: root / key for key, (s, _) in targets.items()}, flatten_prompts(eval_prompts),
-                             evaluate_config(evaluate, data), parse(RewardConfig, reward, "reward"),
-                             parse(ModelConfig, model, "model"), parse(RolloutConfig, rollout, "rollout"))
+    result = evaluate_export(
+        method,
+        base_folder(folder_of(base), method),
+        {s: a for s, a in targets.values()},
+        {s: root / key for key, (s, _) in targets.items()},
+        flatten_prompts(eval_prompts),
+        evaluate_config(evaluate, data),
+        parse(RewardConfig, reward, "reward"),
+        parse(ModelConfig, model, "model"),
+        parse(RolloutConfig, rollout, "rollout"),
+    )
     return result.as_dict()
 
 
@@ -140,9 +198,18 @@ def _accuracy_tags(records: list[dict[str, Any]], seed: Any) -> dict[str, float]
     return out
 
 
-def report_exports(export_eval_result: dict[str, Any], exports: Any, trained_adapters: Any, method: str,
-                   export: dict[str, Any], model: dict[str, Any], train: dict[str, Any], compare_group: dict | None = None,
-                   seeds: Any = None, methods: Any = None) -> dict[str, Any]:
+def report_exports(
+    export_eval_result: dict[str, Any],
+    exports: Any,
+    trained_adapters: Any,
+    method: str,
+    export: dict[str, Any],
+    model: dict[str, Any],
+    train: dict[str, Any],
+    compare_group: dict | None = None,
+    seeds: Any = None,
+    methods: Any = None,
+) -> dict[str, Any]:
     """The ``export_report``; each export logged into its training's run and registered (module docstring)."""
     ec: ExportConfig = parse(ExportConfig, export, "export")
     targets, why = _trainings(trained_adapters, method, train, ec, compare_group, seeds, methods)
@@ -156,8 +223,13 @@ def report_exports(export_eval_result: dict[str, Any], exports: Any, trained_ada
         folder = root / key
         manifest = read_manifest(folder)
         run_id = manifest.get("training_run_id")
-        entry = {"seed": seed, "folder": str(folder), "training_run_id": run_id, "folders": manifest.get("folders", {}),
-                 "weight_error": manifest.get("weight_error", {})}
+        entry = {
+            "seed": seed,
+            "folder": str(folder),
+            "training_run_id": run_id,
+            "folders": manifest.get("folders", {}),
+            "weight_error": manifest.get("weight_error", {}),
+        }
         if run_id:
             logger = MlflowLogger(run_id=run_id)
             for fmt_name, err in entry["weight_error"].items():
@@ -168,15 +240,30 @@ def report_exports(export_eval_result: dict[str, Any], exports: Any, trained_ada
         else:
             log.warning("export %s: its training has no MLflow run id; logging into this run instead", folder)
         if ec.register_model:
-            tags = {"method": method, "seed": seed, "qerl.trained_run_id": run_id, "export.dtype": ec.dtype,
-                    "model": manifest.get("model"), **_accuracy_tags(records, seed)}
-            entry["registered"] = register_export(folder / MERGED, run_id or MlflowLogger().run_id, name, tags,
-                                                  log_weights=ec.log_weights)
+            tags = {
+                "method": method,
+                "seed": seed,
+                "qerl.trained_run_id": run_id,
+                "export.dtype": ec.dtype,
+                "model": manifest.get("model"),
+                **_accuracy_tags(records, seed),
+            }
+            entry["registered"] = register_export(
+                folder / MERGED, run_id or MlflowLogger().run_id, name, tags, log_weights=ec.log_weights
+            )
         entries.append(entry)
     rows = cost_rows(records) if records else []
-    report = {"method": method, "model": (model or {}).get("name"), "dtype": ec.dtype, "exports": entries,
-              "evaluated": bool(records), "cost_4bit": rows, "cost_4bit_text": [cost_sentence(r) for r in rows],
-              "accuracy": accuracy_rows(records) if records else [], "skipped": export_eval_result.get("skipped", [])}
+    report = {
+        "method": method,
+        "model": (model or {}).get("name"),
+        "dtype": ec.dtype,
+        "exports": entries,
+        "evaluated": bool(records),
+        "cost_4bit": rows,
+        "cost_4bit_text": [cost_sentence(r) for r in rows],
+        "accuracy": accuracy_rows(records) if records else [],
+        "skipped": export_eval_result.get("skipped", []),
+    }
     if not compare_group:
         _label_export_run(method, model, entries[0] if entries else {})
     return report
@@ -188,5 +275,8 @@ def _label_export_run(method: str, model: dict[str, Any], entry: dict[str, Any])
     run_id = entry.get("training_run_id")
     if run_id and MlflowLogger().run_id == run_id:
         return
-    label_run(run_name("export", method, model, entry.get("seed")), "export",
-              {"method": method, **({"qerl.trained_run_id": run_id} if run_id else {})})
+    label_run(
+        run_name("export", method, model, entry.get("seed")),
+        "export",
+        {"method": method, **({"qerl.trained_run_id": run_id} if run_id else {})},
+    )

@@ -42,20 +42,44 @@ def _upstream() -> Pipeline:
 def export_nodes(in_compare: bool = False) -> Pipeline:
     """``export_policy`` -> ``exports`` -> ``evaluate_export`` -> ``export_eval_result`` -> ``report_export``."""
     base = BRANCH_BASE_DATASET if in_compare else BASES_DATASET
-    common = {"trained_adapters": ADAPTERS_DATASET, "method": "params:method", "export": "params:export",
-              "train": "params:train"}
+    common = {
+        "trained_adapters": ADAPTERS_DATASET,
+        "method": "params:method",
+        "export": "params:export",
+        "train": "params:train",
+    }
     branch = {"compare_group": "compare_group", "seeds": SEEDS_PARAM, "methods": METHODS_PARAM} if in_compare else {}
-    evaluate_inputs = {**common, "exports": "exports", "base": base, "eval_prompts": PROMPTS_DATASET,
-                       **{s: f"params:{s}" for s in ("evaluate", "reward", "model", "rollout", "data")}, **branch}
+    evaluate_inputs = {
+        **common,
+        "exports": "exports",
+        "base": base,
+        "eval_prompts": PROMPTS_DATASET,
+        **{s: f"params:{s}" for s in ("evaluate", "reward", "model", "rollout", "data")},
+        **branch,
+    }
     if in_compare:  # after the branch's evaluation, whose logged evaluation of `trained` is then reused
         evaluate_inputs["eval_result"] = "eval_result"
     return Pipeline(
         [
-            Node(export_policy, {**common, "base": base, "quantize": "params:quantize", **branch}, "exports",
-                 name="export_policy"),
+            Node(
+                export_policy,
+                {**common, "base": base, "quantize": "params:quantize", **branch},
+                "exports",
+                name="export_policy",
+            ),
             Node(evaluate_exports, evaluate_inputs, "export_eval_result", name="evaluate_export"),
-            Node(report_exports, {**common, "export_eval_result": "export_eval_result", "exports": "exports",
-                                  "model": "params:model", **branch}, "export_report", name="report_export"),
+            Node(
+                report_exports,
+                {
+                    **common,
+                    "export_eval_result": "export_eval_result",
+                    "exports": "exports",
+                    "model": "params:model",
+                    **branch,
+                },
+                "export_report",
+                name="report_export",
+            ),
         ],
         tags="export",
     )

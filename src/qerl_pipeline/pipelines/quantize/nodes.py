@@ -37,8 +37,15 @@ from qerl_pipeline.tracking import MlflowLogger, scalar_metrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["calibration_texts", "log_quantize", "measure_policy", "method_format", "quantize_base", "quantize_format",
-           "select_base"]
+__all__ = [
+    "calibration_texts",
+    "log_quantize",
+    "measure_policy",
+    "method_format",
+    "quantize_base",
+    "quantize_format",
+    "select_base",
+]
 
 
 def method_format(method: str) -> str:
@@ -48,17 +55,24 @@ def method_format(method: str) -> str:
     return METHOD_FORMAT[method]
 
 
-def _ensure(model: dict[str, Any], quantize: dict[str, Any], fmt: str, existing_base_models: Any) -> tuple[Path, dict[str, Any]]:
+def _ensure(
+    model: dict[str, Any], quantize: dict[str, Any], fmt: str, existing_base_models: Any
+) -> tuple[Path, dict[str, Any]]:
     """The ``fmt`` base under ``existing_base_models`` (reused or written); None: a fresh temporary root."""
     mcfg = parse(ModelConfig, model, "model")
     qcfg = parse(QuantizeConfig, quantize, "quantize")
-    root = Path(tempfile.mkdtemp(prefix=f"qerl_base_{fmt}_")) if existing_base_models is None else Path(existing_base_models)
+    root = (
+        Path(tempfile.mkdtemp(prefix=f"qerl_base_{fmt}_"))
+        if existing_base_models is None
+        else Path(existing_base_models)
+    )
     folder, report, _ = ensure_base(mcfg, qcfg, fmt, base_dir_for(root, fmt), force=qcfg.force)
     return folder, report
 
 
-def quantize_base(model: dict[str, Any], quantize: dict[str, Any], method: str,
-                  existing_base_models: Path | str | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+def quantize_base(
+    model: dict[str, Any], quantize: dict[str, Any], method: str, existing_base_models: Path | str | None = None
+) -> tuple[dict[str, str], dict[str, Any]]:
     """The method's base in ``existing_base_models/base_<format>``, reused when its fingerprint matches.
 
     Returns ``({"base_<format>": folder}, report)``; the report holds the format, timings,
@@ -73,8 +87,9 @@ def quantize_base(model: dict[str, Any], quantize: dict[str, Any], method: str,
     return {f"base_{fmt}": str(folder)}, {**report, "method": method}
 
 
-def quantize_format(model: dict[str, Any], quantize: dict[str, Any], existing_base_models: Path | str, *,
-                    fmt: str) -> tuple[str, dict[str, Any]]:
+def quantize_format(
+    model: dict[str, Any], quantize: dict[str, Any], existing_base_models: Path | str, *, fmt: str
+) -> tuple[str, dict[str, Any]]:
     """``(folder, report)`` of the ``fmt`` base in ``existing_base_models/base_<fmt>``, reused when it matches.
 
     For a ``base_<fmt>`` dataset at that same folder, e.g.
@@ -91,7 +106,9 @@ def select_base(base_models: Path, method: str) -> str:
     """The folder of ``method``'s base inside the ``base_models`` folder (the ``base_model`` dataset, JSON)."""
     path = base_dir_for(Path(base_models), method)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no base for method {method!r}; run `kedro run --pipeline=quantize --params method={method}`")
+        raise FileNotFoundError(
+            f"{path}: no base for method {method!r}; run `kedro run --pipeline=quantize --params method={method}`"
+        )
     return str(path)
 
 
@@ -124,8 +141,13 @@ def log_quantize(report: dict[str, Any], policy_memory: dict[str, Any]) -> dict[
     for i, row in enumerate(report["layers"]):
         logger.log_metrics({"quantize.layer_rel_error": row["rel_error"]}, step=i)
     logger.log_table(report["layers"], "quantize/layers.json")
-    logger.set_tags({"quantize.format": report["format"], "quantize.algorithm": report["algorithm"],
-                     "quantize.reused": str(bool(report.get("reused", False))).lower()})
+    logger.set_tags(
+        {
+            "quantize.format": report["format"],
+            "quantize.algorithm": report["algorithm"],
+            "quantize.reused": str(bool(report.get("reused", False))).lower(),
+        }
+    )
     summary = {k: v for k, v in report.items() if k != "layers"}
     summary["policy"] = policy_memory
     return summary

@@ -23,18 +23,32 @@ smoke runs write under ``.../smoke/``):
 
 from kedro.pipeline import Node, Pipeline
 
-from qerl_pipeline.pipelines.quantize.nodes import log_quantize, measure_policy, quantize_base, quantize_format, select_base
+from qerl_pipeline.pipelines.quantize.nodes import (
+    log_quantize,
+    measure_policy,
+    quantize_base,
+    quantize_format,
+    select_base,
+)
 
 
 def create_pipeline(**kwargs) -> Pipeline:
     """Wire the quantize nodes."""
     return Pipeline(
         [
-            Node(quantize_base, ["params:model", "params:quantize", "params:method", "existing_base_models"],
-                 ["base_models", "quantize_report"], name="quantize_base"),
+            Node(
+                quantize_base,
+                ["params:model", "params:quantize", "params:method", "existing_base_models"],
+                ["base_models", "quantize_report"],
+                name="quantize_base",
+            ),
             Node(select_base, ["base_models", "params:method"], "base_model", name="select_base"),
-            Node(measure_policy, ["base_model", "params:method", "params:lora", "params:model"], "quantize_policy_memory",
-                 name="measure_policy"),
+            Node(
+                measure_policy,
+                ["base_model", "params:method", "params:lora", "params:model"],
+                "quantize_policy_memory",
+                name="measure_policy",
+            ),
             Node(log_quantize, ["quantize_report", "quantize_policy_memory"], "quantize_summary", name="log_quantize"),
         ],
         tags="quantize",
@@ -48,14 +62,23 @@ def _for_format(fmt: str):
         return quantize_format(model, quantize, existing_base_models, fmt=_fmt)
 
     quantize_one.__name__ = quantize_one.__qualname__ = f"quantize_{fmt}"
-    quantize_one.__doc__ = f"The {fmt} base in ``existing_base_models/base_{fmt}`` (reused when its fingerprint matches)."
+    quantize_one.__doc__ = (
+        f"The {fmt} base in ``existing_base_models/base_{fmt}`` (reused when its fingerprint matches)."
+    )
     return quantize_one
 
 
 def format_nodes(formats) -> Pipeline:
     """One node per base format: ``quantize_<fmt>`` -> ``base_<fmt>``, ``quantize_report_<fmt>``."""
     return Pipeline(
-        [Node(_for_format(f), ["params:model", "params:quantize", "existing_base_models"],
-              [f"base_{f}", f"quantize_report_{f}"], name=f"quantize_{f}") for f in formats],
+        [
+            Node(
+                _for_format(f),
+                ["params:model", "params:quantize", "existing_base_models"],
+                [f"base_{f}", f"quantize_report_{f}"],
+                name=f"quantize_{f}",
+            )
+            for f in formats
+        ],
         tags="quantize",
     )

@@ -30,7 +30,8 @@ from qerl_pipeline.config import SKIPPED_BRANCH, QerlConfig, compare_branch, fla
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.rl.launch import launch
 from qerl_pipeline.rl.run_setup import Reporting
-from qerl_pipeline.rl.trainer import TrainResult, run_dir_for, train as run_training
+from qerl_pipeline.rl.trainer import TrainResult, run_dir_for
+from qerl_pipeline.rl.trainer import train as run_training
 from qerl_pipeline.rollout.pool import shared_engine
 from qerl_pipeline.tracking import REWARD_MEAN, TrainingRun, run_name
 
@@ -77,7 +78,9 @@ def train_policy(
     adapters, runs = {}, []
     for seed in seeds if seeds is not None else [int((sections.get("train") or {}).get("seed", 0))]:
         cfg = train_config(method, seeded_sections(sections, seed))
-        adapters[f"seed-{seed}"], summary = _train_seed(cfg, train_prompts, base_model, data_report, compare_group, seed)
+        adapters[f"seed-{seed}"], summary = _train_seed(
+            cfg, train_prompts, base_model, data_report, compare_group, seed
+        )
         runs.append(summary)
     return adapters, {"method": method, "seeds": [r["seed"] for r in runs], "runs": runs}
 
@@ -103,18 +106,35 @@ def seeded_sections(sections: dict[str, Any], seed: int) -> dict[str, Any]:
     return out
 
 
-def _train_seed(cfg: QerlConfig, train_prompts: list[dict], base_model: Any, data_report: dict | None,
-                compare_group: dict | None = None, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+def _train_seed(
+    cfg: QerlConfig,
+    train_prompts: list[dict],
+    base_model: Any,
+    data_report: dict | None,
+    compare_group: dict | None = None,
+    seed: int | None = None,
+) -> tuple[str, dict[str, Any]]:
     """One training of ``cfg``: ``(final adapter folder, summary)``; ``compare_group``: a branch's, seed ``seed``."""
     parent = compare_group["run_id"] if compare_group else None
-    run = TrainingRun(run_name("train", cfg.method, cfg.model, cfg.train.seed), cfg.method,
-                      flatten(cfg.model_dump(mode="json")), parent, tags={"seed": str(seed)} if parent else None)
+    run = TrainingRun(
+        run_name("train", cfg.method, cfg.model, cfg.train.seed),
+        cfg.method,
+        flatten(cfg.model_dump(mode="json")),
+        parent,
+        tags={"seed": str(seed)} if parent else None,
+    )
     base_dir = folder_of(base_model)
     if cfg.train.nproc * cfg.train.nnodes > 1:
         if parent:  # hooks.cross_field_errors refuses it before any node; this for callers outside Kedro
             raise ValueError(cfg.train.compare_ranks_error())
-        result = launch(cfg, base_dir, list(train_prompts), tracking=run.launch_spec(), dataset_name=dataset_name(cfg),
-                        data_report=data_report)  # the ranks read train.reward_fn from cfg
+        result = launch(
+            cfg,
+            base_dir,
+            list(train_prompts),
+            tracking=run.launch_spec(),
+            dataset_name=dataset_name(cfg),
+            data_report=data_report,
+        )  # the ranks read train.reward_fn from cfg
         run.adopt(result.run_id)
     else:
         output_dir = engine_factory = None
@@ -124,8 +144,14 @@ def _train_seed(cfg: QerlConfig, train_prompts: list[dict], base_model: Any, dat
             engine_factory = partial(shared_engine, model_cfg=cfg.model, rollout=cfg.rollout, lora_rank=cfg.lora.rank)
         try:
             reporting = Reporting(make_logger=run.logger, dataset_name=dataset_name(cfg), data_report=data_report)
-            result = run_training(cfg, base_dir, list(train_prompts), output_dir=output_dir, reporting=reporting,
-                                  engine_factory=engine_factory)
+            result = run_training(
+                cfg,
+                base_dir,
+                list(train_prompts),
+                output_dir=output_dir,
+                reporting=reporting,
+                engine_factory=engine_factory,
+            )
         except BaseException as exc:  # a branch's or a resumed run the training opened never stays RUNNING
             run.fail(exc)
             raise

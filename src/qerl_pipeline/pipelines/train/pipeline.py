@@ -44,9 +44,16 @@ def _upstream() -> Pipeline:
 
 def training_nodes(in_compare: bool = False) -> Pipeline:
     """The training node: prompts + base + parameters -> ``trained_adapters``, ``train_summary``."""
-    inputs = {"train_prompts": PROMPTS_DATASET, "base_model": BASE_DATASET, "data_report": DATA_REPORT, "method": "params:method",
-              **{s: f"params:{s}" for s in SECTIONS}}
-    if in_compare:  # one training per seed of compare.seeds, in the compare run, if compare.methods has it (train/nodes.py)
+    inputs = {
+        "train_prompts": PROMPTS_DATASET,
+        "base_model": BASE_DATASET,
+        "data_report": DATA_REPORT,
+        "method": "params:method",
+        **{s: f"params:{s}" for s in SECTIONS},
+    }
+    if (
+        in_compare
+    ):  # one training per seed of compare.seeds, in the compare run, if compare.methods has it (train/nodes.py)
         inputs["compare_group"] = "compare_group"
         inputs["seeds"] = SEEDS_PARAM
         inputs["methods"] = METHODS_PARAM

@@ -145,7 +145,7 @@ class Report:
         t0 = time.perf_counter()
         try:
             status, detail, numbers = fn(*args, **kwargs)
-        except Exception as exc:
+        except Exception as exc:  # every failure is a FAIL line
             self.add(name, "FAIL", error_text(exc), error=traceback.format_exc(), wall_s=time.perf_counter() - t0)
             return
         self.add(name, status, detail, **numbers, wall_s=time.perf_counter() - t0)
@@ -511,8 +511,12 @@ def check_kernel_offsets(dry: bool, device: torch.device):
             "rel_err_past_2_31": tn.rel_err(fused[past:], ref[past:]) if m > past else None,
         }
         if not dry:
-            rows[name]["fused_ms"] = tn.bench_ms(lambda: kernels.matmul(op, a, w), device, warmup=1, iters=3)
-            rows[name]["torch_ms"] = tn.bench_ms(lambda: tn.torch_matmul(op, a, w), device, warmup=1, iters=3)
+            rows[name]["fused_ms"] = tn.bench_ms(
+                lambda op=op, a=a, w=w: kernels.matmul(op, a, w), device, warmup=1, iters=3
+            )
+            rows[name]["torch_ms"] = tn.bench_ms(
+                lambda op=op, a=a, w=w: tn.torch_matmul(op, a, w), device, warmup=1, iters=3
+            )
         worst = max(worst, rows[name]["rel_err"], rows[name]["rel_err_past_2_31"] or 0.0)
         del a, fused, ref
         if device.type == "cuda":
@@ -626,9 +630,10 @@ def check_collectives(use_cuda: bool):
 
 
 # ------------------------------------------------------------------------------- (c) engine
+# head_dim 64; every projection a multiple of 128 (Marlin FP4 tiles)
 ENGINE_SHAPE = dict(
     hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=768
-)  # head_dim 64; every projection a multiple of 128 (Marlin FP4 tiles)
+)
 SIGMA = 5e-4  # the paper's last AQN stage: what bf16 norm weights cannot carry (quantization/norms.py)
 
 
@@ -769,7 +774,10 @@ class EngineChecks:
         )
         lps = [x for g in sampled.samples for s in g for x in s.logprobs] + [x for r in lora_lp for x in r]
         lp_finite = bool(lps) and all(math.isfinite(x) for x in lps)
-        max_lp_diff = max((abs(a - b) for ra, rb in zip(base_lp, lora_lp) for a, b in zip(ra, rb)), default=0.0)
+        max_lp_diff = max(
+            (abs(a - b) for ra, rb in zip(base_lp, lora_lp, strict=True) for a, b in zip(ra, rb, strict=False)),
+            default=0.0,
+        )
         differs = base_ids != lora_ids or max_lp_diff > 1e-3
         produced = all(ids for ids in lora_ids)
         problems = [
@@ -921,7 +929,7 @@ class EngineChecks:
         rep = self.report
         try:
             self.setup()
-        except Exception as exc:
+        except Exception as exc:  # every sub-step then fails with the reason
             msg = f"setup (tiny NVFP4 base, adapter) failed: {error_text(exc)}"
             for name in ("two_process_start", "generate_with_adapter", "norms_noise", "sleep_level1", "sleep_level2"):
                 rep.add(f"engine.{name}", "FAIL", msg, error=traceback.format_exc())

@@ -57,11 +57,9 @@ if "--interpret" in sys.argv:
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-# The Triton kernels (library code; importing it never fails, HAVE_TRITON says whether they run).
-from qerl_pipeline.quantization import (
-    nvfp4,
-    triton_nvfp4,
-)
+# nvfp4 is pure torch; triton_nvfp4 holds the Triton kernels (library code; importing it never fails,
+# HAVE_TRITON says whether they run).
+from qerl_pipeline.quantization import nvfp4, triton_nvfp4
 
 try:  # the policy's own packed layer (imports pydantic through the config; absent on a bare GPU box)
     from qerl_pipeline.quantization.policy import PackedLinear as ProjectPackedLinear
@@ -265,9 +263,9 @@ def check_ops(s, device, dtype, kernels, tokens, gen) -> dict:
             "out": out_f,
             "in": in_f,
             "tokens": tokens,
-            "matmul_ms": bench_ms(lambda: inp @ wd.t(), device),
-            "dequant_torch_ms": bench_ms(lambda: w.decode(dtype), device),
-            "dequant_then_matmul_torch_ms": bench_ms(lambda: inp @ w.decode(dtype).t(), device),
+            "matmul_ms": bench_ms(lambda inp=inp, wd=wd: inp @ wd.t(), device),
+            "dequant_torch_ms": bench_ms(lambda w=w: w.decode(dtype), device),
+            "dequant_then_matmul_torch_ms": bench_ms(lambda inp=inp, w=w: inp @ w.decode(dtype).t(), device),
             "torch_rel_err": rel_err(inp @ w.decode(dtype).t(), ref),
         }
         if kernels is not None:
@@ -276,12 +274,14 @@ def check_ops(s, device, dtype, kernels, tokens, gen) -> dict:
             row["fused_fwd_rel_err"] = rel_err(kernels.fwd(inp, w), ref)
             row["fused_dx_rel_err"] = rel_err(kernels.dx(g, w), ref_dx)
             if device.type == "cuda":
-                row["dequant_triton_ms"] = bench_ms(lambda: kernels.dequant(w, dtype), device)
-                row["dequant_then_matmul_triton_ms"] = bench_ms(lambda: inp @ kernels.dequant(w, dtype).t(), device)
-                row["fused_fwd_ms"] = bench_ms(lambda: kernels.fwd(inp, w), device)
-                row["dx_matmul_ms"] = bench_ms(lambda: g @ wd, device)
-                row["dx_dequant_then_matmul_ms"] = bench_ms(lambda: g @ kernels.dequant(w, dtype), device)
-                row["fused_dx_ms"] = bench_ms(lambda: kernels.dx(g, w), device)
+                row["dequant_triton_ms"] = bench_ms(lambda w=w: kernels.dequant(w, dtype), device)
+                row["dequant_then_matmul_triton_ms"] = bench_ms(
+                    lambda inp=inp, w=w: inp @ kernels.dequant(w, dtype).t(), device
+                )
+                row["fused_fwd_ms"] = bench_ms(lambda inp=inp, w=w: kernels.fwd(inp, w), device)
+                row["dx_matmul_ms"] = bench_ms(lambda g=g, wd=wd: g @ wd, device)
+                row["dx_dequant_then_matmul_ms"] = bench_ms(lambda g=g, w=w: g @ kernels.dequant(w, dtype), device)
+                row["fused_dx_ms"] = bench_ms(lambda g=g, w=w: kernels.dx(g, w), device)
                 row["fused_beats_dequant_then_matmul_fwd"] = row["fused_fwd_ms"] < min(
                     row["dequant_then_matmul_triton_ms"], row["dequant_then_matmul_torch_ms"]
                 )
@@ -311,13 +311,15 @@ def check_small_m(s, device, dtype, kernels, tokens, gen) -> dict:
             "out": out_f,
             "in": in_f,
             "tokens": tokens,
-            "matmul_ms": bench_ms(lambda: inp @ wd.t(), device),
-            "dequant_then_matmul_torch_ms": bench_ms(lambda: inp @ w.decode(dtype).t(), device),
+            "matmul_ms": bench_ms(lambda inp=inp, wd=wd: inp @ wd.t(), device),
+            "dequant_then_matmul_torch_ms": bench_ms(lambda inp=inp, w=w: inp @ w.decode(dtype).t(), device),
             "fused_fwd_rel_err": rel_err(kernels.fwd(inp, w), inp.float() @ wd.float().t()),
         }
         if device.type == "cuda":
-            row["dequant_then_matmul_triton_ms"] = bench_ms(lambda: inp @ kernels.dequant(w, dtype).t(), device)
-            row["fused_fwd_ms"] = bench_ms(lambda: kernels.fwd(inp, w), device)
+            row["dequant_then_matmul_triton_ms"] = bench_ms(
+                lambda inp=inp, w=w: inp @ kernels.dequant(w, dtype).t(), device
+            )
+            row["fused_fwd_ms"] = bench_ms(lambda inp=inp, w=w: kernels.fwd(inp, w), device)
             row["fused_beats_dequant_then_matmul_fwd"] = row["fused_fwd_ms"] < min(
                 row["dequant_then_matmul_triton_ms"], row["dequant_then_matmul_torch_ms"]
             )
@@ -350,7 +352,7 @@ def check_stack(s, device, dtype, kernels, gen, iters: int) -> dict:
         model = torch.nn.Sequential(*blocks)
         params = [p for p in model.parameters() if p.requires_grad]
 
-        def step():
+        def step(model=model, params=params):  # this variant's; deleted with them at the end of the iteration
             for p in params:
                 p.grad = None
             y = model(x)
@@ -381,7 +383,7 @@ def check_stack(s, device, dtype, kernels, gen, iters: int) -> dict:
             "base_bytes": sum(m.base_bytes() for m in model.modules() if isinstance(m, LoraLinear)),
             "lora_bytes": lora_bytes,
         }
-        del model, blocks, params
+        del model, blocks, params, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
     ref_loss, ref_grads = outputs["nvfp4_lora_decoded_dense"]

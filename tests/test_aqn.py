@@ -1,6 +1,7 @@
 """AQN: the sigma schedule at stage boundaries, decay shapes, and redrawn (never accumulated) noise."""
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def test_decay_shapes_endpoints_and_monotone(decay):
     vals = [aqn.stage_sigma(k, cfg) for k in range(6)]
     assert vals[0] == 0.0
     assert vals[1] == pytest.approx(1e-2) and vals[5] == pytest.approx(5e-4)
-    assert all(a >= b for a, b in zip(vals[1:], vals[2:]))
+    assert all(a >= b for a, b in pairwise(vals[1:]))
 
 
 def test_decay_shapes_midpoints():

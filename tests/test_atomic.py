@@ -96,9 +96,8 @@ def test_a_checkpoint_save_that_fails_leaves_the_earlier_one_and_no_stage(tmp_pa
         ckpt.save_checkpoint(tmp_path, 1, policy=Policy(fail=True), optimizer=opt, scheduler=None, state={"step": 1})
     assert _tree_bytes(first) == before
     assert [p.name for p in ckpt.checkpoint_root(tmp_path).iterdir()] == ["step-000001"]
-    (ckpt.checkpoint_root(tmp_path) / ".step-000002.tmp-killed" / "step-000002").mkdir(
-        parents=True
-    )  # SIGKILL mid-save
+    # SIGKILL mid-save
+    (ckpt.checkpoint_root(tmp_path) / ".step-000002.tmp-killed" / "step-000002").mkdir(parents=True)
     ckpt.save_checkpoint(tmp_path, 2, policy=ok, optimizer=opt, scheduler=None, state={"step": 2})
     assert sorted(p.name for p in ckpt.checkpoint_root(tmp_path).iterdir()) == ["step-000001", "step-000002"]
 

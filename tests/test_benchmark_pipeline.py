@@ -320,7 +320,7 @@ def test_rollout_node_is_wired_with_the_model_section():
     node = nodes["benchmark_rollout"]
     assert "params:model" in node.inputs
     # positional wiring: each input lands on the parameter of the same name
-    for name, dataset in zip(inspect.signature(node.func).parameters, node.inputs):
+    for name, dataset in zip(inspect.signature(node.func).parameters, node.inputs, strict=True):
         assert dataset in (f"params:{name}", f"benchmark_{name}"), (name, dataset)
 
 

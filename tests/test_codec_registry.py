@@ -258,7 +258,7 @@ def test_a_codec_trains_in_the_policy(toy, fmt, tmp_path):
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     policy(input_ids=ids).logits.float().pow(2).mean().backward()
     opt.step()
-    assert all(not torch.equal(a, p) for a, p in zip(before, trainable))
+    assert all(not torch.equal(a, p) for a, p in zip(before, trainable, strict=True))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "nf4", "mxfp4", "fp8", "toy6"])

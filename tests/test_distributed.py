@@ -236,7 +236,7 @@ def _dapo_train(d: Dist, base: Path, out: Path) -> dict:
         rollout = real(*args, **kwargs)
         steps.append(
             {
-                "prompts": [p for p, grp in zip(rollout.prompts, rollout.groups) for _ in grp],
+                "prompts": [p for p, grp in zip(rollout.prompts, rollout.groups, strict=True) for _ in grp],
                 "rounds": rollout.rounds,
                 "completions": [s.completion_ids for grp in rollout.groups for s in grp],
                 "rewards": [x["reward"] for x in rollout.rewards],

@@ -299,7 +299,8 @@ def test_killing_the_owner_and_the_server_together_leaves_no_vllm_process(tmp_pa
 
         seconds = _kill_and_check(owner, server, "together", procs)
         print(
-            f"{len(procs)} engine processes ({', '.join(p.name() for p in procs)}) ended {seconds:.2f} s after the kill"
+            f"{len(procs)} engine processes ({', '.join(p.name() for p in procs)}) ended {seconds:.2f} s after "
+            "the kill"
         )
     finally:
         _cleanup(owner, procs)

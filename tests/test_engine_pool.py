@@ -125,7 +125,8 @@ def test_restore_refuses_an_engine_that_does_not_take_the_values(tmp_path):
     ],
 )
 def test_engine_core_in_the_server_process_on_cpu_only(cuda, env, expected):
-    """rollout/server.py: on CPU vLLM's EngineCore and worker run in the server (no re-imports); CUDA keeps vLLM's chain."""
+    """rollout/server.py: on CPU vLLM's EngineCore and worker run in the server (no re-imports);
+    CUDA keeps vLLM's chain."""
     from qerl_pipeline.rollout.server import in_process_engine
 
     environ = dict(env)

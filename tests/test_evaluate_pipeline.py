@@ -52,9 +52,8 @@ def _run(evaluated):
     client = MlflowClient(tracking_uri=evaluated["uri"])
     exp = client.get_experiment_by_name("qerl_pipeline")
     (run,) = client.search_runs([exp.experiment_id])
-    assert (
-        run.data.tags["mlflow.runName"] == "evaluate qerl · random"
-    )  # the random adapter has no qerl_adapter.json (seed)
+    # the random adapter has no qerl_adapter.json (seed)
+    assert run.data.tags["mlflow.runName"] == "evaluate qerl · random"
     assert run.data.tags["qerl.role"] == "evaluate" and run.data.tags["method"] == "qerl"
     return client, run
 

@@ -126,9 +126,8 @@ def test_peft_applies_the_trained_norms_and_the_same_adapter_without_them_differ
         k.removeprefix("base_model.model.").removesuffix(".weight") for k in norms
     )
     base = load_file(str(folder / "base" / "model.safetensors"))
-    assert any(
-        (v - base[k.removeprefix("base_model.model.")]).abs().max() > 1e-3 for k, v in norms.items()
-    )  # they trained
+    # they trained
+    assert any((v - base[k.removeprefix("base_model.model.")]).abs().max() > 1e-3 for k, v in norms.items())
     stripped = tmp_path / "adapter"
     shutil.copytree(adapter, stripped)
     save_file({k: v for k, v in tensors.items() if "lora_" in k}, str(stripped / "adapter_model.safetensors"))

@@ -101,7 +101,8 @@ def test_a_branch_that_names_another_method_is_refused():
 
 @pytest.mark.kedro_run
 def test_kedro_viz_graph(tmp_path):
-    """``kedro viz build``: train -> trained_adapters -> evaluate and export; one train and one evaluate node per method."""
+    """``kedro viz build``: train -> trained_adapters -> evaluate and export;
+    one train and one evaluate node per method."""
     root = project_copy(tmp_path / "project")
     run_kedro(root, "viz", "build", timeout=300)
 

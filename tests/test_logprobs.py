@@ -153,7 +153,7 @@ def test_grad_weight_and_bias_match_naive(kind, keep):
         )[0]
         * up
     ).sum().backward()
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=ATOL, rtol=RTOL)
 
 
@@ -206,7 +206,8 @@ def test_gradcheck_float64():
 
 @pytest.mark.parametrize("keep", ["none", "one", "all"])
 def test_entropy_grad_matches_naive(keep):
-    """entropy_grad: the entropy's gradient (an entropy bonus) joins the log-prob's, as autograd through the naive path."""
+    """entropy_grad: the entropy's gradient (an entropy bonus) joins the log-prob's,
+    as autograd through the naive path."""
     hidden, weight, bias, targets = make(seed=8, bias=True)
     up, up_h = _upstream("masked", targets.shape), _upstream("random", targets.shape)
     ref = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
@@ -228,7 +229,7 @@ def test_entropy_grad_matches_naive(keep):
     assert ent.requires_grad
     torch.testing.assert_close(ent, ent_ref.detach(), atol=ATOL, rtol=RTOL)
     (lp * up + ent * up_h).sum().backward()
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         assert _rel(a.grad, b.grad) <= 10 * GRAD_REL
     # without entropy_grad the entropy stays detached (and the default path is unchanged)
     assert not token_logprobs(ours[0], ours[1], targets, bias=ours[2])[1].requires_grad

@@ -197,7 +197,8 @@ def test_sync_merge_serves_the_step_adapter_and_adapter_sync_starts_clean(setup)
 
 
 def test_lora_aqn_puts_noise_on_a_bf16_base(setup):
-    """method lora_aqn: AQN on (aqn.enabled null), the base BF16, sigma > 0 and served (last: it leaves noisy norms)."""
+    """method lora_aqn: AQN on (aqn.enabled null), the base BF16, sigma > 0 and served
+    (last: it leaves noisy norms)."""
     history, logger = _train(setup, "lora_aqn", method="lora_aqn")
     assert logger.tags["method"] == "lora_aqn" and logger.tags["rollout.served_format"] == "bf16"
     sigma = [row["aqn/sigma"] for row in history]

@@ -77,7 +77,7 @@ def test_a_toy_loss_from_this_file_trains_one_update(base_dir, toy):
     dapo = float(-(adv.unsqueeze(1) * mask).sum() / mask.sum())  # what the default loss would give here
     assert out["loss"] != pytest.approx(dapo, rel=1e-3)
     assert out["optim/grad_norm"] > 0 and out["policy/clip_fraction"] == 0.0  # the toy declares no clip
-    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, opt.params))
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, opt.params, strict=True))
 
 
 def test_config_reads_the_registry_at_validation(toy):

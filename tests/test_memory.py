@@ -43,9 +43,10 @@ def _peak_mib(fixed: bool) -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator setting: Linux only")
 def test_fixed_mmap_threshold_keeps_the_heap_from_fragmenting():
     """With the setting the peak stays near the live bytes (under glibc's default this pattern peaked
-    at 169 MiB against 45 with it, measured here on an idle machine, so removing the setting fails the test). The default's own peak is not asserted: the kernel's reclaim (DAMON runs on
-    this machine) may page out the default's free holes under memory pressure, so it depends on the machine's
-    load (a CI run beside the integration tier measured 47 MiB), while our bound can only gain from reclaim."""
+    at 169 MiB against 45 with it, measured here on an idle machine, so removing the setting fails the test).
+    The default's own peak is not asserted: the kernel's reclaim (DAMON runs on this machine) may page out
+    the default's free holes under memory pressure, so it depends on the machine's load (a CI run beside the
+    integration tier measured 47 MiB), while our bound can only gain from reclaim."""
     fixed = _peak_mib(True)
     live = 60 + 8  # MiB alive at most: the kept tensors and one pair of temporaries
     assert fixed < 1.3 * live, fixed

@@ -367,9 +367,8 @@ def test_cli_prints_the_table_and_json(capsys):
 
 
 def test_cli_errors_are_one_line(capsys):
-    assert (
-        cli.main(["--conf-dir", str(CONF), "--gpu-gb", "80"]) == 0
-    )  # the base env's SmolLM2 resolves through its preset
+    # the base env's SmolLM2 resolves through its preset
+    assert cli.main(["--conf-dir", str(CONF), "--gpu-gb", "80"]) == 0
     capsys.readouterr()
     assert cli.main(["--conf-dir", str(CONF), "--gpu-gb", "80", "--params", "model.name=org/unknown-model"]) == 1
     assert "--model-preset" in capsys.readouterr().err

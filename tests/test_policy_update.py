@@ -4,6 +4,8 @@ sampling seeds. Fast tier: no vLLM, no Kedro."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -219,7 +221,7 @@ def test_sampling_seeds_are_distinct_and_deterministic():
                 seen[(s, r, p)] = x
     values = sorted(seen.values())
     # vLLM seeds sample i of a request with seed + i: no two requests' [seed, seed + n) ranges overlap
-    assert all(b - a >= n for a, b in zip(values, values[1:]))
+    assert all(b - a >= n for a, b in pairwise(values))
     # a prompt drawn twice in one step gets two streams; another run seed gives other seeds
     assert len(set(sampling_seeds(0, 3, 0, [5, 5]))) == 2
     assert sampling_seeds(1, 3, 0, [5]) != sampling_seeds(0, 3, 0, [5])
@@ -258,7 +260,7 @@ def test_every_loss_type_reaches_the_loss_with_its_batch_counts(base_dir, monkey
             assert want.options["sapo_temperature_neg"] == 1.3
         assert all(kw["entropy"] is None for _, kw in seen)  # entropy_coef 0: no entropy gradient is formed
         assert torch.isfinite(torch.tensor(out["loss"])) and out["optim/grad_norm"] > 0, loss_type
-        assert any(not torch.equal(a, p.detach()) for a, p in zip(before, params)), loss_type
+        assert any(not torch.equal(a, p.detach()) for a, p in zip(before, params, strict=True)), loss_type
 
 
 def test_entropy_coef_puts_the_entropy_gradient_into_the_update(base_dir, monkeypatch):

@@ -153,9 +153,8 @@ def test_a_decoder_that_ignores_the_cache_falls_back_to_full_rows(caplog):
 
         def forward(self, input_ids, **kwargs):
             kwargs.pop("past_key_values", None)
-            return self.inner(
-                input_ids=input_ids, **kwargs
-            )  # a fresh cache each call: the suffix never sees the prefix
+            # a fresh cache each call: the suffix never sees the prefix
+            return self.inner(input_ids=input_ids, **kwargs)
 
     decoder = NoCache(_model("llama").model)
     ids, p_lens, t_max, _ = _grouped_batch()

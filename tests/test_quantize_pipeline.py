@@ -126,7 +126,8 @@ def test_reports_and_mlflow_records(runs):
 
 @pytest.mark.kedro_run
 def test_second_run_reuses_the_base_untouched(tmp_path):
-    """`kedro run --pipelines=quantize` twice on one config: the second keeps every file and says so; force rewrites."""
+    """`kedro run --pipelines=quantize` twice on one config: the second keeps every file and says so;
+    force rewrites."""
     from mlflow.tracking import MlflowClient
 
     root = project_copy(tmp_path / "project")

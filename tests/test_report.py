@@ -113,9 +113,8 @@ def store(tmp_path_factory):
 
 def test_load_runs_picks_group_and_newest(store):
     runs = report_runs.load_runs(EXPERIMENT, METHODS, client=store["client"], group="g1")
-    assert [(r.method, r.seed) for r in runs] == [
-        (m, k) for m in METHODS for k in SEEDS
-    ]  # one run per method and seed
+    # one run per method and seed
+    assert [(r.method, r.seed) for r in runs] == [(m, k) for m in METHODS for k in SEEDS]
     assert [r.run_id for r in runs] == [store["ids"][m, k] for m in METHODS for k in SEEDS]
     assert runs[0].records and {"id", "source", "policy", "correct"} <= set(runs[0].records[0])
     # without group: newest per method, still never the compare parent run
@@ -279,9 +278,8 @@ def test_report_files_through_the_catalog(store, tmp_path):
     assert "http" not in page.split("<body>")[1]  # nothing fetched from elsewhere
     assert not [p for p in out.iterdir() if p.name not in REPORT_FILES]  # atomic writes left no temp files
     csv = paths["accuracy.csv"].read_text().splitlines()
-    assert (
-        csv[0].startswith("method,seed,policy,benchmark") and len(csv) == 1 + 5 * 2 * 2 * 2
-    )  # methods x seeds x policies x benchmarks
+    # methods x seeds x policies x benchmarks
+    assert csv[0].startswith("method,seed,policy,benchmark") and len(csv) == 1 + 5 * 2 * 2 * 2
     claims = json.loads(paths["claims.json"].read_text())
     assert len(claims) == 6 and all(c["text"] in page for c in claims)
     assert "supported: difference 0.210, 95% interval [0.083, 0.337], 2 seeds" in paths["claims.csv"].read_text()
@@ -298,9 +296,8 @@ def test_report_files_through_the_catalog(store, tmp_path):
     curves = paths["curves.csv"].read_text().splitlines()
     assert curves[0] == "curve,method,step,mean,ci_low,ci_high,n_seeds" and len(curves) == 1 + 2 * 5 * 5
     assert paths["accuracy_summary.csv"].read_text().startswith("method,policy,benchmark,n_seeds")
-    assert (
-        paths["system.csv"].read_text() == report_tables.system_table(runs).to_csv()
-    )  # the method index as first column
+    # the method index as first column
+    assert paths["system.csv"].read_text() == report_tables.system_table(runs).to_csv()
     names = {Path(f.path).name for f in store["client"].list_artifacts(store["parent"], "report")}
     assert set(REPORT_FILES) <= names
 
@@ -384,9 +381,9 @@ def test_the_report_gains_the_4bit_policy_where_exports_exist(sqlite_store):
     client = MlflowClient()
     exp_id = client.create_experiment("exported")
     for seed in SEEDS:
-        rid = _log_method_run(
-            client, exp_id, "qerl", 0, seed, group="gx"
-        )  # trained: gsm8k seed 0 1 of 4, seed 1 2 of 4
+        # trained: gsm8k seed 0 1 of 4, seed 1 2 of 4
+        rid = _log_method_run(client, exp_id, "qerl", 0, seed, group="gx")
+        # seed 1 loses gsm8k-1
         quantized = [
             {
                 "id": f"{b}-{p}",
@@ -398,7 +395,7 @@ def test_the_report_gains_the_4bit_policy_where_exports_exist(sqlite_store):
             }
             for b in ("gsm8k", "math500")
             for p in range(4)
-        ]  # seed 1 loses gsm8k-1
+        ]
         log_cost(rid, quantized, seed)
         _log_method_run(client, exp_id, "lora", 3, seed, group="gx")  # not exported
     runs = report_runs.load_runs("exported", ["qerl", "lora"], client=client, group="gx")

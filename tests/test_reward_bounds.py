@@ -206,7 +206,7 @@ def test_degenerate_batch_through_the_scorer_never_times_out():
         rows = scorer.score([comps[n] for n in names], ["5"] * len(names))
         assert scorer.timeouts == 0
         assert sum(scorer.rejections.values()) == sum(1 for r in rows if r["rejected"])
-    for name, row in zip(names, rows):
+    for name, row in zip(names, rows, strict=True):
         assert row["timed_out"] is False, name
         if row["rejected"]:
             assert row["accuracy"] == 0.0 and row["rejected"] in bounds.REJECTION_REASONS, name

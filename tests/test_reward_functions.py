@@ -81,11 +81,8 @@ def test_reward_components_names_paths_and_weights():
         ("letter_fraction", LETTERS, 0.5),
         ("brevity", BREVITY, -2.0),
     ]
-    assert TrainConfig(reward_fn=[LETTERS, BREVITY]).reward_components()[1] == (
-        "brevity",
-        BREVITY,
-        1.0,
-    )  # TRL: 1.0 each
+    # TRL: 1.0 each
+    assert TrainConfig(reward_fn=[LETTERS, BREVITY]).reward_components()[1] == ("brevity", BREVITY, 1.0)
 
 
 def test_default_and_single_reward_keep_their_scorers():
@@ -119,9 +116,9 @@ def test_weighted_sum_of_math_and_user_rewards():
     finally:
         scorer.close()
     letters, short = letter_fraction(completions, golds, []), brevity(completions, golds, [])
-    for row, m, l, b in zip(rows, math_rows, letters, short, strict=True):
-        assert row["rewards"] == {"math": m["reward"], "letter_fraction": l["reward"], "brevity": b}
-        assert row["reward"] == pytest.approx(m["reward"] + 0.5 * l["reward"] - 2.0 * b, abs=1e-12)
+    for row, m, letter, b in zip(rows, math_rows, letters, short, strict=True):
+        assert row["rewards"] == {"math": m["reward"], "letter_fraction": letter["reward"], "brevity": b}
+        assert row["reward"] == pytest.approx(m["reward"] + 0.5 * letter["reward"] - 2.0 * b, abs=1e-12)
         # accuracy, format and the extracted answer are the math entry's
         assert (row["accuracy"], row["format"], row["extracted"]) == (m["accuracy"], m["format"], m["extracted"])
     assert [r["accuracy"] for r in rows] == [1.0, 0.0, 0.0]

@@ -79,7 +79,7 @@ def test_case_table_is_large_enough():
 
 def test_hand_written_completions(scorer):
     results = scorer.score([c[0] for c in CASES], [c[1] for c in CASES])
-    for (completion, gold, acc, fmt_ok, why), r in zip(CASES, results):
+    for (completion, gold, acc, fmt_ok, why), r in zip(CASES, results, strict=True):
         assert r["accuracy"] == acc, f"{why}: {completion!r} vs {gold!r} -> {r}"
         assert r["format"] == (0.2 if fmt_ok else 0.0), f"{why}: format {r}"
         assert r["reward"] == pytest.approx(acc + r["format"]), why
@@ -100,7 +100,7 @@ def test_unparseable_gold_never_full_reward(scorer):
         f"{TH}<answer>\\boxed{{{g}}}</answer>" for g in golds
     ]
     results = scorer.score(completions, golds + golds)
-    for gold, r in zip(golds + golds, results):
+    for gold, r in zip(golds + golds, results, strict=True):
         assert r["accuracy"] == 0.0 and r["reward"] < 1.0, (gold, r)
         assert r["gold_parsed"] is False
     for gold in golds:
@@ -204,7 +204,7 @@ def test_works_from_threads(scorer):
                 accuracy_reward(f"<answer>{k}</answer>", str(k)),
                 scorer.score([f"\\boxed{{{k}}}"], [str(k + 1)]),
             )
-        except Exception as err:
+        except Exception as err:  # surfaced by the assert below
             out[k] = err
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]

@@ -100,7 +100,7 @@ def greedy(engine, prompts, **kw):
 
 def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     assert [len(x) for x in a] == [len(y) for y in b]
-    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+    return max(abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True))
 
 
 def hf_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
@@ -115,7 +115,7 @@ def hf_logprobs(model, prompt: list[int], completion: list[int], temperature: fl
 def test_generate_shapes_seeds_and_finish_reasons(engine, prompts):
     res = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=7)
     assert len(res.samples) == len(prompts)
-    for prompt, group in zip(prompts, res.samples):
+    for prompt, group in zip(prompts, res.samples, strict=True):
         assert len(group) == 2
         for s in group:
             assert s.prompt_ids == prompt
@@ -257,7 +257,8 @@ def test_merge_sync_matches_adapter_sync(engine, prompts, adapters, checkpoint):
 
 def test_in_engine_merge_is_the_lora_policy_with_aqn_noise_and_trained_norms(engine, prompts, adapters, checkpoint):
     """The training's ``rollout.sync: merge`` (``merge_adapter``, in the engine) samples what the LoRARequest samples,
-    under AQN-noised and trained norm weights; merges replace each other (nothing accumulates); ``unmerge`` is bit-exact."""
+    under AQN-noised and trained norm weights; merges replace each other (nothing accumulates);
+    ``unmerge`` is bit-exact."""
     base_ids, _ = greedy(engine, prompts)
     linears = sorted(merged_weights(checkpoint, adapters["a"]))
     norms = engine.norm_weight_names()
@@ -294,7 +295,8 @@ def test_in_engine_merge_is_the_lora_policy_with_aqn_noise_and_trained_norms(eng
 
 
 def test_evaluation_applies_the_adapter_either_way_and_restores_the_base(engine, prompts, adapters, checkpoint, work):
-    """``evaluator.applied_adapter``: merged == LoRA outputs; trained norms are applied; the base comes back bit-exact."""
+    """``evaluator.applied_adapter``: merged == LoRA outputs; trained norms are applied;
+    the base comes back bit-exact."""
     from qerl_pipeline.evaluation.evaluator import applied_adapter, resolve_adapter_mode
 
     base_ids, _ = greedy(engine, prompts)
@@ -331,20 +333,20 @@ def test_logprobs_agree_with_transformers(engine, prompts, model_dir, adapters):
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, lps = greedy(engine, prompts)
-    for prompt, comp, lp in zip(prompts, ids, lps):
+    for prompt, comp, lp in zip(prompts, ids, lps, strict=True):
         ref = hf_logprobs(hf, prompt, comp)
-        assert max(abs(a - b) for a, b in zip(lp, ref)) < LOGPROB_ATOL
+        assert max(abs(a - b) for a, b in zip(lp, ref, strict=True)) < LOGPROB_ATOL
     # sampled at temperature 0.7: log-probs are under the sampling distribution (processed)
     res = engine.generate(prompts[:1], n=2, temperature=0.7, top_p=1.0, max_new_tokens=8, seed=3)
     for s in res.samples[0]:
         ref = hf_logprobs(hf, s.prompt_ids, s.completion_ids, temperature=0.7)
-        assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < LOGPROB_ATOL
+        assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < LOGPROB_ATOL
     # with the adapter: the trainer's PEFT policy and the engine's LoRARequest agree
     peft_model = PeftModel.from_pretrained(hf, adapters["a"]).eval()
     ids, lps = greedy(engine, prompts, lora_path=adapters["a"])
-    for prompt, comp, lp in zip(prompts, ids, lps):
+    for prompt, comp, lp in zip(prompts, ids, lps, strict=True):
         ref = hf_logprobs(peft_model, prompt, comp)
-        assert max(abs(a - b) for a, b in zip(lp, ref)) < LOGPROB_ATOL
+        assert max(abs(a - b) for a, b in zip(lp, ref, strict=True)) < LOGPROB_ATOL
 
 
 def test_seeded_sampling_survives_more_prompt_tokens_than_one_step_schedules(engine, model_dir):
@@ -358,9 +360,8 @@ def test_seeded_sampling_survives_more_prompt_tokens_than_one_step_schedules(eng
     from transformers import AutoTokenizer
 
     vocab = AutoTokenizer.from_pretrained(model_dir).vocab_size
-    long_prompts = [
-        [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(200)] for i in range(64)
-    ]  # 12 800 prompt tokens
+    # 12 800 prompt tokens
+    long_prompts = [[(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(200)] for i in range(64)]
     res = engine.generate(long_prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)
     assert [len(g) for g in res.samples] == [2] * 64
     again = engine.generate(long_prompts[:3], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=3)

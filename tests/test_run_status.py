@@ -164,7 +164,8 @@ manager = _create_hook_manager()
 for hook in HOOKS:
     manager.register(hook)
 manager.hook.before_pipeline_run(run_params={}, pipeline=Pipeline([]), catalog=None)
-mlflow.start_run(run_id=run.info.run_id, nested=True)  # kedro-mlflow's before_node_run (nested: true, conf/base/mlflow.yml)
+# kedro-mlflow's before_node_run (nested: true, conf/base/mlflow.yml)
+mlflow.start_run(run_id=run.info.run_id, nested=True)
 node = Node(lambda: None, None, "x", name="prepare_train_prompts")
 manager.hook.after_node_run(node=node, catalog=None, inputs={}, outputs={}, is_async=False, run_id="r")
 print(run.info.run_id, flush=True)
@@ -315,9 +316,8 @@ def test_an_unknown_benchmark_is_an_error_naming_the_allowed_sets():
     assert "evaluate.benchmarks: 'gsm8kk' not an evaluation set; allowed: generator, gsm8k" in text, text
     assert text.startswith("invalid parameters (nothing ran):")
     assert cross_field_errors(validate(params), {"train_policy"}) == []  # a run without evaluation is not refused
-    assert "'gsm8kk' not an evaluation set" in _refused(
-        params, ["export_policy", "evaluate_export"]
-    )  # the export scores too
+    # the export scores too
+    assert "'gsm8kk' not an evaluation set" in _refused(params, ["export_policy", "evaluate_export"])
 
 
 def test_an_evaluation_length_without_prompt_budget_is_refused():

@@ -162,7 +162,8 @@ def test_adapter_mode_follows_what_is_served():
 @pytest.mark.parametrize("fmt", ["nvfp4", "nf4", "bf16"])
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 def test_training_sync_by_platform(fmt, platform):
-    """rollout.sync auto: merge on CPU (every base dense there), the LoRARequest on CUDA (the FP4 base stays packed)."""
+    """rollout.sync auto: merge on CPU (every base dense there),
+    the LoRARequest on CUDA (the FP4 base stays packed)."""
     served = decide(fmt, platform, vllm_features={"bitsandbytes"})
     assert serving.resolve_sync("auto", served) == ("merge" if platform == "cpu" else "adapter")
     assert serving.resolve_sync("adapter", served) == "adapter"
@@ -371,7 +372,7 @@ def test_vllm_serves_the_bnb_folder(bases, tiny_model):
         assert served_tags(served, engine)["rollout.served_dtype"] == "bfloat16"
         res = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=6, ignore_eos=True)
     ref = AutoModelForCausalLM.from_pretrained(checkpoint.serving_dir(bases["nf4"]), dtype=torch.bfloat16).eval()
-    for prompt, group in zip(prompts, res.samples):
+    for prompt, group in zip(prompts, res.samples, strict=True):
         s = group[0]
         ids = torch.tensor([prompt + s.completion_ids])
         with torch.no_grad():

@@ -111,7 +111,8 @@ def is_triton_kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
 
 
 def node_functions(root: Path = SRC) -> set[tuple[str, str]]:
-    """``(module file relative to root, function name)`` of every function a ``pipelines/*/pipeline.py`` makes a node of."""
+    """``(module file relative to root, function name)`` of every function
+    a ``pipelines/*/pipeline.py`` makes a node of."""
     found = set()
     for pipeline in sorted((root / "pipelines").glob("*/pipeline.py")):
         tree = ast.parse(pipeline.read_text())

@@ -129,9 +129,8 @@ def test_verdict_wording():
         "contradicted",
         "contradicted: difference -0.200, 95% interval [-0.300, -0.100], 3 seeds",
     )
-    assert (
-        stats.verdict(stats.Interval(0.0, 0.0, 0.0, 2, "seeds"))[0] == "cannot tell"
-    )  # no difference at all is no support
+    # no difference at all is no support
+    assert stats.verdict(stats.Interval(0.0, 0.0, 0.0, 2, "seeds"))[0] == "cannot tell"
     # differences below 0.001 keep 3 significant digits instead of reading 0.000
     assert stats.verdict(stats.Interval(-7.77e-05, -1.44e-04, -1.11e-05, 2, "seeds"))[1] == (
         "contradicted: difference -7.77e-05, 95% interval [-1.44e-04, -1.11e-05], 2 seeds"

@@ -39,8 +39,8 @@ def test_message_names_field_value_and_allowed_values():
     msg = config_error_message(_error({"method": "foo"}))
     assert msg.splitlines()[0] == "invalid parameters (nothing ran):"
     assert (
-        "  method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8' (got 'foo')"
-        in msg.splitlines()
+        "  method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or "
+        "'fp8' (got 'foo')" in msg.splitlines()
     )
     assert msg.splitlines()[-1] == WHERE and "conf/base/parameters.yml" in WHERE
     assert "Traceback" not in msg and len(msg.splitlines()) == 3
@@ -112,8 +112,8 @@ def test_kedro_run_with_bad_parameters_prints_a_short_error(tmp_path):
     assert proc.returncode != 0, text
     assert "Traceback" not in text and "Error: invalid parameters (nothing ran):" in text, text
     assert (
-        "method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or 'fp8' (got 'foo')"
-        in text
+        "method: Input should be 'qerl', 'qerl_noaqn', 'qlora', 'lora', 'lora_aqn', 'mxfp4', 'mxfp4_noaqn' or "
+        "'fp8' (got 'foo')" in text
     ), text
     assert "optim.lrr: unknown key (got 1); allowed: name, lr," in text, text
     assert len(lines) < 15, f"{len(lines)} lines:\n{text}"

@@ -597,11 +597,15 @@ def test_dynamic_sampling_on_two_ranks_refills_and_decides_once_for_both(two_ran
         return [m.value for m in sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.step)]
 
     sampled, kept, refills = series("groups/sampled"), series("groups/kept"), series("groups/refill_rounds")
-    assert len(kept) == STEPS and all(
-        1 <= k <= 2 for k in kept
-    )  # smoke: 2 prompts per step, a group of 2 samples each
-    assert any(r > 0 for r in refills) and any(s > k for s, k in zip(sampled, kept)), (sampled, kept, refills)
-    assert all(s >= 2 + r for s, r in zip(sampled, refills))  # each refill round draws at least one prompt
+    # smoke: 2 prompts per step, a group of 2 samples each
+    assert len(kept) == STEPS and all(1 <= k <= 2 for k in kept)
+    assert any(r > 0 for r in refills) and any(s > k for s, k in zip(sampled, kept, strict=True)), (
+        sampled,
+        kept,
+        refills,
+    )
+    # each refill round draws at least one prompt
+    assert all(s >= 2 + r for s, r in zip(sampled, refills, strict=True))
     # each rank logs its step line; the reward, accuracy and entropy in it are the global ones, equal on both ranks
     lines = {
         r: re.findall(rf"rank {r}: INFO .*?step (\d+)/{STEPS} reward (\S+) acc (\S+) entropy (\S+)", log)

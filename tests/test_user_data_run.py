@@ -28,7 +28,10 @@ WEIGHTS = {"math": 1.0, "letter_fraction": 0.5}
 #: the README's commands (the smoke env and two steps added): GSM8K's rows under their own column names, and
 #: the user's eval set under the README's
 TRAIN_PARAMS = "data.train_source=file,data.train_file.path=gsm8k_train.jsonl,train.steps=2"
-EVAL_PARAMS = "data.eval_files.mine.path=my_eval.jsonl,data.eval_files.mine.question=problem,data.eval_files.mine.answer=solution"
+EVAL_PARAMS = (
+    "data.eval_files.mine.path=my_eval.jsonl,data.eval_files.mine.question=problem,"
+    "data.eval_files.mine.answer=solution"
+)
 N_TRAIN, N_EVAL = 8, 4
 
 
@@ -44,7 +47,8 @@ def _gsm8k_train() -> list[dict]:
 
 
 def _math_solutions() -> list[dict]:
-    """Short MATH-500 problems with the full solution as the answer column (and the set's own answer, for the check)."""
+    """Short MATH-500 problems with the full solution as the answer column (and the set's own answer,
+    for the check)."""
     rows = [r for r in _rows("math500/test.jsonl") if len(r["problem"]) < 200 and len(r["solution"]) < 600][:N_EVAL]
     return [{"problem": r["problem"], "solution": r["solution"], "answer": r["answer"]} for r in rows]
 

@@ -88,7 +88,8 @@ def is_disk_full(err: BaseException, where: str | Path) -> bool:
 
 
 def disk_full(where: str | Path, what: str | None = None) -> DiskFull:
-    """The ``DiskFull`` for a write of ``where`` (``what``: "checkpoint", "base", ...), with its filesystem's free space now."""
+    """The ``DiskFull`` for a write of ``where`` (``what``: "checkpoint", "base", ...),
+    with its filesystem's free space now."""
     free = _free_bytes(Path(where))
     shown = "unknown space" if free is None else f"{free / 2**20:.1f} MiB"
     label = f"{what} " if what else ""

@@ -211,11 +211,11 @@ class ModelConfig(Section):
     )
     norm_dtype: Literal["float32", "model"] = Field(
         "float32",
-        description="Storage dtype of the RMSNorm weights in the trainer and in vLLM. float32 (default): fp32 whatever "
-        "`dtype` is, outputs rounded once to the compute dtype, so AQN's clean + Z and small trained-norm updates survive "
-        "a bf16 model (bf16's spacing near 1 is 2^-8..2^-7: most of the paper's sigma 1e-2..5e-4 rounds away; see "
-        "quantization/norms.py). model: the stock behaviour, norm weights in the compute dtype; refused with AQN when the "
-        "noise of some stage would be served more than 10% off.",
+        description="Storage dtype of the RMSNorm weights in the trainer and in vLLM. float32 (default): fp32 "
+        "whatever `dtype` is, outputs rounded once to the compute dtype, so AQN's clean + Z and small trained-norm "
+        "updates survive a bf16 model (bf16's spacing near 1 is 2^-8..2^-7: most of the paper's sigma 1e-2..5e-4 "
+        "rounds away; see quantization/norms.py). model: the stock behaviour, norm weights in the compute dtype; "
+        "refused with AQN when the noise of some stage would be served more than 10% off.",
     )
     max_seq_len: int = Field(1024, gt=0, description="Longest prompt+completion, tokens (vLLM max_model_len).")
     trust_remote_code: bool = Field(False, description="Passed to transformers.")
@@ -266,8 +266,8 @@ class UserSetConfig(Section):
     path: str | None = Field(
         None,
         description="A .jsonl (JSON Lines; .json too), .csv (header line) or .parquet file, or a folder saved by "
-        "datasets' save_to_disk (a Dataset, or a DatasetDict whose `split` is read). Relative paths are taken from the "
-        "working directory, the project root under `kedro run`. Give path or hub_id.",
+        "datasets' save_to_disk (a Dataset, or a DatasetDict whose `split` is read). Relative paths are taken from "
+        "the working directory, the project root under `kedro run`. Give path or hub_id.",
     )
     hub_id: str | None = Field(
         None,
@@ -385,8 +385,8 @@ class DataConfig(Section):
 
     train_source: Literal["generator", "gsm8k", "bigmath", "file"] = Field(
         "generator",
-        description="Training set: the generator's train split; gsm8k/bigmath: `sources.<name>_train` when "
-        "that key exists (gsm8k_train: GSM8K's train split), else `sources.<name>`; file: the user's set `train_file`.",
+        description="Training set: the generator's train split; gsm8k/bigmath: `sources.<name>_train` when that key "
+        "exists (gsm8k_train: GSM8K's train split), else `sources.<name>`; file: the user's set `train_file`.",
     )
     train_file: UserSetConfig | None = Field(
         None,
@@ -400,8 +400,9 @@ class DataConfig(Section):
     )
     eval_files: dict[str, UserSetConfig] = Field(
         default_factory=dict,
-        description="The user's evaluation sets, by name (as train_file; e.g. `data.eval_files.mine.path=my_eval.jsonl`): "
-        "prepared after eval_sources under that name, and evaluated beside evaluate.benchmarks.",
+        description="The user's evaluation sets, by name (as train_file; e.g. "
+        "`data.eval_files.mine.path=my_eval.jsonl`): prepared after eval_sources under that name, and evaluated "
+        "beside evaluate.benchmarks.",
     )
     sources: dict[str, SourceConfig] = Field(default_factory=dict, description="Per-source settings, by name.")
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
@@ -444,7 +445,8 @@ class DataConfig(Section):
         return self
 
     def user_sets(self) -> dict[str, tuple[str, UserSetConfig]]:
-        """The user's sets in use, by field: ``{"data.train_file": ("file", cfg), "data.eval_files.<n>": (n, cfg)}``."""
+        """The user's sets in use, by field:
+        ``{"data.train_file": ("file", cfg), "data.eval_files.<n>": (n, cfg)}``."""
         out = {"data.train_file": ("file", self.train_file)} if self.train_source == "file" and self.train_file else {}
         out.update({f"data.eval_files.{n}": (n, c) for n, c in self.eval_files.items()})
         return out
@@ -468,12 +470,13 @@ class RewardConfig(Section):
     answer_tag_as_boxed: bool = Field(
         True,
         description="Score the <answer>..</answer> content as if it were \\boxed{..} when it holds no boxed or "
-        "anchored LaTeX (the paper's prompt asks for <answer> tags, not \\boxed). False = the paper's extraction only.",
+        "anchored LaTeX (the paper's prompt asks for <answer> tags, not \\boxed). False = the paper's extraction "
+        "only.",
     )
     anchored_plain_answers: bool = Field(
         True,
-        description="Also extract plain (non-LaTeX) numbers after an anchor ('The answer is 18', 'Final answer: "
-        "18'; math-verify ExprExtractionConfig without anchorless fallback): small models rarely write LaTeX. The text "
+        description="Also extract plain (non-LaTeX) numbers after an anchor ('The answer is 18', 'Final answer: 18'; "
+        "math-verify ExprExtractionConfig without anchorless fallback): small models rarely write LaTeX. The text "
         "after the anchor, to the end of its sentence, is also read as LaTeX ('The answer is \\frac{4}{3}.'; see "
         "rewards/extraction.py). False = the paper's LaTeX-only extraction.",
     )
@@ -486,7 +489,8 @@ class QuantizeConfig(Section):
 
     nvfp4_algorithm: Literal["rtn", "awq", "gptq"] = Field(
         "rtn",
-        description="rtn: data-free round-to-nearest (the paper's released recipe); awq/gptq: calibrated via llmcompressor.",
+        description="rtn: data-free round-to-nearest (the paper's released recipe); "
+        "awq/gptq: calibrated via llmcompressor.",
     )
     calibration_samples: int = Field(64, gt=0, description="Calibration prompts for awq/gptq.")
     calibration_path: str = Field(
@@ -509,9 +513,9 @@ class QuantizeConfig(Section):
         description="How a stored base is checked before reuse (quantization/store.py). requantize: every file's size "
         "and sha256 against the base's stamp (a full read: well under a second for a 135M model, seconds for a 7B "
         "one); a damaged base is re-quantized and the log names the file. fail: the same check, but a damaged base "
-        "stops the run naming the file (quantize.force still rewrites it). sizes: sizes only, no hashing (misses damage "
-        "at the same size). A base whose stamp holds no hashes (written by an older version) is re-quantized once "
-        "under requantize and fail, reused by its sizes under sizes.",
+        "stops the run naming the file (quantize.force still rewrites it). sizes: sizes only, no hashing (misses "
+        "damage at the same size). A base whose stamp holds no hashes (written by an older version) is re-quantized "
+        "once under requantize and fail, reused by its sizes under sizes.",
     )
 
 
@@ -538,88 +542,92 @@ class RolloutConfig(Section):
         1.0,
         gt=0,
         le=1,
-        description="Nucleus sampling of training rollouts. Only 1.0 is accepted: the trainer's log-probs are those of "
-        "the full softmax at `temperature`, so with top_p < 1 its importance ratios (TIS, mismatch KL, pi_old) would "
-        "compare different distributions (evaluation has its own evaluate.top_p).",
+        description="Nucleus sampling of training rollouts. Only 1.0 is accepted: the trainer's log-probs are those "
+        "of the full softmax at `temperature`, so with top_p < 1 its importance ratios (TIS, mismatch KL, pi_old) "
+        "would compare different distributions (evaluation has its own evaluate.top_p).",
     )
     max_new_tokens: int = Field(256, gt=0, description="Completion length cap; longer ones are truncated.")
     seed: int = Field(0, description="Sampling seed (per step offset is added).")
     sync: Literal["auto", "adapter", "merge"] = Field(
         "auto",
         description="How the trained LoRA reaches the engine each step (rollout.serving.resolve_sync). adapter: a "
-        "LoRARequest with a new id per step (vLLM applies B A at every token; the only way on a packed NVFP4/NF4 base). "
-        "merge: the engine process writes W + scale * B A into its dense served linears (rollout/worker_ext.py; from the "
-        "checkpoint's clean W each time, nothing accumulates), so decoding runs without LoRA: on vLLM-CPU about 3x the "
-        "tokens/s of the adapter path (docs/performance.md). auto: merge on CPU, adapter on CUDA. merge on a packed base "
-        "is refused before the engine starts.",
+        "LoRARequest with a new id per step (vLLM applies B A at every token; the only way on a packed NVFP4/NF4 "
+        "base). merge: the engine process writes W + scale * B A into its dense served linears "
+        "(rollout/worker_ext.py; from the checkpoint's clean W each time, nothing accumulates), so decoding runs "
+        "without LoRA: on vLLM-CPU about 3x the tokens/s of the adapter path (docs/performance.md). auto: merge on "
+        "CPU, adapter on CUDA. merge on a packed base is refused before the engine starts.",
     )
     cpu_kv_cache_gib: float | None = Field(
         None,
         gt=0,
-        description="CPU only: GiB of vLLM-CPU's KV cache (resident from the engine's start). None: the trainer's engine "
-        "gets what one step needs (prompts_per_step x num_generations sequences of the longest prompt + max_new_tokens, "
-        "rollout.serving.cpu_kv_cache_bytes); other engines 2 GiB. A VLLM_CPU_KVCACHE_SPACE in the environment wins.",
+        description="CPU only: GiB of vLLM-CPU's KV cache (resident from the engine's start). None: the trainer's "
+        "engine gets what one step needs (prompts_per_step x num_generations sequences of the longest prompt + "
+        "max_new_tokens, rollout.serving.cpu_kv_cache_bytes); other engines 2 GiB. A VLLM_CPU_KVCACHE_SPACE in the "
+        "environment wins.",
     )
     gpu_memory_utilization: float = Field(
         0.35, gt=0, le=1, description="CUDA only: fraction of GPU memory vLLM may take."
     )
     sleep_between_steps: bool = Field(
         True,
-        description="CUDA only: put the engine to sleep (vLLM sleep mode, `enable_sleep_mode`) during the policy update "
-        "when it shares the trainer's GPU, so the update gets the engine's memory; woken after the new adapter is saved, "
-        "then checked (a greedy probe must give the same tokens as before the sleep) and the next adapter registered "
-        "(rollout/sleep.py). Never on CPU: vLLM-CPU has no sleep mode (enable_sleep_mode raises 'Sleep mode is not "
-        "supported on current platform.'), and there the engine's memory is host RAM anyway.",
+        description="CUDA only: put the engine to sleep (vLLM sleep mode, `enable_sleep_mode`) during the policy "
+        "update when it shares the trainer's GPU, so the update gets the engine's memory; woken after the new adapter "
+        "is saved, then checked (a greedy probe must give the same tokens as before the sleep) and the next adapter "
+        "registered (rollout/sleep.py). Never on CPU: vLLM-CPU has no sleep mode (enable_sleep_mode raises 'Sleep "
+        "mode is not supported on current platform.'), and there the engine's memory is host RAM anyway.",
     )
     sleep_level: Literal[1, 2] = Field(
         1,
         description="vLLM sleep level. 1: weights offloaded to CPU RAM, KV cache freed; restored as they were on wake "
-        "(needs host RAM for the weights). 2: weights and KV cache discarded; on wake the weights are reloaded from the "
-        "served folder (`collective_rpc('reload_weights')`) and the in-place updates (AQN/trained norms) re-applied, "
-        "because a level-2 wake alone leaves garbage weights (vLLM docs; ms-swift #7017, verl #3461). Level 2 saves "
-        "the host copy and, for 8B+ models, time (vLLM PR #48337's measurements); level 1 is the safe default.",
+        "(needs host RAM for the weights). 2: weights and KV cache discarded; on wake the weights are reloaded from "
+        "the served folder (`collective_rpc('reload_weights')`) and the in-place updates (AQN/trained norms) "
+        "re-applied, because a level-2 wake alone leaves garbage weights (vLLM docs; ms-swift #7017, verl #3461). "
+        "Level 2 saves the host copy and, for 8B+ models, time (vLLM PR #48337's measurements); level 1 is the safe "
+        "default.",
     )
     tensor_parallel_size: int = Field(
         1,
         ge=1,
-        description="GPUs one engine spans (vLLM `tensor_parallel_size`), for models whose served weights + KV cache do "
-        "not fit one GPU. CUDA only: refused on CPU at engine build (layout.tensor_parallel_args), where the engine "
-        "runs in one process. With `engines: per_rank` and more than one training rank it must be 1.",
+        description="GPUs one engine spans (vLLM `tensor_parallel_size`), for models whose served weights + KV cache "
+        "do not fit one GPU. CUDA only: refused on CPU at engine build (layout.tensor_parallel_args), where the "
+        "engine runs in one process. With `engines: per_rank` and more than one training rank it must be 1.",
     )
     engines: Literal["per_rank", "shared"] = Field(
         "per_rank",
         description="Rollout engines under data-parallel training (layout.engine_plan). per_rank: every rank opens "
-        "its own engine (data-parallel vLLM), on its own GPU (local rank; `tensor_parallel_size` GPUs from local_rank * "
-        "tensor_parallel_size when training on one rank), and rolls out its share of the prompts. shared: one engine "
-        "on GPUs 0..tensor_parallel_size-1 opened by rank 0; handing its rollouts to the other ranks is not built yet, "
-        "so shared is refused with more than one rank (with one rank both are the same).",
+        "its own engine (data-parallel vLLM), on its own GPU (local rank; `tensor_parallel_size` GPUs from local_rank "
+        "* tensor_parallel_size when training on one rank), and rolls out its share of the prompts. shared: one "
+        "engine on GPUs 0..tensor_parallel_size-1 opened by rank 0; handing its rollouts to the other ranks is not "
+        "built yet, so shared is refused with more than one rank (with one rank both are the same).",
     )
     shared_engines: int | None = Field(
         None,
         ge=1,
-        description="compare only: engines kept alive across the branches' nodes (rollout/pool.py), one per served base. "
-        "None = auto: 1 on CUDA (two engines do not share a GPU), 3 on CPU (one per base format, each ~2.5 GB with "
-        "a 2 GiB KV cache), which makes a compare start each base's engine once instead of once per phase.",
+        description="compare only: engines kept alive across the branches' nodes (rollout/pool.py), one per served "
+        "base. None = auto: 1 on CUDA (two engines do not share a GPU), 3 on CPU (one per base format, each ~2.5 GB "
+        "with a 2 GiB KV cache), which makes a compare start each base's engine once instead of once per phase.",
     )
     enforce_eager: bool = Field(True, description="Skip CUDA graph capture (faster start, slower decode).")
     startup_timeout_s: float = Field(600.0, gt=0, description="Give up if the engine process is not ready by then.")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs",
-        description="Log-probs vLLM reports: processed = after temperature (what the trainer's importance ratios need; "
-        "it divides its logits by `temperature`); raw = before it, accepted only with temperature 1.0, where both agree.",
+        description="Log-probs vLLM reports: processed = after temperature (what the trainer's importance ratios "
+        "need; it divides its logits by `temperature`); raw = before it, accepted only with temperature 1.0, where "
+        "both agree.",
     )
 
     @model_validator(mode="after")
     def _trainer_logprobs_match(self) -> RolloutConfig:
         if self.top_p < 1.0:
             raise ValueError(
-                f"top_p {self.top_p}: training rollouts need top_p 1.0; the trainer's log-probs do not implement nucleus "
-                "truncation, so TIS weights and the mismatch KL would be wrong (evaluation uses evaluate.top_p)"
+                f"top_p {self.top_p}: training rollouts need top_p 1.0; the trainer's log-probs do not implement "
+                "nucleus truncation, so TIS weights and the mismatch KL would be wrong (evaluation uses "
+                "evaluate.top_p)"
             )
         if self.logprobs_mode == "raw_logprobs" and self.temperature != 1.0:
             raise ValueError(
-                f"logprobs_mode 'raw_logprobs' with temperature {self.temperature}: vLLM would report log-probs before "
-                "the temperature while the trainer's are after it; use processed_logprobs or temperature 1.0"
+                f"logprobs_mode 'raw_logprobs' with temperature {self.temperature}: vLLM would report log-probs "
+                "before the temperature while the trainer's are after it; use processed_logprobs or temperature 1.0"
             )
         return self
 
@@ -640,12 +648,12 @@ def _loss_type_description() -> str:
         for spec in losses.LOSSES.values()
     )
     return (
-        "The policy loss, by TRL 1.16's loss_type names: a loss type registered in rl/losses.py, which also holds each "
-        "type's rules (TRL's refusals and warnings); each is checked against TRL's own _compute_loss, value and "
+        "The policy loss, by TRL 1.16's loss_type names: a loss type registered in rl/losses.py, which also holds "
+        "each type's rules (TRL's refusals and warnings); each is checked against TRL's own _compute_loss, value and "
         f"gradient, micro-batched (tests/test_trl_oracle.py). {types} Deviations from TRL: with a micro-batch smaller "
-        "than the others (the batch does not split evenly) grpo/sapo/luspo/dr_grpo average over the batch's sequences (TRL's micro-batches are all "
-        "equal); top_entropy_quantile's threshold is the whole batch's (TRL's: each micro-batch's); CISPO's bound is its "
-        "own field (TRL reuses epsilon_high for it)."
+        "than the others (the batch does not split evenly) grpo/sapo/luspo/dr_grpo average over the batch's "
+        "sequences (TRL's micro-batches are all equal); top_entropy_quantile's threshold is the whole batch's "
+        "(TRL's: each micro-batch's); CISPO's bound is its own field (TRL reuses epsilon_high for it)."
     )
 
 
@@ -694,9 +702,10 @@ class GRPOConfig(Section):
     entropy_coef: float = Field(
         0.0,
         description="Entropy bonus: the loss minus entropy_coef times the mean policy entropy of the real tokens "
-        "(those selected by top_entropy_quantile when < 1), taken per micro-batch and averaged over the micro-batches, "
-        "the same for every loss type (TRL 1.16's entropy_coef; negative = an entropy penalty). 0 = off (no gradient "
-        "through the entropy is formed). TRL's adaptive control (use_adaptive_entropy, Skywork-OR1) is not offered.",
+        "(those selected by top_entropy_quantile when < 1), taken per micro-batch and averaged over the "
+        "micro-batches, the same for every loss type (TRL 1.16's entropy_coef; negative = an entropy penalty). 0 = "
+        "off (no gradient through the entropy is formed). TRL's adaptive control (use_adaptive_entropy, Skywork-OR1) "
+        "is not offered.",
     )
     kl_beta: float = Field(0.0, ge=0, description="Weight of KL to the base (the base without LoRA is the reference).")
     log_kl_to_base: bool = Field(
@@ -759,8 +768,8 @@ class GRPOConfig(Section):
         False,
         description="DAPO: drop groups whose rewards are all equal and refill with new prompts until prompts_per_step "
         "groups are kept (or max_refill_rounds run out: then the kept ones, or the first round's when none is). With "
-        "train.nproc > 1 every round's decision is global: the ranks gather the round's rewards, keep and draw what one "
-        "process would, and split the kept groups' rows evenly, so N ranks train the batch one process does.",
+        "train.nproc > 1 every round's decision is global: the ranks gather the round's rewards, keep and draw what "
+        "one process would, and split the kept groups' rows evenly, so N ranks train the batch one process does.",
     )
     max_refill_rounds: int = Field(3, ge=0, description="Extra rollout rounds dynamic sampling may spend per step.")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
@@ -768,7 +777,8 @@ class GRPOConfig(Section):
     @field_validator("loss_type", mode="before")
     @classmethod
     def _registered_loss_type(cls, value: Any) -> str:
-        """A loss type registered in ``rl/losses.py`` (read when the config is validated, so a registered one counts)."""
+        """A loss type registered in ``rl/losses.py`` (read when the config is validated,
+        so a registered one counts)."""
         return losses.loss_spec(value).name
 
     @model_validator(mode="after")
@@ -896,8 +906,8 @@ class TrainConfig(Section):
         "auto",
         description="Decode each packed (NVFP4/NF4) base linear once per policy update and reuse it in every forward "
         "and backward of that update (quantization/policy.py decoded_weights), instead of decoding per use. auto: on "
-        "on CPU (the torch codec runs per use there), off on CUDA (the Triton kernels read the codes directly; a dense "
-        "copy of a large base would cost the memory the packed base saves). The dense base is alive during the "
+        "on CPU (the torch codec runs per use there), off on CUDA (the Triton kernels read the codes directly; a "
+        "dense copy of a large base would cost the memory the packed base saves). The dense base is alive during the "
         "update; no effect on a bf16 base.",
     )
     share_prompt_forward: bool = Field(
@@ -918,12 +928,12 @@ class TrainConfig(Section):
     nproc: int = Field(
         1,
         ge=1,
-        description="Data-parallel ranks (per node): > 1 launches torchrun (torch.distributed.run) from the train node "
-        "and follows it; gloo on CPU, NCCL on CUDA (one GPU per rank); each rank holds the base and the LoRA, owns a "
-        "rollout engine and rolls out its share of the step's prompts_per_step prompt groups (which must split "
+        description="Data-parallel ranks (per node): > 1 launches torchrun (torch.distributed.run) from the train "
+        "node and follows it; gloo on CPU, NCCL on CUDA (one GPU per rank); each rank holds the base and the LoRA, "
+        "owns a rollout engine and rolls out its share of the step's prompts_per_step prompt groups (which must split "
         "evenly; with grpo.dynamic_sampling also of each refill round's, decided for all ranks at once); gradients "
-        "are summed over the ranks; rank 0 writes MLflow, checkpoints and adapters "
-        "(rl/launch.py). The result does not depend on nproc (up to float summation order).",
+        "are summed over the ranks; rank 0 writes MLflow, checkpoints and adapters (rl/launch.py). The result does "
+        "not depend on nproc (up to float summation order).",
     )
     nnodes: int = Field(
         1, ge=1, description="Nodes of a multi-node run (the same kedro run on each, with its node_rank)."
@@ -933,16 +943,16 @@ class TrainConfig(Section):
     master_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port of a multi-node run.")
     reward_fn: str | list[str] | None = Field(
         None,
-        description="The reward, as TRL's reward_funcs. None: the math reward (math-verify accuracy + format, `reward.*`). "
-        "One import path 'package.module:function' (or 'package.module.function'): that function instead of the math "
-        "reward. A list: the weighted sum of its entries (weights: reward_weights), where 'math' names the built-in "
-        "math reward, e.g. [math, my_rewards:brevity]. A function is f(completions: list[str], golds: list[str], "
-        "samples) -> one float or dict per completion (a dict has 'reward', optional 'accuracy' and 'format', like "
-        "RewardScorer.score); samples are the rollout Samples (token ids, log-probs). Each path is imported and its "
-        "signature checked at validation, before any model loads. Every entry of a list is logged per step as "
-        "`rewards/<name>/mean` (name: 'math' or the function's __name__, as TRL's `rewards/<func>/mean`), their "
-        "weighted sum as `reward/mean`; `reward/accuracy` and `reward/format` are the math entry's (without one: the "
-        "first entry that returns them, else 0).",
+        description="The reward, as TRL's reward_funcs. None: the math reward (math-verify accuracy + format, "
+        "`reward.*`). One import path 'package.module:function' (or 'package.module.function'): that function instead "
+        "of the math reward. A list: the weighted sum of its entries (weights: reward_weights), where 'math' names "
+        "the built-in math reward, e.g. [math, my_rewards:brevity]. A function is f(completions: list[str], golds: "
+        "list[str], samples) -> one float or dict per completion (a dict has 'reward', optional 'accuracy' and "
+        "'format', like RewardScorer.score); samples are the rollout Samples (token ids, log-probs). Each path is "
+        "imported and its signature checked at validation, before any model loads. Every entry of a list is logged "
+        "per step as `rewards/<name>/mean` (name: 'math' or the function's __name__, as TRL's `rewards/<func>/mean`), "
+        "their weighted sum as `reward/mean`; `reward/accuracy` and `reward/format` are the math entry's (without "
+        "one: the first entry that returns them, else 0).",
     )
     reward_weights: list[float] | None = Field(
         None,
@@ -1038,15 +1048,16 @@ class EvaluateConfig(Section):
     model_path: str | None = Field(
         None,
         description="An exported model folder (the export pipeline's merged/ or merged_nvfp4/, or any Hugging Face "
-        "folder: dense, or compressed-tensors NVFP4) to score instead of base + adapter: the same benchmarks, problems, "
-        "samples and seeds, as the policy named after the folder (eval/<folder name>/...). The method's base and adapter "
-        "are not read (compare branches ignore it). On CPU a compressed folder is served from a dense copy decoded from its "
-        "codes (export/serve.py).",
+        "folder: dense, or compressed-tensors NVFP4) to score instead of base + adapter: the same benchmarks, "
+        "problems, samples and seeds, as the policy named after the folder (eval/<folder name>/...). The method's "
+        "base and adapter are not read (compare branches ignore it). On CPU a compressed folder is served from a "
+        "dense copy decoded from its codes (export/serve.py).",
     )
 
 
 class ExportConfig(Section):
-    """export: the trained policy as folders that transformers, PEFT, vLLM and the MLflow registry load without this project.
+    """export: the trained policy as folders that transformers, PEFT, vLLM and the MLflow registry load
+    without this project.
 
     What is written, per training (pipelines/export/pipeline.py, export/folders.py): ``adapter/`` + ``base/``
     (PEFT), ``merged/`` (dense HF), ``merged_nvfp4/`` (compressed-tensors NVFP4), ``merged_nf4/`` (qlora:
@@ -1083,8 +1094,8 @@ class ExportConfig(Section):
     in_compare: bool = Field(
         False,
         description="Export (and with evaluate: score the 4-bit merged policy of) every branch and seed of the "
-        "compare pipeline. Off by default: on CPU each export adds an engine start and an evaluation per method and seed "
-        "(and the dense folders' disk). The compare report gains the 4-bit column for the exported methods.",
+        "compare pipeline. Off by default: on CPU each export adds an engine start and an evaluation per method and "
+        "seed (and the dense folders' disk). The compare report gains the 4-bit column for the exported methods.",
     )
 
 
@@ -1108,24 +1119,25 @@ class _CompareSettings(Section):
     methods: list[Method] = Field(
         default_factory=lambda: list(COMPARE_METHODS),
         min_length=1,
-        description="Methods the compare trains, evaluates and reports, in this order. Every branch is in the pipeline "
-        "(Kedro builds it before parameters are known); the branch of a method not listed trains and evaluates "
-        "nothing: its nodes log `compare.<method>: not in compare.methods, skipped` and write a `skipped` marker "
-        "(pipelines/compare/pipeline.py). On the command line: `--params compare.methods=[lora]`, or several as one "
-        'space-separated string, `--params "compare.methods=qerl lora"` (`kedro run --params` splits on commas).',
+        description="Methods the compare trains, evaluates and reports, in this order. Every branch is in the "
+        "pipeline (Kedro builds it before parameters are known); the branch of a method not listed trains and "
+        "evaluates nothing: its nodes log `compare.<method>: not in compare.methods, skipped` and write a `skipped` "
+        "marker (pipelines/compare/pipeline.py). On the command line: `--params compare.methods=[lora]`, or several "
+        'as one space-separated string, `--params "compare.methods=qerl lora"` (`kedro run --params` splits on '
+        "commas).",
     )
     report_dir: str = Field("data/08_reporting/compare", description="Folder of the report (PNGs, CSVs, report.html).")
     seeds: list[int] = Field(
         default_factory=lambda: [0],
         min_length=1,
         description="Training seeds: every branch trains and evaluates each (run folder "
-        "`<train.output_dir>/compare/seed-<k>/<method>`, one child MLflow run per method and seed, tagged `seed`). "
-        "A seed sets train.seed (data order, dropout, torch), rollout.seed (sampling) and aqn.seed (noise draws) of "
-        "its training; the base model, the data and evaluate.seed stay as configured, so seeds differ only in the "
+        "`<train.output_dir>/compare/seed-<k>/<method>`, one child MLflow run per method and seed, tagged `seed`). A "
+        "seed sets train.seed (data order, dropout, torch), rollout.seed (sampling) and aqn.seed (noise draws) of its "
+        "training; the base model, the data and evaluate.seed stay as configured, so seeds differ only in the "
         "training's randomness. The report gives means and 95% intervals over them (evaluation/stats.py); with one "
-        "seed every claim reads 'cannot tell'. The paper reports single runs per method. `kedro run --params` splits its value on "
-        "commas, so give a list in an env's parameters.yml (conf/smoke sets [0, 1]), as one space-separated string "
-        '(`--params "compare.seeds=0 1 2"`) or in a `kedro run --config` file.',
+        "seed every claim reads 'cannot tell'. The paper reports single runs per method. `kedro run --params` splits "
+        "its value on commas, so give a list in an env's parameters.yml (conf/smoke sets [0, 1]), as one "
+        'space-separated string (`--params "compare.seeds=0 1 2"`) or in a `kedro run --config` file.',
     )
 
     @field_validator("methods", "seeds", mode="before")
@@ -1217,7 +1229,8 @@ class BenchmarkConfig(Section):
     )
     bases_dir: str = Field(
         "data/06_models/benchmark",
-        description="Where the benchmark writes (and reuses, when model and quantize settings match) its base_<format> folders.",
+        description="Where the benchmark writes (and reuses, when model and quantize settings match) its "
+        "base_<format> folders.",
     )
     report_dir: str = Field(
         "data/08_reporting/benchmark", description="Where the table (CSV, markdown, HTML) is written, atomically."
@@ -1231,12 +1244,13 @@ class PlannerConfig(Section):
         True,
         description="On a CUDA machine, refuse before any node runs the settings the memory planner (docs/planner.md) "
         "says cannot run on this GPU: a rollout.gpu_memory_utilization below what the engine needs to start (its "
-        "weights, workspace and one model.max_seq_len sequence), or trainer and engine together above the GPU, for the "
-        "methods the run trains (`method`, or a compare's `compare.methods`; evaluation alone: the engine's start). One "
-        "`Error:` line names the field, the GPU's size (CUDA's total, read through NVML before any CUDA context exists) "
-        "and the value that fits (the utilization the planner picks). false: run anyway (the engine-side terms are "
-        "estimates). Never on CPU; skipped, with a log line, where NVML cannot tell the GPU's size, with "
-        "rollout.tensor_parallel_size > 1 (the planner plans one GPU) or for a model whose shape is not known offline.",
+        "weights, workspace and one model.max_seq_len sequence), or trainer and engine together above the GPU, for "
+        "the methods the run trains (`method`, or a compare's `compare.methods`; evaluation alone: the engine's "
+        "start). One `Error:` line names the field, the GPU's size (CUDA's total, read through NVML before any CUDA "
+        "context exists) and the value that fits (the utilization the planner picks). false: run anyway (the "
+        "engine-side terms are estimates). Never on CPU; skipped, with a log line, where NVML cannot tell the GPU's "
+        "size, with rollout.tensor_parallel_size > 1 (the planner plans one GPU) or for a model whose shape is not "
+        "known offline.",
     )
 
 
@@ -1245,10 +1259,10 @@ class QerlConfig(Section):
 
     method: Method = Field(
         "qerl",
-        description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA; "
-        "lora_aqn = BF16+LoRA+AQN (not in the paper: noise without quantization, the ablation QeRL's users asked for); "
-        "mxfp4 = MXFP4+LoRA+AQN; mxfp4_noaqn = MXFP4+LoRA; fp8 = FP8 (E4M3, per-channel scales)+LoRA; any method "
-        "registered with config.register_method (METHOD_SPECS).",
+        description="qerl = NVFP4+LoRA+AQN; qerl_noaqn = NVFP4+LoRA; qlora = NF4+LoRA; lora = BF16+LoRA; lora_aqn = "
+        "BF16+LoRA+AQN (not in the paper: noise without quantization, the ablation QeRL's users asked for); mxfp4 = "
+        "MXFP4+LoRA+AQN; mxfp4_noaqn = MXFP4+LoRA; fp8 = FP8 (E4M3, per-channel scales)+LoRA; any method registered "
+        "with config.register_method (METHOD_SPECS).",
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -1270,8 +1284,9 @@ class QerlConfig(Section):
     def _format_matches_prompt(self) -> QerlConfig:
         if self.data.system_prompt is None and self.reward.format_style == "answer_line":
             raise ValueError(
-                "reward.format_style: 'answer_line' rewards a final 'The answer is N' line, but data.system_prompt is null "
-                "(the paper's prompt, which asks for <think>/<answer> tags): set reward.format_style: think_answer"
+                "reward.format_style: 'answer_line' rewards a final 'The answer is N' line, but data.system_prompt is "
+                "null (the paper's prompt, which asks for <think>/<answer> tags): set reward.format_style: "
+                "think_answer"
             )
         return self
 

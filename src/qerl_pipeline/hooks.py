@@ -368,7 +368,7 @@ class RunStatusHook:
 
             for key, value in tags.items():
                 MlflowClient().set_tag(self._run_id, key, value)
-        except Exception as err:
+        except Exception as err:  # recording the end must not hide the error
             log.warning("could not tag MLflow run %s: %s", self._run_id, err)
 
     def _at_exit(self) -> None:
@@ -390,5 +390,5 @@ class RunStatusHook:
                 mlflow.end_run(status)
             if self._run_id not in ended:  # started in another thread
                 mlflow.tracking.MlflowClient().set_terminated(self._run_id, status)
-        except Exception as err:
+        except Exception as err:  # the process is ending anyway
             log.warning("could not end MLflow run %s: %s", self._run_id, err)

@@ -105,7 +105,7 @@ def process_tree_peak_bytes(pid: int) -> int | None:
 
         for child in psutil.Process(pid).children(recursive=True):
             total += _vm_hwm(child.pid) or 0
-    except Exception:
+    except Exception:  # psutil missing or the process gone: the parent's figure stands
         pass
     return total
 

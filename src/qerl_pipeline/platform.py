@@ -80,7 +80,7 @@ def gpu_memory_bytes(environ=os.environ) -> int | None:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception:
+    except Exception:  # no nvidia-ml-py, no driver library, no GPU: NVML cannot say
         return None
     try:
         totals = [_cuda_total(pynvml, h) for h in _visible_handles(pynvml, environ.get("CUDA_VISIBLE_DEVICES"))]

@@ -279,7 +279,7 @@ def mark_ended(logger: MetricsLogger, exc: BaseException, last_step: int | None 
         logger.set_tags(tags)
         if hasattr(logger, "end"):
             logger.end(end_status(exc))
-    except Exception as err:
+    except Exception as err:  # see the docstring
         log.warning("could not record how the run ended (%s): %s", end_status(exc), err)
 
 
@@ -356,7 +356,7 @@ def _check_sqlite(uri: str, path: Path) -> None:
         if not path.is_file():
             raise TrackingStoreError(f"MLflow tracking store {uri}: {path} is not a file")
         try:
-            open(path, "r+b").close()
+            open(path, "r+b").close()  # opened for writing, nothing written
         except OSError as err:
             raise TrackingStoreError(f"MLflow tracking store {uri}: cannot write {path} ({err.strerror})") from None
     _check_folder(uri, path.parent)
@@ -490,7 +490,7 @@ class TrainingRun:
             logger.set_tags({"qerl.resumed_run_id": run_id})
             try:
                 logger.client.get_run(run_id)
-            except Exception:
+            except Exception:  # e.g. a different tracking store: keep the new run
                 log.warning("MLflow run %s of the checkpoint not found; logging to run %s", run_id, logger.run_id)
             else:
                 name_run(logger.run_id, RESUME_NAME.format(name=self.name), "resume", client=logger.client)
@@ -540,7 +540,7 @@ class TrainingRun:
             if run.client.get_run(run.run_id).info.status != "RUNNING":
                 return
             steps = [s for s, _ in run.history([REWARD_MEAN])[REWARD_MEAN]]
-        except Exception as err:
+        except Exception as err:  # must not hide exc
             log.warning("could not read MLflow run %s: %s", run.run_id, err)
             return
         mark_ended(run, exc, last_step=max(steps, default=0))

@@ -57,7 +57,7 @@ def closed_port_url() -> str:
 
 
 class _NotFound(BaseHTTPRequestHandler):
-    def do_HEAD(self) -> None:
+    def do_HEAD(self) -> None:  # http.server's name
         self.send_response(404)
         self.end_headers()
 

@@ -39,8 +39,8 @@ def update_cfg() -> QerlConfig:
             "method": "qerl",
             "lora": {"rank": 4, "alpha": 8, "train_norms": True},
             "optim": {"lr": {"qerl": 1e-2}, "warmup_steps": 0, "schedule": "constant", "max_grad_norm": 0.5},
-            # token aggregation and batch-scaled advantages need the global counts; entropy selection the global threshold;
-            # two updates per rollout: the second starts from the first's (synchronised) parameters
+            # token aggregation and batch-scaled advantages need the global counts; entropy selection the
+            # global threshold; two updates per rollout: the second starts from the first's (synchronised) parameters
             "grpo": {
                 "num_generations": 2,
                 "kl_beta": 0.05,
@@ -53,8 +53,9 @@ def update_cfg() -> QerlConfig:
                 "updates_per_rollout": 2,
             },
             "rollout": {"temperature": 0.7, "max_new_tokens": C_LEN},
-            # micro-batches of 4 rows: the same row groups in one process and on each rank, so the forwards are bit-equal
-            # and only the cross-rank sums differ (a masked ratio or an entropy at a threshold cannot flip on rounding)
+            # micro-batches of 4 rows: the same row groups in one process and on each rank, so the forwards
+            # are bit-equal and only the cross-rank sums differ (a masked ratio or an entropy at a threshold
+            # cannot flip on rounding)
             "train": {"micro_batch_size": 4, "prompts_per_step": 4},
         }
     )

@@ -45,7 +45,7 @@ def project_copy(root: Path, shared: Iterable[str] = ()) -> Path:
     (root / "src").mkdir()  # Kedro wants the source dir; the package itself is installed
     for name in ("pyproject.toml", ".kedro.yml"):
         shutil.copy(PROJECT / name, root / name)
-    for rel, src in zip(shared, files):
+    for rel, src in zip(shared, files, strict=True):
         dest = root.parent / "shared" / "data" / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, dest)

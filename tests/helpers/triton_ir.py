@@ -74,8 +74,8 @@ def ttir(launch: Launch) -> str:
 
     fn = getattr(triton_nvfp4_kernels.jit_functions(False), launch.name)
     names = list(fn.arg_names)
-    values = dict(zip(names, launch.args)) | {k: v for k, v in launch.kwargs.items() if k in names}
-    constexpr = {n for n, p in zip(names, fn.params) if p.is_constexpr}
+    values = dict(zip(names, launch.args, strict=False)) | {k: v for k, v in launch.kwargs.items() if k in names}
+    constexpr = {n for n, p in zip(names, fn.params, strict=True) if p.is_constexpr}
     signature = {n: "constexpr" if n in constexpr else _arg_type(values[n]) for n in names}
     options = {k: v for k, v in launch.kwargs.items() if k not in names}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): values[n] for n in constexpr})

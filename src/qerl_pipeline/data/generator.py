@@ -172,7 +172,8 @@ def _l2_more_than(rng, n, n2, it):
 def _l3_packs(rng, n, n2, it):
     a, b, c = rng.randint(2, 12), rng.randint(3, 12), rng.randint(1, 60)
     return (
-        f"{n} already has {c} {it}. {n} buys {a} packs of {it} with {b} {it} in each pack. How many {it} does {n} have now?",
+        f"{n} already has {c} {it}. {n} buys {a} packs of {it} with {b} {it} in each pack. How many {it} does {n} "
+        "have now?",
         a * b + c,
         (_step(f"{a} * {b}", a * b), _step(f"{a * b} + {c}", a * b + c)),
     )
@@ -192,7 +193,8 @@ def _l3_wage(rng, n, n2, it):
     a, b = rng.randint(5, 20), rng.randint(2, 9)
     c = rng.randint(1, a * b - 1)
     return (
-        f"{n} earns {a} dollars per hour and works for {b} hours. Then {n} spends {c} dollars. How many dollars does {n} have left?",
+        f"{n} earns {a} dollars per hour and works for {b} hours. Then {n} spends {c} dollars. How many dollars "
+        f"does {n} have left?",
         a * b - c,
         (_step(f"{a} * {b}", a * b), _step(f"{a * b} - {c}", a * b - c)),
     )
@@ -214,8 +216,8 @@ def _l4_pack(rng, n, n2, it):
     c = (k - (a * b) % k) % k + k * rng.randint(0, 5) or k  # at least one loose item
     total = a * b + c
     return (
-        f"{n} buys {a} boxes with {b} {it} in each box and {c} loose {it}. {n} packs all the {it} equally into {k} bags. "
-        f"How many {it} go in each bag?",
+        f"{n} buys {a} boxes with {b} {it} in each box and {c} loose {it}. {n} packs all the {it} equally into {k} "
+        f"bags. How many {it} go in each bag?",
         total // k,
         (_step(f"{a} * {b}", a * b), _step(f"{a * b} + {c}", total), _step(f"{total} / {k}", total // k)),
     )
@@ -251,8 +253,8 @@ def _l5_savings(rng, n, n2, it):
     b = saved % k + k * rng.randint(1, max(1, saved // (2 * k)))
     rest = saved - b
     return (
-        f"{n} saves {a} dollars every week for {w} weeks. {n} spends {b} dollars on a bike and splits the rest equally "
-        f"among {k} people. How many dollars does each person get?",
+        f"{n} saves {a} dollars every week for {w} weeks. {n} spends {b} dollars on a bike and splits the rest "
+        f"equally among {k} people. How many dollars does each person get?",
         rest // k,
         (_step(f"{a} * {w}", saved), _step(f"{saved} - {b}", rest), _step(f"{rest} / {k}", rest // k)),
     )
@@ -264,8 +266,8 @@ def _l5_orchard(rng, n, n2, it):
     lost = rng.randint(1, trees - 1)
     left = trees - lost
     return (
-        f"An orchard has {r} rows with {t} trees in each row. A storm destroys {lost} trees. Each remaining tree gives "
-        f"{f} {it}. How many {it} does the orchard give?",
+        f"An orchard has {r} rows with {t} trees in each row. A storm destroys {lost} trees. Each remaining tree "
+        f"gives {f} {it}. How many {it} does the orchard give?",
         left * f,
         (_step(f"{r} * {t}", trees), _step(f"{trees} - {lost}", left), _step(f"{left} * {f}", left * f)),
     )

@@ -157,7 +157,7 @@ def read_raw(name: str, cfg: SourceConfig) -> tuple[list[dict[str, Any]], str]:
                 rows.extend({**row, "level": level} for row in part)
             return rows, f"hub:{cfg.hub_id}/level_{'_'.join(map(str, sorted(set(cfg.levels))))}:{cfg.split}"
         rows = load_hub_rows(cfg.hub_id, cfg.hub_config, cfg.split)
-    except Exception as err:
+    except Exception as err:  # offline, unknown id, missing config: all mean "unavailable"
         raise SourceUnavailable(
             f"source {name!r}: {where}, and loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) "
             f"{hub_failure(err)} (a local copy: set data.sources.{name}.local_path to a folder with "
@@ -271,7 +271,7 @@ def load_source(name: str, cfg: SourceConfig, seed: int) -> tuple[list[dict[str,
     kind = source_kind(name, cfg)
     rows = [normalise_row(kind, name, cfg.split, i, row) for i, row in enumerate(raw)]
     if origin.startswith("local:"):  # a bad row is named by its file and 1-based line too (its id counts rows from 0)
-        for row, raw_row in zip(rows, raw):
+        for row, raw_row in zip(rows, raw, strict=True):
             row["where"] = f"{origin.removeprefix('local:')} line {raw_row['__line__']}"
     rows = finish_rows(name, rows, cfg.levels, seed)
     log.info("source %s: %d rows from %s (kind %s)", name, len(rows), origin, kind)
@@ -279,7 +279,8 @@ def load_source(name: str, cfg: SourceConfig, seed: int) -> tuple[list[dict[str,
 
 
 def finish_rows(name: str, rows: list[dict[str, Any]], levels: list[int] | None, seed: int) -> list[dict[str, Any]]:
-    """Normalised rows with duplicate ids flagged (``<id>#dupN``, an ``error``), kept to ``levels``, shuffled by seed."""
+    """Normalised rows with duplicate ids flagged (``<id>#dupN``, an ``error``), kept to ``levels``,
+    shuffled by seed."""
     seen: dict[str, int] = {}
     for row in rows:
         count = seen.get(row["id"], 0)

@@ -120,7 +120,7 @@ def read_user_rows(cfg: UserSetConfig) -> tuple[list[dict[str, Any]], str, str]:
     if kind is None:
         try:
             rows = load_hub_rows(cfg.hub_id, cfg.hub_config, cfg.split)
-        except Exception as err:
+        except Exception as err:  # offline, unknown id, missing split: all mean "unavailable"
             raise SourceUnavailable(
                 f"loading {cfg.hub_id} (config {cfg.hub_config}, split {cfg.split}) {hub_failure(err)} (save it with "
                 "datasets' save_to_disk where the Hub is reachable and give that folder as path)"
@@ -193,7 +193,8 @@ def check_columns(field: str, cfg: UserSetConfig, have: list[str] | None = None)
 
 # -------------------------------------------------------------------- normalising
 def _messages(value: Any) -> list[dict[str, str]]:
-    """A chat-format prompt: a list of ``{role, content}`` (a JSON string in a CSV cell) ending with the user's turn."""
+    """A chat-format prompt: a list of ``{role, content}`` (a JSON string in a CSV cell)
+    ending with the user's turn."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -247,7 +248,8 @@ def read_gold(value: Any, form: str) -> str | None:
 
 
 def normalise_user_row(name: str, cfg: UserSetConfig, row: dict[str, Any], where: str, unit: str) -> dict[str, Any]:
-    """One raw row -> ``{id, question, gold, level, where, answer_form}`` (+ ``messages``, + ``error``: module docstring)."""
+    """One raw row -> ``{id, question, gold, level, where, answer_form}`` (+ ``messages``, + ``error``:
+    module docstring)."""
     n = row.get("__line__")
     raw_id = row.get(cfg.id) if cfg.id else None
     rid = f"{name}-{raw_id}" if raw_id is not None and str(raw_id).strip() else f"{name}-{unit}{n}"

@@ -409,9 +409,8 @@ def evaluate_policies(
     t0 = time.perf_counter()
     started = engine is None and open_engine(served, mc, rollout=rollout_cfg, lora_rank=rank, seed=cfg.seed)
     with started or nullcontext(engine) as engine, RewardScorer(reward_cfg) as scorer:
-        total.timings["engine_start_s"] = (
-            engine.start_seconds if started else 0.0
-        )  # 0: a shared engine, started before
+        # 0: a shared engine, started before
+        total.timings["engine_start_s"] = engine.start_seconds if started else 0.0
         total.tags = served_tags(served, engine)
         log.info(
             "evaluate: serving %s as %s (%s)", served.path, served.served_format, total.tags["rollout.served_dtype"]
@@ -498,6 +497,6 @@ def logged_evaluation(run_id: str, key: str) -> EvalResult | None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             path = client.download_artifacts(run_id, RESULT_ARTIFACT, tmp)
-        except Exception:
+        except Exception:  # no stored result: evaluate again
             return None
         return EvalResult.from_dict(json.loads(Path(path).read_text()))

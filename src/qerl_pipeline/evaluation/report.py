@@ -53,8 +53,10 @@ REPORT_FILES = (
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 h1{font-size:1.6em} h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;font-size:.9em;margin:.6em 0} th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}
-th{background:#f4f4f4} td:first-child,th:first-child{text-align:left} img{max-width:100%} .note{color:#666;font-size:.85em}
+table{border-collapse:collapse;font-size:.9em;margin:.6em 0}
+th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}
+th{background:#f4f4f4} td:first-child,th:first-child{text-align:left} img{max-width:100%}
+.note{color:#666;font-size:.85em}
 """
 
 
@@ -86,7 +88,8 @@ def render_html(
         for c in found
     )
     parts = [
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         f"<p class='note'>Methods: {html.escape(', '.join(method_label(m) for m in groups))}; seeds per method: "
         f"{html.escape(', '.join(map(str, seeds)))}. "
@@ -117,12 +120,13 @@ def render_html(
         parts += [
             "<h2>Deployed in 4 bits: the exported merged policy quantized again to NVFP4 (merged_nvfp4), pass@1</h2>",
             tbl(deployed),
-            "<h3>What deploying in 4 bits costs: merged_nvfp4 minus the trained policy, paired by seed and problem</h3>",
+            "<h3>What deploying in 4 bits costs: merged_nvfp4 minus the trained policy, paired by seed and "
+            "problem</h3>",
             tbl(paired_frame(runs, DEPLOYED_4BIT)),
-            "<p class='note'>Exported methods only ('-' where a method was not exported). The difference is paired: the "
-            "same seed's policy on the same problem, as trained (base + adapter) and merged then quantized to NVFP4; its "
-            "interval is the crossed two-way estimate over seeds and problems (one seed: Student's t over the "
-            "problems), see stats.paired_difference.</p>",
+            "<p class='note'>Exported methods only ('-' where a method was not exported). The difference is paired: "
+            "the same seed's policy on the same problem, as trained (base + adapter) and merged then quantized to "
+            "NVFP4; its interval is the crossed two-way estimate over seeds and problems (one seed: Student's t over "
+            "the problems), see stats.paired_difference.</p>",
         ]
     parts += [
         "<p class='note'>Cells: mean over seeds and problems [95% interval over seeds and problems (crossed two-way "

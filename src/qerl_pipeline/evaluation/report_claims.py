@@ -147,7 +147,8 @@ def claims(runs: Sequence[RunData], methods: Sequence[str] | None = None) -> lis
 
 def claims_frame(found: Sequence[stats.Claim]) -> pd.DataFrame:
     """One row per claim: id, statement, verdict, difference with its interval, seeds, the sentence, and for a
-    "cannot tell" claim the seeds it would need (``seeds_needed``: a number or empty; ``seeds_needed_note``: the words)."""
+    "cannot tell" claim the seeds it would need (``seeds_needed``: a number or empty; ``seeds_needed_note``:
+    the words)."""
     rows = [
         {
             "claim": c.id,

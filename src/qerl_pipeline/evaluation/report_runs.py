@@ -175,7 +175,7 @@ def _artifact_records(client: MlflowClient, run_id: str, artifact: str) -> list[
         try:
             path = client.download_artifacts(run_id, artifact, tmp)
             data = json.loads(Path(path).read_text())
-        except Exception:
+        except Exception:  # not logged (a metrics-only run)
             return None
     if isinstance(data, dict) and isinstance(data.get("records"), list):
         return data["records"]
@@ -224,11 +224,12 @@ def load_runs(
     """One row per method from the runs of ``experiment`` (by name), in ``methods`` order.
 
     ``group``: the newest run tagged ``GROUP_TAG = group`` (one compare invocation) per
-    method and seed (rows in ``methods`` order, seeds ascending); ``run_ids``: exactly those runs. Neither: runs of separate ``kedro run``s, where
-    training and evaluation are different MLflow runs: the newest run with training curves
-    is paired with the newest run with ``eval/trained/...`` metrics (one run when it has
-    both, as compare's runs do); the evaluation run's ``eval/`` and ``base/`` metrics are
-    merged in and its id kept in ``RunData.eval_run_id``.
+    method and seed (rows in ``methods`` order, seeds ascending); ``run_ids``: exactly
+    those runs. Neither: runs of separate ``kedro run``s, where training and evaluation
+    are different MLflow runs: the newest run with training curves is paired with the
+    newest run with ``eval/trained/...`` metrics (one run when it has both, as compare's
+    runs do); the evaluation run's ``eval/`` and ``base/`` metrics are merged in and its
+    id kept in ``RunData.eval_run_id``.
 
     Runs tagged ``ROLE_TAG = compare`` (the compare pipeline's own run) are never method
     rows. With ``require_all`` a method without a run raises an error naming it and what the
@@ -280,7 +281,8 @@ def load_runs(
 
 
 def _merge_eval(data: RunData, evaluated, client: MlflowClient | None = None) -> RunData:
-    """Take the ``eval/`` and ``base/`` metrics (and, with ``client``, the records) of a separate evaluation run into ``data``."""
+    """Take the ``eval/`` and ``base/`` metrics (and, with ``client``, the records)
+    of a separate evaluation run into ``data``."""
     data.metrics.update({k: v for k, v in evaluated.data.metrics.items() if k.startswith(("eval/", "base/"))})
     data.eval_run_id = evaluated.info.run_id
     if client is not None:

@@ -183,7 +183,8 @@ def accuracy_summary(runs: Sequence[RunData]) -> pd.DataFrame:
 
 
 def accuracy_table(runs: Sequence[RunData], policy: str = "trained", metric: str = "pass1") -> pd.DataFrame:
-    """Wide table for reading: benchmarks as rows, methods as columns, ``mean [95% CI]`` cells (over seeds and problems)."""
+    """Wide table for reading: benchmarks as rows, methods as columns,
+    ``mean [95% CI]`` cells (over seeds and problems)."""
     frame = accuracy_summary(runs)
     frame = frame[frame["policy"] == policy]
     benchmarks = list(dict.fromkeys(frame["benchmark"]))

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 
 def flatten_prompts(eval_prompts: dict[str, list[dict[str, Any]]] | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """data_prep's ``{source: [records]}`` (the ``eval_prompts`` dataset) as one list; the dict key is the benchmark name."""
+    """data_prep's ``{source: [records]}`` (the ``eval_prompts`` dataset) as one list;
+    the dict key is the benchmark name."""
     if isinstance(eval_prompts, list):
         return list(eval_prompts)
     out = []

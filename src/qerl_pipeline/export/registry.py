@@ -81,7 +81,8 @@ def register_export(
     folder: Path, run_id: str, name: str, tags: dict[str, Any], *, log_weights: bool = True
 ) -> dict[str, Any]:
     """Log the model folder ``folder`` (an export's ``merged/``) into run ``run_id`` under ``export/model-<time>``
-    and register a version of ``name`` from it with ``tags``; returns ``{"name", "version", "model_uri", "source"}``."""
+    and register a version of ``name`` from it with ``tags``; returns
+    ``{"name", "version", "model_uri", "source"}``."""
     from datetime import datetime, timezone
 
     from mlflow.exceptions import MlflowException
@@ -132,5 +133,5 @@ def training_fingerprint(run_id: str | None) -> dict[str, Any] | None:
         try:
             path = MlflowClient().download_artifacts(run_id, "quantize/fingerprint.json", tmp)
             return json.loads(Path(path).read_text())
-        except Exception:
+        except Exception:  # another store, or a run without it: the caller warns
             return None

@@ -27,7 +27,8 @@ def _util(u: float | None) -> str:
 
 
 def rows(p: Plan, pick: float | None = None) -> list[tuple[str, str]]:
-    """(component, GiB or value) rows of a plan (``pick``: the utilization the planner picks for it), in table order."""
+    """(component, GiB or value) rows of a plan (``pick``: the utilization the planner picks for it),
+    in table order."""
     g = lambda n: f"{n / GIB:.2f}"  # noqa: E731
     t, a, e = p.trainer, p.activations, p.engine
     return [
@@ -60,7 +61,8 @@ def rows(p: Plan, pick: float | None = None) -> list[tuple[str, str]]:
 
 
 def render(plans: list[Plan], picks: list[float | None], title: str = "", together: str = "") -> None:
-    """Print plans side by side (one column per plan) with rich, then ``together`` (the range and pick for them all)."""
+    """Print plans side by side (one column per plan) with rich,
+    then ``together`` (the range and pick for them all)."""
     table = Table(title=title or None)
     table.add_column("component (GiB)")
     for p in plans:
@@ -82,9 +84,10 @@ def markdown(plans: list[Plan], picks: list[float | None]) -> str:
     docs/planner.md."""
     g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
     head = (
-        "| model | method | grad. ckpt / sleep / empty cache | base linears | emb + head + norms | LoRA + grads + AdamW | activations (mb x L) "
-        "| engine weights + LoRA | engine workspace | engine reserved (util) | KV held / needed | rollout / update phase "
-        "| fits | largest micro-batch | concurrent rollouts | util: min to start / max to fit / picked |"
+        "| model | method | grad. ckpt / sleep / empty cache | base linears | emb + head + norms "
+        "| LoRA + grads + AdamW | activations (mb x L) | engine weights + LoRA | engine workspace "
+        "| engine reserved (util) | KV held / needed | rollout / update phase | fits | largest micro-batch "
+        "| concurrent rollouts | util: min to start / max to fit / picked |"
     )
     sep = "|---|---|---|" + "---:|" * 12 + "---|"
     out = [head, sep]
@@ -95,7 +98,8 @@ def markdown(plans: list[Plan], picks: list[float | None]) -> str:
                 [
                     f"| {p.model.split('/')[-1]}",
                     f"{p.method} ({p.fmt})",
-                    f"{'on' if p.gradient_checkpointing else 'off'} / {'on' if p.sleep else 'off'} / {'yes' if p.empty_cache else 'no'}",
+                    f"{'on' if p.gradient_checkpointing else 'off'} / {'on' if p.sleep else 'off'} / "
+                    f"{'yes' if p.empty_cache else 'no'}",
                     g(t["base_linears"]),
                     g(t["embeddings"] + t["lm_head"] + t["norms"] + t["biases"] + t["rotary"]),
                     g(t["lora"] + t["grads"] + t["optimizer"]),

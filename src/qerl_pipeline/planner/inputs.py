@@ -2,10 +2,10 @@
 
 ``load_config`` asks Kedro's own ``OmegaConfigLoader`` for the parameters (``load_parameters``: the
 tree itself), built with the arguments ``settings.py`` gives it for ``kedro run``
-(``config.CONFIG_LOADER_ARGS``), and reads ``--params`` as ``kedro run`` does. The shape comes from a local ``config.json`` (``model.name`` a folder,
-or ``--model-config``), the random smoke model's ``model.random_init``, or a built-in preset of
-the published configs (``--model-preset``, or the preset whose Hub id is ``model.name``); the
-Hugging Face Hub is never asked.
+(``config.CONFIG_LOADER_ARGS``), and reads ``--params`` as ``kedro run`` does. The shape comes from
+a local ``config.json`` (``model.name`` a folder, or ``--model-config``), the random smoke model's
+``model.random_init``, or a built-in preset of the published configs (``--model-preset``, or the
+preset whose Hub id is ``model.name``); the Hugging Face Hub is never asked.
 """
 
 from __future__ import annotations

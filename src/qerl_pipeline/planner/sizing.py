@@ -367,7 +367,8 @@ def activation_bytes(
     layer = lora + 2 * norm_full + attn + mlp
     layer0 = layer - norm_full + norm_first
     rotary = 2 * c * L * d
-    # the head: its norm, its input, targets and mask, and rl/logprobs.py's per-token max and log-sum (and entropy for an entropy bonus)
+    # the head: its norm, its input, targets and mask, and rl/logprobs.py's per-token max and log-sum (and entropy for
+    # an entropy bonus)
     head = norm_full + c * P * h + 16 * P + 8 * b + (3 if cfg.grpo.entropy_coef != 0 else 2) * f * P
     n_l = shape.num_hidden_layers
     if cfg.lora.gradient_checkpointing:

@@ -154,7 +154,7 @@ def write_safetensors(
     flush(final=True)
     n = len(files)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for part, final in zip(files, names):
+    for part, final in zip(files, names, strict=True):
         os.replace(out_dir / part, out_dir / final)
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in weight_map.items()}}

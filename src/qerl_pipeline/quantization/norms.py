@@ -128,8 +128,8 @@ def check_noise_precision(cfg, compute_dtype: torch.dtype) -> None:
     if bad:
         dtype = str(compute_dtype).removeprefix("torch.")
         raise ConfigError(
-            f"invalid parameters:\n  model.norm_dtype: 'model' stores the RMSNorm weights in {dtype}, which rounds away "
-            f"the AQN noise (more than {SIGMA_TOLERANCE:.0%} off) at "
+            f"invalid parameters:\n  model.norm_dtype: 'model' stores the RMSNorm weights in {dtype}, which rounds "
+            f"away the AQN noise (more than {SIGMA_TOLERANCE:.0%} off) at "
             + "; ".join(bad)
             + ". Set model.norm_dtype: float32 (norm weights in fp32 in the trainer and vLLM), model.dtype: float32, "
             "or a larger aqn.sigma_end"

@@ -47,16 +47,17 @@ write and deterministic given its inputs, so it is written once and reused:
   or one made by hand, is served as it is).
 
 Verification (``quantize.verify``). The sizes catch a truncated or missing file; the hashes
-catch damage at the same size (a garbled safetensors header, garbled weights that would
-train to NaN). Hashing reads the whole base once per reuse at about 1 GB/s (0.5-2 GB/s by
-CPU): a 135M-parameter model's NVFP4 base with its ``serving/`` copy is a few hundred MB, well
-under a second; a 7B one's ~10 GB, about ten seconds (``sizes`` skips it). ``requantize``
-(default): a damaged base is re-quantized, the log naming the file; ``fail``: ``BaseDamaged``
-names it and nothing is written (``quantize.force`` still re-quantizes). A ``serving/`` copy
-with its own stamp is checked the same way; a damaged one is removed under ``requantize`` (it
-is decoded again from the base on its next use) and named by ``BaseDamaged`` under ``fail``. A stamp written before hashes were
-recorded (file sizes only) cannot prove its content, so under ``requantize`` and ``fail`` such a
-base is re-quantized once (the log says so); ``sizes`` reuses it by its sizes.
+catch damage at the same size (a garbled safetensors header, garbled weights that would train to
+NaN). Hashing reads the whole base once per reuse at about 1 GB/s (0.5-2 GB/s by CPU): a
+135M-parameter model's NVFP4 base with its ``serving/`` copy is a few hundred MB, well under a
+second; a 7B one's ~10 GB, about ten seconds (``sizes`` skips it). ``requantize`` (default): a
+damaged base is re-quantized, the log naming the file; ``fail``: ``BaseDamaged`` names it and
+nothing is written (``quantize.force`` still re-quantizes). A ``serving/`` copy with its own
+stamp is checked the same way; a damaged one is removed under ``requantize`` (it is decoded
+again from the base on its next use) and named by ``BaseDamaged`` under ``fail``. A stamp
+written before hashes were recorded (file sizes only) cannot prove its content, so under
+``requantize`` and ``fail`` such a base is re-quantized once (the log says so); ``sizes`` reuses
+it by its sizes.
 """
 
 from __future__ import annotations
@@ -317,8 +318,8 @@ def check_base(
         files = record["files"]
         if qcfg.verify != "sizes" and all(isinstance(v, int) for v in files.values()):
             why = (
-                f"its stamp records no content hashes (written before bases were hashed; quantize.verify={qcfg.verify} "
-                "re-quantizes it once, quantize.verify=sizes reuses it by its sizes)"
+                "its stamp records no content hashes (written before bases were hashed; "
+                f"quantize.verify={qcfg.verify} re-quantizes it once, quantize.verify=sizes reuses it by its sizes)"
             )
         elif (damage := _damage(Path(folder), files, qcfg.verify)) is not None:
             why = f"damaged folder: {damage}"

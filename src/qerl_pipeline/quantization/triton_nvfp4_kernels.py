@@ -11,14 +11,14 @@ from memory, exactly as ``nvfp4.NVFP4Weight`` holds them:
 * ``_fused_dx_kernel``: ``dx[M, in] = g[M, out] @ W`` (the input gradient; the base is
   frozen, so there is no weight gradient).
 
-The fused kernels decode one ``[BN, BK]`` tile of W in registers, cast it to the
-activation dtype (the same value ``decode(W, dtype)`` gives) and feed it to ``tl.dot`` with
-a float32 accumulator. The global scale is read from its device tensor: no host
-synchronisation. Every address offset is computed in 64-bit integers: Triton passes Python ints
-below 2^31 as int32, and a row index times a row stride overflows int32 once a tensor has
-more than 2^31 elements (at 7B's 18,944-wide MLP, about 113k tokens). ``in_features`` must be a multiple of 16 (NVFP4 requires it anyway); the
-launcher picks a K block that divides it, so no K masking is needed. Rows (tokens,
-outputs) are masked, so any token count and any ``out_features`` work.
+The fused kernels decode one ``[BN, BK]`` tile of W in registers, cast it to the activation
+dtype (the same value ``decode(W, dtype)`` gives) and feed it to ``tl.dot`` with a float32
+accumulator. The global scale is read from its device tensor: no host synchronisation. Every
+address offset is computed in 64-bit integers: Triton passes Python ints below 2^31 as int32,
+and a row index times a row stride overflows int32 once a tensor has more than 2^31 elements
+(at 7B's 18,944-wide MLP, about 113k tokens). ``in_features`` must be a multiple of 16 (NVFP4
+requires it anyway); the launcher picks a K block that divides it, so no K masking is needed.
+Rows (tokens, outputs) are masked, so any token count and any ``out_features`` work.
 
 ``jit_functions(interpret)`` gives the set for the compiler or for Triton's interpreter
 (``interpreted(t)`` says which a tensor needs). The launchers, the per-shape tuning and the

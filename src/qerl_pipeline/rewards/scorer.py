@@ -60,7 +60,7 @@ def _worker_loop() -> None:
         req = json.loads(line)
         try:
             out = score_accuracy(req["c"], req["g"], req["tag"], req["plain"])
-        except Exception as err:
+        except Exception as err:  # a scoring error is accuracy 0, reported
             out = {
                 "accuracy": 0.0,
                 "extracted": None,
@@ -172,7 +172,7 @@ class RewardScorer:
             acc = self._run([str(c) for c in completions], [str(g) for g in golds])
             self.rejections.update(a["rejected"] for a in acc if a.get("rejected"))
         out = []
-        for completion, a in zip(completions, acc):
+        for completion, a in zip(completions, acc, strict=True):
             fmt = format_reward(str(completion), self.cfg.format_reward, self.cfg.format_style)
             out.append(
                 {

@@ -284,7 +284,7 @@ def _read(path: Path, **kwargs: Any) -> Any:
     """``torch.load`` of a checkpoint file to the CPU; any failure becomes ``CheckpointDamaged`` naming the file."""
     try:
         return torch.load(path, map_location="cpu", **kwargs)
-    except Exception as err:
+    except Exception as err:  # zip, unpickling and I/O errors name no file
         first = (str(err).strip().splitlines() or [""])[0]
         raise CheckpointDamaged(f"{path}: cannot be read ({type(err).__name__}: {first})") from err
 

@@ -147,11 +147,8 @@ def collect(
     global_view = gc.dynamic_sampling and d.active  # every rank sees every group's rewards
     mine: dict[tuple, list] = {}  # key (round, position in the round) -> a group of samples this rank rolled out
     owner: dict[tuple, int] = {}  # key -> the rank that rolled it out
-    seen, kept, sampled = (
-        [],
-        [],
-        [],
-    )  # (key, prompt, reward rows) of the groups in view, of the kept ones; my reward rows
+    # (key, prompt, reward rows) of the groups in view, of the kept ones; my reward rows
+    seen, kept, sampled = [], [], []
     seconds = tokens = reward_s = 0.0
     rounds, zero_std, need, first = 0, None, want, 0
     while True:
@@ -177,7 +174,7 @@ def collect(
         if not gc.dynamic_sampling:
             kept = view
             break
-        kept += [v for v, k in zip(view, grpo.dynamic_sampling_keep(r, g).tolist()) if k]
+        kept += [v for v, k in zip(view, grpo.dynamic_sampling_keep(r, g).tolist(), strict=True) if k]
         need = want - len(kept)
         if need <= 0 or rounds > gc.max_refill_rounds:
             break
@@ -220,7 +217,7 @@ def _roll_out(engine, scorer, prompts: list[PromptItem], seeds: list[int], cfg: 
     if gc.overlong.enabled:
         lengths = torch.tensor([len(s.completion_ids) for s in flat])
         pen = grpo.overlong_penalty(lengths, rc.max_new_tokens, gc.overlong.buffer_tokens, gc.overlong.penalty)
-        for x, p in zip(scored, pen.tolist()):
+        for x, p in zip(scored, pen.tolist(), strict=True):
             x["overlong"] = p
             x["reward"] = x["reward"] + p
     rows = [scored[j * g : (j + 1) * g] for j in range(len(prompts))]

@@ -212,7 +212,8 @@ def is_weights(
     cap: float | None = 2.0,
     lower: float | None = None,
 ) -> tuple[torch.Tensor | None, ISStats | None]:
-    """Importance weights ``[N, T]`` (detached) for ``mode`` (``IS_MODES``) and their ``ISStats``; ``(None, None)`` for none.
+    """Importance weights ``[N, T]`` (detached) for ``mode`` (``IS_MODES``) and their ``ISStats``;
+    ``(None, None)`` for none.
 
     ``old_logp``/``rollout_logp``/``mask``: ``[N, T]``; padding (mask 0) never enters a ratio.
     ``cap``/``lower``: the upper / lower bound (None: that side unbounded).

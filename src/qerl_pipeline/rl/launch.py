@@ -204,9 +204,8 @@ def _worker(payload_path: str) -> int:
     p = json.loads(Path(payload_path).read_text())
     cfg = QerlConfig.model_validate(p["config"])
     d = init(current_platform())
-    logging.basicConfig(
-        level=logging.INFO, format=f"rank {d.rank}: %(levelname)s %(name)s: %(message)s", force=True
-    )  # no brackets: rich markup
+    # no brackets: rich markup
+    logging.basicConfig(level=logging.INFO, format=f"rank {d.rank}: %(levelname)s %(name)s: %(message)s", force=True)
     tr = p.get("tracking")
     reporting = Reporting(dataset_name=p.get("dataset_name"), data_report=p.get("data_report"), progress=False)
     if d.is_main and tr:  # rank 0 logs into the launching process's run; the other ranks in memory

@@ -32,12 +32,12 @@ so the memory bound below holds there unchanged. ``keep_bytes=0`` always recompu
 kept and recomputed gradients are the same up to float rounding: the kept softmax comes from
 the forward's log-softmax, the recomputed one from the saved max and log-sum.
 
-Memory bound (``keep_bytes=0``; otherwise plus at most ``keep_bytes``). Besides the inputs and the outputs (``[rows]`` each), the extra memory is
-O(chunk_tokens x V): about two fp32 ``[chunk_tokens, V]`` tensors at a time (plus one
-``[chunk_tokens, V]`` in the matmul dtype when it is not fp32), in forward and in backward;
-with a weight that requires grad, one fp32 ``[V, H]`` accumulator too. Nothing
-proportional to ``rows x V`` is saved for backward. The price is one extra lm_head matmul
-(the recompute in backward).
+Memory bound (``keep_bytes=0``; otherwise plus at most ``keep_bytes``). Besides the inputs
+and the outputs (``[rows]`` each), the extra memory is O(chunk_tokens x V): about two fp32
+``[chunk_tokens, V]`` tensors at a time (plus one ``[chunk_tokens, V]`` in the matmul dtype
+when it is not fp32), in forward and in backward; with a weight that requires grad, one
+fp32 ``[V, H]`` accumulator too. Nothing proportional to ``rows x V`` is saved for
+backward. The price is one extra lm_head matmul (the recompute in backward).
 
 What differs from the naive computation: float rounding only. The matmul runs in the
 inputs' dtype, as ``lm_head`` does (so bf16 logits are rounded to bf16 exactly as in
@@ -108,9 +108,8 @@ class _TokenLogprobs(torch.autograd.Function):
                 budget -= p.numel() * p.element_size()
             zmax[s:e], logsum[s:e] = m.squeeze(1), ls.squeeze(1)
             del z, p
-        ctx.save_for_backward(
-            hidden, weight, bias, targets, zmax, logsum, entropy if entropy_grad else None
-        )  # the planner counts it only then
+        # the planner counts it only then
+        ctx.save_for_backward(hidden, weight, bias, targets, zmax, logsum, entropy if entropy_grad else None)
         ctx.temperature = temperature
         ctx.chunk = chunk
         ctx.kept = kept
@@ -211,9 +210,10 @@ def token_logprobs(
     ``bias`` ``[V]``): the lm_head. Returns ``(logp, entropy)``, both shaped like
     ``targets``, in fp32 (fp64 for fp64 inputs). ``logp`` is differentiable w.r.t.
     ``hidden``, and w.r.t. ``weight``/``bias`` when they require grad; ``entropy`` is
-    detached unless ``entropy_grad`` (then differentiable the same way). Positions are processed ``chunk_tokens`` rows at a time, so the extra
-    memory is O(chunk_tokens x V), plus up to ``keep_bytes`` of softmax chunks kept for
-    backward instead of recomputed (see the module docstring).
+    detached unless ``entropy_grad`` (then differentiable the same way). Positions are
+    processed ``chunk_tokens`` rows at a time, so the extra memory is
+    O(chunk_tokens x V), plus up to ``keep_bytes`` of softmax chunks kept for backward
+    instead of recomputed (see the module docstring).
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: leading shapes differ")

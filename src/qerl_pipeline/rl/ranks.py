@@ -85,7 +85,7 @@ class Dist:
         torch.distributed.all_reduce(flat)
         anyone = (flat[-len(params) :] > 0).tolist()
         offset = 0
-        for p, part, has in zip(params, parts, anyone):
+        for p, part, has in zip(params, parts, anyone, strict=True):
             n = part.numel()
             summed = flat[offset : offset + n].view_as(p)
             if p.grad is not None:
@@ -99,7 +99,8 @@ SINGLE = Dist()
 
 
 def from_env(env: dict[str, str] | None = None) -> Dist:
-    """The ``Dist`` torchrun's variables describe (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); one process without them."""
+    """The ``Dist`` torchrun's variables describe (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``);
+    one process without them."""
     env = os.environ if env is None else env
     world = int(env.get("WORLD_SIZE", "1"))
     if world <= 1:

@@ -140,9 +140,8 @@ def setup(
     check_noise_precision(cfg, dtype)  # before any model loads
     limit_heap_fragmentation()  # glibc keeps freed activations otherwise (qerl_pipeline.memory)
     served = served_model(base_dir, METHOD_FORMAT[cfg.method], platform=platform)
-    sync = resolve_sync(
-        rc.sync, served, rc.tensor_parallel_size
-    )  # adapter | merge, before any model loads (rollout/serving.py)
+    # adapter | merge, before any model loads (rollout/serving.py)
+    sync = resolve_sync(rc.sync, served, rc.tensor_parallel_size)
     policy = build_policy(
         base_dir,
         METHOD_FORMAT[cfg.method],

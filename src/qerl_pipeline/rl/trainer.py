@@ -30,8 +30,8 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
    between vLLM's and the trainer's log-probs are logged under ``mismatch/``. Options of the
    loss (``rl/grpo.py``): GSPO's sequence-level ratio (``grpo.importance_sampling_level``),
    the KL's bias correction, entropy-based token selection (``grpo.top_entropy_quantile``). With ``kl_beta > 0``
-   (or ``log_kl_to_base``, on every ``log_kl_to_base_every``-th step) the reference log-probs are the clean base's: the same model
-   with the adapter disabled, no noise, and the base's norm values (no second model).
+   (or ``log_kl_to_base``, on every ``log_kl_to_base_every``-th step) the reference log-probs are the clean base's:
+   the same model with the adapter disabled, no noise, and the base's norm values (no second model).
    What the engine serves (``rollout/serving.py``: FP4 on CUDA, the decoded dense copy on
    CPU) and in which dtype is tagged on the run (``rollout.served_format``/``_dtype``).
 5. The adapter is saved to a new step folder (the engine loads it under a new LoRA id);
@@ -326,8 +326,9 @@ def open_run(cfg: QerlConfig, output_dir: str | Path | None, reporting: Reportin
     stored = ckpt.peek_state(latest) if latest is not None else {}
     if latest is not None and int(stored.get("world_size", 1)) != d.world_size:
         raise ValueError(
-            f"{latest} was written by a training on {stored.get('world_size', 1)} rank(s); this run has {d.world_size} "
-            f"(train.nproc x train.nnodes): resume it with the same number of ranks, or start anew with train.resume=false"
+            f"{latest} was written by a training on {stored.get('world_size', 1)} rank(s); this run has "
+            f"{d.world_size} (train.nproc x train.nnodes): resume it with the same number of ranks, or start anew "
+            "with train.resume=false"
         )
     logger = reporting.make_logger(stored.get("run_id"))
     return RunFolder(run_dir, latest, stored, moved_aside, logger, getattr(logger, "run_id", None))
@@ -474,7 +475,7 @@ def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:
     try:
         write_atomic(path, figure_png(plot_training(history, method)))
         logger.log_artifact(path, artifact_path="plots")
-    except Exception as exc:
+    except Exception as exc:  # a plot must never fail a finished training
         log.warning("could not draw the training curves: %s", exc)
 
 

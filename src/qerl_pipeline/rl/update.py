@@ -253,8 +253,9 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
                 )
                 if not torch.isfinite(loss):
                     raise TrainingDiverged(
-                        f"non-finite loss ({float(loss.detach())}) at step {step + 1} (update {u + 1}, micro-batch {k + 1}); "
-                        f"training stopped before the optimizer update, the newest checkpoint is the last good state"
+                        f"non-finite loss ({float(loss.detach())}) at step {step + 1} (update {u + 1}, micro-batch "
+                        f"{k + 1}); training stopped before the optimizer update, the newest checkpoint is the last "
+                        "good state"
                     )
                 loss.backward()  # inside the context: saved tensors alias the noisy norm storage
                 total += float(loss.detach())
@@ -268,7 +269,8 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
         gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
         if not torch.isfinite(gn):
             raise TrainingDiverged(
-                f"non-finite gradient norm at step {step + 1} (update {u + 1}); training stopped before the optimizer update"
+                f"non-finite gradient norm at step {step + 1} (update {u + 1}); training stopped before the "
+                "optimizer update"
             )
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()  # clean norms are back: their update sticks
@@ -280,7 +282,7 @@ def _policy_update(policy, opt: Optim, batch: Batch, cfg: QerlConfig, step: int,
             torch.tensor([clip_sum, clip_low, clip_high, *stats_acc.values()], dtype=torch.float64)
         ).tolist()
         clip_sum, clip_low, clip_high = sums[:3]
-        stats_acc = dict(zip(stats_acc, sums[3:]))
+        stats_acc = dict(zip(stats_acc, sums[3:], strict=True))
         is_parts = [p for parts in d.all_gather_object(is_parts) for p in parts]
     return UpdateStats(
         lr=lr,

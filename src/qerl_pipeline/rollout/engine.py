@@ -275,7 +275,7 @@ class RolloutEngine:
         def _accept() -> None:
             try:
                 accepted["conn"] = listener.accept()
-            except BaseException as exc:
+            except BaseException as exc:  # reported below
                 accepted["error"] = exc
 
         thread = threading.Thread(target=_accept, daemon=True)
@@ -372,7 +372,7 @@ class RolloutEngine:
                 except psutil.Error:
                     pass
             return float(total)
-        except Exception:
+        except Exception:  # psutil missing or the process gone
             return None
 
     def alive(self) -> bool:
@@ -450,7 +450,8 @@ class RolloutEngine:
             raise ValueError(f"seed: {len(seed)} seeds for {len(prompts)} prompts")
         if n < 1 or max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(
-                f"bad sampling settings: n={n}, max_new_tokens={max_new_tokens}, temperature={temperature}, top_p={top_p}"
+                f"bad sampling settings: n={n}, max_new_tokens={max_new_tokens}, temperature={temperature}, "
+                f"top_p={top_p}"
             )
         path = version = None
         if lora_path is not None:

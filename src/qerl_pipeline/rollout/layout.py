@@ -39,8 +39,8 @@ def tensor_parallel_args(rollout: Any, platform: str) -> dict[str, Any]:
         return {}
     if platform != "cuda":
         raise ValueError(
-            f"rollout.tensor_parallel_size {size}: tensor parallel engines are CUDA only; on {platform} the vLLM engine "
-            "runs in one process on the host (set rollout.tensor_parallel_size: 1)"
+            f"rollout.tensor_parallel_size {size}: tensor parallel engines are CUDA only; on {platform} the vLLM "
+            "engine runs in one process on the host (set rollout.tensor_parallel_size: 1)"
         )
     return {"tensor_parallel_size": size}
 
@@ -89,9 +89,9 @@ def engine_plan(
         cuda      shared    any    t    rank 0 only      0 .. t-1            rank 0: yes; others: no engine
 
     ``colocated`` on CUDA means the engine and this rank's update share a GPU, so sleeping the
-    engine during the update frees memory the update can use (``rollout/sleep.py``). With ``shared``, rank 0 sleeps the engine for every rank
-    whose GPU it spans; the ranks must wait for it (a barrier after ``before_update``) before
-    their own updates allocate.
+    engine during the update frees memory the update can use (``rollout/sleep.py``). With
+    ``shared``, rank 0 sleeps the engine for every rank whose GPU it spans; the ranks must
+    wait for it (a barrier after ``before_update``) before their own updates allocate.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of world_size {world_size}: expected 0 <= rank < world_size >= 1")
@@ -110,9 +110,9 @@ def engine_plan(
     if mode == "per_rank":
         if world_size > 1 and t > 1:
             raise ValueError(
-                f"rollout.engines per_rank with rollout.tensor_parallel_size {t} and {world_size} training ranks: rank "
-                f"{rank}'s engine would span GPUs other ranks train on; use tensor_parallel_size: 1 (one engine per rank; "
-                f"a shared engine over {t} GPUs is not built yet for more than one rank)"
+                f"rollout.engines per_rank with rollout.tensor_parallel_size {t} and {world_size} training ranks: "
+                f"rank {rank}'s engine would span GPUs other ranks train on; use tensor_parallel_size: 1 (one engine "
+                f"per rank; a shared engine over {t} GPUs is not built yet for more than one rank)"
             )
         devices = tuple(range(local * t, local * t + t))
     else:

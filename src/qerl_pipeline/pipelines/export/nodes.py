@@ -190,7 +190,8 @@ def evaluate_exports(
 
 
 def _accuracy_tags(records: list[dict[str, Any]], seed: Any) -> dict[str, float]:
-    """``eval/<policy>/<benchmark>/pass1`` of ``trained`` and ``merged_nvfp4`` for one seed (a model version's tags)."""
+    """``eval/<policy>/<benchmark>/pass1`` of ``trained`` and ``merged_nvfp4`` for one seed
+    (a model version's tags)."""
     out = {}
     for policy in (TRAINED, QUANTIZED):
         for row in seed_rows(records, seed, policy):

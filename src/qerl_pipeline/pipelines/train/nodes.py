@@ -86,7 +86,8 @@ def train_policy(
 
 
 def dataset_name(cfg: QerlConfig) -> str:
-    """What the training set is called in MLflow and the summary: ``data.train_source``, for ``file`` the path or Hub id."""
+    """What the training set is called in MLflow and the summary: ``data.train_source``,
+    for ``file`` the path or Hub id."""
     user = cfg.data.train_file
     return (user.path or user.hub_id) if cfg.data.train_source == "file" and user else cfg.data.train_source
 
@@ -127,6 +128,7 @@ def _train_seed(
     if cfg.train.nproc * cfg.train.nnodes > 1:
         if parent:  # hooks.cross_field_errors refuses it before any node; this for callers outside Kedro
             raise ValueError(cfg.train.compare_ranks_error())
+        # the ranks read train.reward_fn from cfg
         result = launch(
             cfg,
             base_dir,
@@ -134,7 +136,7 @@ def _train_seed(
             tracking=run.launch_spec(),
             dataset_name=dataset_name(cfg),
             data_report=data_report,
-        )  # the ranks read train.reward_fn from cfg
+        )
         run.adopt(result.run_id)
     else:
         output_dir = engine_factory = None

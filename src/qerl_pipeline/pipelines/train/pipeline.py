@@ -51,9 +51,8 @@ def training_nodes(in_compare: bool = False) -> Pipeline:
         "method": "params:method",
         **{s: f"params:{s}" for s in SECTIONS},
     }
-    if (
-        in_compare
-    ):  # one training per seed of compare.seeds, in the compare run, if compare.methods has it (train/nodes.py)
+    # one training per seed of compare.seeds, in the compare run, if compare.methods has it (train/nodes.py)
+    if in_compare:
         inputs["compare_group"] = "compare_group"
         inputs["seeds"] = SEEDS_PARAM
         inputs["methods"] = METHODS_PARAM

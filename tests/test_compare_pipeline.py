@@ -354,9 +354,16 @@ def test_one_branch_alone_reuses_its_training_and_evaluation(compared):
     root = compared["root"]
     proc = run_kedro(root, *ARGS, "--namespaces=compare.qlora", timeout=600)
     ran = re.findall(r"Running node: ([\w.]+)", proc.stdout)
-    assert ran and all(
-        n.startswith("compare.qlora.") or n in {"train_policy", "evaluate_policies", "evaluation_outputs"} for n in ran
-    ), ran
+    branch = {
+        "train_policy",
+        "evaluate_policies",
+        "evaluation_outputs",
+        "export_policy",
+        "evaluate_export",
+        "report_export",
+    }
+    assert ran and all(n.startswith("compare.qlora.") or n in branch for n in ran), ran
+    assert "compare.qlora: export.in_compare is off, not exported" in proc.stdout  # the export nodes did nothing
     assert len(re.findall(rf"qlora: already trained to step {SMOKE_STEPS} in .* reusing it", proc.stdout)) == len(
         SEEDS
     )

@@ -130,3 +130,22 @@ def test_kedro_viz_graph(tmp_path):
             ns for n in tasks if n["name"] == kind for ns in (n.get("modular_pipelines") or []) if ns.count(".") == 1
         )
         assert spaces == sorted(f"compare.{m}" for m in METHODS), (kind, spaces)
+
+
+def test_kedro_validates_every_pipelines_parameters_without_a_warning(caplog):
+    """Kedro's parameter validator reads every registered pipeline's ``params:`` inputs at each run start
+    (kedro-mlflow reads the parameters before the run picks its pipeline) and warns once per union-typed one it
+    cannot validate: no node takes a ``params:`` input typed as a union (the run's log has no WARNING)."""
+    import logging
+
+    from kedro.framework.project import configure_project, pipelines
+    from kedro.validation.type_extractor import TypeExtractor
+
+    configure_project("qerl_pipeline")
+    logger, handler = logging.getLogger("kedro.validation.type_extractor"), caplog.handler  # Kedro's loggers
+    logger.addHandler(handler)  # may not propagate (its logging config), so caplog's handler listens on it directly
+    try:
+        TypeExtractor(dict(pipelines)).extract_types_from_pipelines()
+    finally:
+        logger.removeHandler(handler)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -72,8 +72,10 @@ def run_evaluation(
     rollout: dict[str, Any],
     data: dict[str, Any] | None = None,
     compare_group: dict | None = None,
-    seeds: list[int] | str | None = None,
-    methods: list[str] | str | None = None,
+    # the raw compare.seeds / compare.methods (a list or the space-separated string; config.compare_branch reads
+    # them): typed Any, as Kedro's parameter validator warns at every run start on a union-typed params: input
+    seeds: Any = None,
+    methods: Any = None,
 ) -> dict[str, Any]:
     """Evaluate ``trained`` (base + the adapter of ``method``, per seed in a compare branch) and ``base``.
 

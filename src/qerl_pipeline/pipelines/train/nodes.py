@@ -49,8 +49,10 @@ def train_policy(
     method: str,
     data_report: dict | None = None,
     compare_group: dict | None = None,
-    seeds: list[int] | str | None = None,
-    methods: list[str] | str | None = None,
+    # the raw compare.seeds / compare.methods (a list or the space-separated string; config.compare_branch reads
+    # them): typed Any, as Kedro's parameter validator warns at every run start on a union-typed params: input
+    seeds: Any = None,
+    methods: Any = None,
     **sections: dict,
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """Train ``method`` on ``train_prompts`` over the base folder, once per seed (module docstring).

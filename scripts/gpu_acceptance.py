@@ -250,7 +250,7 @@ def count_kernels(counts: dict):
 
 def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtype: torch.dtype, b: dict) -> dict:
     """Build the policy of ``base_dir`` and run two real ``policy_update`` calls; the figures of the second."""
-    from qerl_pipeline import tracking
+    from qerl_pipeline import metric_names
     from qerl_pipeline.adapter import trained_norms
     from qerl_pipeline.memory import peak_memory_bytes
     from qerl_pipeline.quantization import aqn, triton_nvfp4
@@ -297,7 +297,7 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
         runs.append(
             {
                 "seconds": seconds,
-                "loss": float(out[tracking.LOSS]),
+                "loss": float(out[metric_names.LOSS]),
                 "peak": peak,
                 "resident": resident,
                 "counts": counts,
@@ -325,7 +325,7 @@ def one_update(base_dir: Path, fmt: str, method: str, device: torch.device, dtyp
         "triton_used": any(k.endswith("_triton") and v for k, v in counts.items()),
         "kernel_mode": triton_nvfp4.kernel_mode(),
         "auto_decisions": triton_nvfp4.DISPATCHER.summary(),
-        "grad_norm": float(out.get(tracking.GRAD_NORM, float("nan"))),
+        "grad_norm": float(out.get(metric_names.GRAD_NORM, float("nan"))),
     }
     del policy, opt, sched, params, lora, start, norm_params
     if device.type == "cuda":

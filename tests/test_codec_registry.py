@@ -266,6 +266,7 @@ def test_the_planner_takes_the_bytes_of_each_codec(toy, fmt, tmp_path):
     """The planner's packed base linears == what the policy holds, for every quantizing format (toy6 included)."""
     from qerl_pipeline.config import LoraConfig
     from qerl_pipeline.planner import sizing
+    from qerl_pipeline.planner.model_shape import ModelShape
     from qerl_pipeline.quantization.policy import build_policy, parameter_bytes
 
     model = _tiny_llama()
@@ -275,7 +276,7 @@ def test_the_planner_takes_the_bytes_of_each_codec(toy, fmt, tmp_path):
     policy = build_policy(
         tmp_path / fmt, fmt, LoraConfig(rank=4, alpha=8, target_modules=TARGETS), dtype=torch.float32
     )
-    planned = sizing.weight_bytes(cfg, sizing.ModelShape.from_config(model.config))["base_linears"]
+    planned = sizing.weight_bytes(cfg, ModelShape.from_config(model.config))["base_linears"]
     assert planned == parameter_bytes(policy)["packed_base"] > 0
 
 

@@ -515,12 +515,13 @@ def test_the_planner_counts_the_kernel_check_at_the_micro_batch(monkeypatch):
     outweighs the torch decode of one linear; the planner counts it, and its largest micro-batch shrinks."""
     from qerl_pipeline.planner import sizing
     from qerl_pipeline.planner.inputs import load_config
+    from qerl_pipeline.planner.model_shape import ModelShape
     from qerl_pipeline.quantization import triton_nvfp4 as tn
     from qerl_pipeline.quantization.nvfp4 import DECODE_BYTES_PER_WEIGHT
 
     conf = ROOT / "conf"
     cfg = load_config(env="paper_gsm8k_7b", params="method=qerl", conf_dir=conf)
-    shape = sizing.ModelShape(
+    shape = ModelShape(
         name="qwen2.5-7b",
         hidden_size=HIDDEN_7B,
         num_hidden_layers=28,

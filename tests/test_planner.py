@@ -20,6 +20,7 @@ import torch
 
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.planner import cli, inputs, sizing
+from qerl_pipeline.planner.model_shape import ModelShape
 from qerl_pipeline.quantization import checkpoint
 from qerl_pipeline.quantization.policy import PackedLinear, build_policy
 from qerl_pipeline.rl.update import completion_logprobs
@@ -53,7 +54,7 @@ def bases(tmp_path_factory):
     out = {}
     for kind in ("llama", "qwen2"):
         model = _tiny(kind)
-        shape = sizing.ModelShape.from_config(model.config)
+        shape = ModelShape.from_config(model.config)
         for fmt in ("nvfp4", "nf4", "bf16"):
             folder = root / f"{kind}_{fmt}"
             checkpoint.write_base(model, None, fmt, folder, settings={"nf4_blocksize": NF4_BLOCK})

@@ -312,6 +312,7 @@ def test_training_flops_count_the_shared_prompt_once():
 
 def test_planner_counts_what_the_head_keeps():
     from qerl_pipeline.planner import sizing as planner
+    from qerl_pipeline.planner.model_shape import ModelShape
     from qerl_pipeline.rl import logprobs
 
     assert (
@@ -319,7 +320,7 @@ def test_planner_counts_what_the_head_keeps():
         and planner.HEAD_CHUNK == logprobs.DEFAULT_CHUNK_TOKENS
     )
     cfg = QerlConfig.model_validate({"method": "qerl"})
-    small = planner.ModelShape.from_config(
+    small = ModelShape.from_config(
         {
             "hidden_size": 64,
             "intermediate_size": 96,
@@ -331,7 +332,7 @@ def test_planner_counts_what_the_head_keeps():
     )
     # 2 rows x 100 completion positions = 200 rows of 1000 fp32 probabilities: all kept
     assert planner.activation_bytes(cfg, small, 2, 200, 100)["kept_softmax"] == 200 * 1000 * 4
-    big = planner.ModelShape.from_config(
+    big = ModelShape.from_config(
         {
             "hidden_size": 64,
             "intermediate_size": 96,

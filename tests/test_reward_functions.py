@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names
 from qerl_pipeline.config import ConfigError, QerlConfig, TrainConfig, validate
 from qerl_pipeline.rewards.functions import FunctionScorer, WeightedScorer, make_scorer, reward_component_metrics
 from qerl_pipeline.rewards.scorer import RewardScorer
@@ -126,7 +126,7 @@ def test_weighted_sum_of_math_and_user_rewards():
     assert set(metrics) == {
         f"rewards/{n}/{s}" for n in ("math", "letter_fraction", "brevity") for s in ("mean", "std")
     }
-    assert metrics[tracking.reward_component("brevity")] == pytest.approx(sum(short) / 3)
+    assert metrics[metric_names.reward_component("brevity")] == pytest.approx(sum(short) / 3)
     assert metrics["rewards/math/mean"] == pytest.approx(sum(m["reward"] for m in math_rows) / 3)
 
 

@@ -28,7 +28,7 @@ from kedro.config import OmegaConfigLoader
 from kedro.pipeline import Node, Pipeline
 from mlflow.tracking import MlflowClient
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names, tracking
 from qerl_pipeline.config import validate
 from qerl_pipeline.hooks import (
     ParameterError,
@@ -68,8 +68,8 @@ def test_a_failed_training_run_is_failed_with_the_error_and_its_last_step(sqlite
     parent = MlflowLogger(experiment="t")
     run = TrainingRun("train qerl · random · seed 0", "qerl", {}, parent=parent.run_id, tags={"seed": "0"})
     branch = run.logger(None)  # a compare branch's own run
-    branch.log_metrics({tracking.REWARD_MEAN: 0.1}, step=1)
-    branch.log_metrics({tracking.REWARD_MEAN: 0.2}, step=2)
+    branch.log_metrics({metric_names.REWARD_MEAN: 0.1}, step=1)
+    branch.log_metrics({metric_names.REWARD_MEAN: 0.2}, step=2)
     run.fail(ValueError("lora.rank 1024 exceeds vLLM's largest max_lora_rank (512)\nmore detail"))
     got = MlflowClient().get_run(branch.run_id)
     assert got.info.status == "FAILED"
@@ -84,7 +84,7 @@ def test_a_failed_training_run_is_failed_with_the_error_and_its_last_step(sqlite
 def test_a_killed_run_resumed_runs_again_and_finishes_with_its_earlier_end_kept(sqlite_store):
     client = MlflowClient()
     original = MlflowLogger(experiment="t")  # the killed kedro run's training run
-    original.log_metrics({tracking.REWARD_MEAN: 0.5}, step=2)
+    original.log_metrics({metric_names.REWARD_MEAN: 0.5}, step=2)
     tracking.mark_ended(original, tracking.Interrupted("SIGINT"), last_step=2)
     mlflow.end_run("KILLED")
     got = client.get_run(original.run_id)

@@ -1,9 +1,9 @@
 """The records a training step passes between its parts (``rl/records.py``).
 
-* Every metric a training writes is named in ``tracking.py`` (one place for metric names): a
+* Every metric a training writes is named in ``metric_names.py`` (one place for metric names): a
   real ``trainer.train`` on the fake engine, with every option that adds metrics on (engine
   sleep, importance sampling, entropy selection, the KL reference, overlong shaping, DAPO's
-  refill, a weighted reward list), logs no name ``tracking.py`` does not declare.
+  refill, a weighted reward list), logs no name ``metric_names.py`` does not declare.
 * ``UpdateStats`` read as a mapping is its metrics, the statistics not computed left out.
 * ``RolloutStats``: the shares of two ranks join into what one process holding both has, and
   each rank's advantages are its rows of the global batch's.
@@ -16,14 +16,14 @@ import re
 import pytest
 import torch
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names
 from qerl_pipeline.config import QerlConfig
 from qerl_pipeline.rl import grpo
 from qerl_pipeline.rl.records import Batch, Rollout, RolloutStats, UpdateStats
 from qerl_pipeline.rollout.engine import Sample
 
-#: what tracking.py declares: its string constants, and those with ``{...}`` fields as patterns
-DECLARED = {v for k, v in vars(tracking).items() if k.isupper() and isinstance(v, str)}
+#: what metric_names.py declares: its string constants, and those with ``{...}`` fields as patterns
+DECLARED = {v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)}
 PATTERNS = [re.compile(re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(v)) + "$") for v in DECLARED if "{" in v]
 
 
@@ -94,21 +94,21 @@ def trained(tiny_model_dir, tmp_path_factory):
     return logger
 
 
-def test_every_metric_a_training_writes_is_named_in_tracking(trained):
+def test_every_metric_a_training_writes_is_named_in_metric_names(trained):
     names = set(trained.metrics)
     # the options are on: their metrics are there (a check that cannot pass on a run that logs few names)
     for want in (
-        tracking.SLEEP_TIME_S,
-        tracking.IS_RATIO_MAX,
-        tracking.SELECTED_TOKEN_FRACTION,
-        tracking.KL_TO_BASE,
-        tracking.REWARD_OVERLONG,
-        tracking.GROUPS_REFILL_ROUNDS,
-        tracking.reward_component("letter_fraction"),
-        tracking.AQN_SIGMA_EFFECTIVE,
-        tracking.LEARNING_RATE,
-        tracking.TOTAL_TIME_S,
-        tracking.WORLD_SIZE,
+        metric_names.SLEEP_TIME_S,
+        metric_names.IS_RATIO_MAX,
+        metric_names.SELECTED_TOKEN_FRACTION,
+        metric_names.KL_TO_BASE,
+        metric_names.REWARD_OVERLONG,
+        metric_names.GROUPS_REFILL_ROUNDS,
+        metric_names.reward_component("letter_fraction"),
+        metric_names.AQN_SIGMA_EFFECTIVE,
+        metric_names.LEARNING_RATE,
+        metric_names.TOTAL_TIME_S,
+        metric_names.WORLD_SIZE,
     ):
         assert want in names, want
     # quantize/<name>: the base's quantize report as it was stored (its own names; none for this bf16 base)
@@ -133,11 +133,11 @@ def test_update_stats_read_as_their_metrics():
     )
     assert dict(full) == full.metrics() and len(full) == 17
     assert (
-        full[tracking.LOSS] == 0.5
-        and full[tracking.IS_RATIO_MAX] == 2.0
-        and full[tracking.IS_MASKED_FRACTION] == 1 / 3
+        full[metric_names.LOSS] == 0.5
+        and full[metric_names.IS_RATIO_MAX] == 2.0
+        and full[metric_names.IS_MASKED_FRACTION] == 1 / 3
     )
-    assert {**full}[tracking.ENTROPY_THRESHOLD] == 0.9
+    assert {**full}[metric_names.ENTROPY_THRESHOLD] == 0.9
     bare = UpdateStats(
         lr=1e-3,
         loss=0.5,
@@ -149,14 +149,14 @@ def test_update_stats_read_as_their_metrics():
         mismatch_kl=0.0,
     )
     assert set(bare) == {
-        tracking.LEARNING_RATE,
-        tracking.LOSS,
-        tracking.GRAD_NORM,
-        tracking.POLICY_ENTROPY,
-        tracking.CLIP_FRACTION,
-        tracking.CLIP_LOW_FRACTION,
-        tracking.CLIP_HIGH_FRACTION,
-        tracking.MISMATCH_KL,
+        metric_names.LEARNING_RATE,
+        metric_names.LOSS,
+        metric_names.GRAD_NORM,
+        metric_names.POLICY_ENTROPY,
+        metric_names.CLIP_FRACTION,
+        metric_names.CLIP_LOW_FRACTION,
+        metric_names.CLIP_HIGH_FRACTION,
+        metric_names.MISMATCH_KL,
     }
 
 
@@ -187,8 +187,8 @@ def test_two_ranks_shares_join_as_one_process_and_split_the_advantages_back():
     for field in ("rewards", "lengths", "truncated", "seconds", "tokens", "sampled_groups", "kept_groups"):
         assert getattr(joined, field) == getattr(one, field), field
     assert joined.metrics() == one.metrics()
-    assert joined.metrics()[tracking.ROLLOUT_TOKENS_PER_S] == 6.0  # 18 tokens over the slowest rank's 3 s
-    assert joined.metrics()[tracking.TRUNCATED_FRACTION] == 0.5
+    assert joined.metrics()[metric_names.ROLLOUT_TOKENS_PER_S] == 6.0  # 18 tokens over the slowest rank's 3 s
+    assert joined.metrics()[metric_names.TRUNCATED_FRACTION] == 0.5
     cfg = QerlConfig.model_validate({"grpo": {"num_generations": 2, "advantage_scale": "batch"}}).grpo
     whole = one.advantages(cfg, 0)
     assert torch.equal(torch.cat([joined.advantages(cfg, 0), joined.advantages(cfg, 1)]), whole)

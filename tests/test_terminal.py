@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names
 from qerl_pipeline.config import ConfigError, QerlConfig, validate
 from qerl_pipeline.hooks import WHERE, ParameterError, ValidateConfigHook, config_error_message, section_keys
 from qerl_pipeline.terminal import TrainProgress
@@ -135,7 +135,11 @@ def test_the_training_progress_line_is_whole_at_80_columns(total, steps, tokens_
     bar = TrainProgress(total, total - steps, console=console, get_time=lambda: next(clock))
     for _ in range(steps - 1):
         bar.advance(
-            {tracking.REWARD_MEAN: -0.123, tracking.REWARD_ACCURACY: 0.22, tracking.ROLLOUT_TOKENS_PER_S: tokens_per_s}
+            {
+                metric_names.REWARD_MEAN: -0.123,
+                metric_names.REWARD_ACCURACY: 0.22,
+                metric_names.ROLLOUT_TOKENS_PER_S: tokens_per_s,
+            }
         )
     bar.close()
     line = out.getvalue().rstrip("\n")

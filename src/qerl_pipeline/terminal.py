@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names
 
 #: The progress bar's width in characters: the line's numbers then fit 80 columns (``TrainProgress``).
 BAR_WIDTH = 10
@@ -57,8 +57,8 @@ class TrainProgress:
     def advance(self, metrics: dict[str, float]) -> None:
         """One step done, with its metrics (the trainer's names)."""
         info = (
-            f"reward {metrics[tracking.REWARD_MEAN]:.3f} acc {metrics[tracking.REWARD_ACCURACY]:.2f} "
-            f"{metrics[tracking.ROLLOUT_TOKENS_PER_S]:.0f} tok/s"
+            f"reward {metrics[metric_names.REWARD_MEAN]:.3f} acc {metrics[metric_names.REWARD_ACCURACY]:.2f} "
+            f"{metrics[metric_names.ROLLOUT_TOKENS_PER_S]:.0f} tok/s"
         )
         self.progress.update(self.task, advance=1, info=info)
 

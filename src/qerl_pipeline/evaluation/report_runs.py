@@ -43,28 +43,28 @@ from mlflow.tracking import MlflowClient
 
 #: GROUP_TAG groups the runs of one compare invocation (value: the compare run's id); runs with
 #: ROLE_TAG = compare (the compare pipeline's own run) are never method rows.
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names
 from qerl_pipeline.config import METHODS
 from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG
 
 #: Per-step training curves: key -> (title, the metric the trainer writes).
 CURVES: dict[str, tuple[str, str]] = {
-    "reward": ("Reward (mean over rollouts)", tracking.REWARD_MEAN),
-    "entropy": ("Policy entropy (nats/token)", tracking.POLICY_ENTROPY),
-    "accuracy": ("Training accuracy", tracking.REWARD_ACCURACY),
-    "sigma": ("AQN sigma", tracking.AQN_SIGMA),
-    "format": ("Format reward", tracking.REWARD_FORMAT),
-    "length": ("Completion length (tokens)", tracking.COMPLETION_LENGTH),
-    "stage": ("AQN stage", tracking.AQN_STAGE),
+    "reward": ("Reward (mean over rollouts)", metric_names.REWARD_MEAN),
+    "entropy": ("Policy entropy (nats/token)", metric_names.POLICY_ENTROPY),
+    "accuracy": ("Training accuracy", metric_names.REWARD_ACCURACY),
+    "sigma": ("AQN sigma", metric_names.AQN_SIGMA),
+    "format": ("Format reward", metric_names.REWARD_FORMAT),
+    "length": ("Completion length (tokens)", metric_names.COMPLETION_LENGTH),
+    "stage": ("AQN stage", metric_names.AQN_STAGE),
 }
 
 #: System numbers: key -> (title, the metric, reduction over steps).
 SYSTEM: dict[str, tuple[str, str, str]] = {
-    "rollout_tokens_per_s": ("Rollout tokens/s", tracking.ROLLOUT_TOKENS_PER_S, "mean"),
-    "step_time_s": ("Step time (s)", tracking.STEP_TIME_S, "mean"),
-    "peak_memory_gib": ("Peak memory (GiB)", tracking.PEAK_MEMORY_GB, "max"),
-    "weight_mib": ("Base weight size (MiB)", tracking.BASE_WEIGHT_MIB, "last"),
-    "linear_bytes_ratio": ("Linear weight bytes / BF16", tracking.LINEAR_BYTES_RATIO, "last"),
+    "rollout_tokens_per_s": ("Rollout tokens/s", metric_names.ROLLOUT_TOKENS_PER_S, "mean"),
+    "step_time_s": ("Step time (s)", metric_names.STEP_TIME_S, "mean"),
+    "peak_memory_gib": ("Peak memory (GiB)", metric_names.PEAK_MEMORY_GB, "max"),
+    "weight_mib": ("Base weight size (MiB)", metric_names.BASE_WEIGHT_MIB, "last"),
+    "linear_bytes_ratio": ("Linear weight bytes / BF16", metric_names.LINEAR_BYTES_RATIO, "last"),
 }
 
 EVAL_METRIC = re.compile(r"^eval/(?P<policy>[^/]+)/(?P<benchmark>[^/]+)/(?P<name>[^/]+)$")

@@ -34,10 +34,11 @@ from qerl_pipeline.evaluation.evaluator import (
     logged_evaluation,
 )
 from qerl_pipeline.evaluation.metrics import aggregate
+from qerl_pipeline.metric_names import BASE_WEIGHT_MIB
 from qerl_pipeline.quantization.checkpoint import folder_bytes
 from qerl_pipeline.rollout.pool import shared_engine
 from qerl_pipeline.rollout.serving import served_model
-from qerl_pipeline.tracking import BASE_WEIGHT_MIB, MlflowLogger
+from qerl_pipeline.tracking import MlflowLogger
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import math
 
 from qerl_pipeline.config import METHODS, QerlConfig, validate
-from qerl_pipeline.planner.sizing import GIB, ModelShape, Plan, plan
+from qerl_pipeline.planner.model_shape import ModelShape
+from qerl_pipeline.planner.sizing import GIB, Plan, plan
 
 #: The grid the planner picks a utilization on.
 STEP = 0.05

@@ -19,7 +19,7 @@ from kedro.config import OmegaConfigLoader
 from omegaconf import OmegaConf
 
 from qerl_pipeline.config import CONFIG_LOADER_ARGS, QerlConfig, validate
-from qerl_pipeline.planner.sizing import ModelShape
+from qerl_pipeline.planner.model_shape import ModelShape
 
 
 def parse_params(text: str | None) -> dict[str, Any]:

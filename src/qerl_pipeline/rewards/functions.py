@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from qerl_pipeline.config import MATH_REWARD, QerlConfig, load_reward_fn
+from qerl_pipeline.metric_names import reward_component
 from qerl_pipeline.rewards.scorer import RewardScorer
-from qerl_pipeline.tracking import reward_component
 
 RewardFn = Callable[[list[str], list[str], list], list[dict]]
 

@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names
 from qerl_pipeline.rl import losses
 
 
@@ -196,11 +196,11 @@ class ISStats:
             return {}
         r = self.ratios.double()
         return {
-            tracking.IS_RATIO_MIN: float(r.min()),
-            tracking.IS_RATIO_MEAN: float(r.mean()),
-            tracking.IS_RATIO_MAX: float(r.max()),
-            tracking.IS_MASKED_FRACTION: self.masked / n,
-            tracking.IS_CLIPPED_FRACTION: self.clipped / n,
+            metric_names.IS_RATIO_MIN: float(r.min()),
+            metric_names.IS_RATIO_MEAN: float(r.mean()),
+            metric_names.IS_RATIO_MAX: float(r.max()),
+            metric_names.IS_MASKED_FRACTION: self.masked / n,
+            metric_names.IS_CLIPPED_FRACTION: self.clipped / n,
         }
 
 

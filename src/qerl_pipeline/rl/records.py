@@ -5,7 +5,7 @@ One step (``rl/trainer.py``) is: ``collect`` (``rl/collect.py``) returns this ra
 and the advantages over the global batch; ``Batch.of`` turns this rank's samples and advantages
 into the tensors ``policy_update`` (``rl/update.py``) trains on, which returns its ``UpdateStats``;
 ``StepStats`` holds the step's whole account. Each statistics record names its fields as metrics
-in ``metrics()``, under the names ``tracking.py`` declares (one place for every metric name).
+in ``metrics()``, under the names ``metric_names.py`` declares (one place for every metric name).
 
 Reward rows stay the scorer's dicts (``reward``, ``accuracy``, ``format``, with ``overlong`` under
 DAPO's shaping and ``rewards`` per entry of a weighted reward: ``rewards/functions.py``), the
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names
 from qerl_pipeline.rewards.functions import reward_component_metrics
 from qerl_pipeline.rl import grpo
 from qerl_pipeline.rollout.engine import Sample
@@ -157,24 +157,24 @@ class RolloutStats:
     def metrics(self) -> dict[str, float]:
         r, sampled, kept = self.reward_tensor(), self.sampled, self.rewards
         return {
-            tracking.REWARD_MEAN: mean(x["reward"] for x in sampled),
-            tracking.REWARD_ACCURACY: mean(x["accuracy"] for x in sampled),
-            tracking.REWARD_FORMAT: mean(x["format"] for x in sampled),
-            tracking.TRAIN_ACCURACY: mean(x["accuracy"] for x in sampled),
-            tracking.REWARD_KEPT_MEAN: float(r.mean()),
-            tracking.REWARD_STD: float(r.std(unbiased=False)),
-            tracking.REWARD_KEPT_ACCURACY: mean(x["accuracy"] for x in kept),
-            tracking.REWARD_KEPT_FORMAT: mean(x["format"] for x in kept),
-            tracking.GROUPS_SAMPLED: self.sampled_groups,
-            tracking.GROUPS_KEPT: self.kept_groups,
-            tracking.REWARD_OVERLONG: mean(x.get("overlong", 0.0) for x in kept),
-            tracking.COMPLETION_LENGTH: float(torch.tensor(self.lengths).float().mean()),
-            tracking.TRUNCATED_FRACTION: float(torch.tensor(self.truncated, dtype=torch.bool).float().mean()),
-            tracking.GROUPS_ZERO_STD_FRACTION: self.zero_std_fraction,
-            tracking.GROUPS_REFILL_ROUNDS: self.rounds - 1,
-            tracking.ROLLOUT_TOKENS_PER_S: self.tokens_per_s,
-            tracking.ROLLOUT_TIME_S: self.seconds,
-            tracking.REWARD_TIME_S: self.reward_s,
+            metric_names.REWARD_MEAN: mean(x["reward"] for x in sampled),
+            metric_names.REWARD_ACCURACY: mean(x["accuracy"] for x in sampled),
+            metric_names.REWARD_FORMAT: mean(x["format"] for x in sampled),
+            metric_names.TRAIN_ACCURACY: mean(x["accuracy"] for x in sampled),
+            metric_names.REWARD_KEPT_MEAN: float(r.mean()),
+            metric_names.REWARD_STD: float(r.std(unbiased=False)),
+            metric_names.REWARD_KEPT_ACCURACY: mean(x["accuracy"] for x in kept),
+            metric_names.REWARD_KEPT_FORMAT: mean(x["format"] for x in kept),
+            metric_names.GROUPS_SAMPLED: self.sampled_groups,
+            metric_names.GROUPS_KEPT: self.kept_groups,
+            metric_names.REWARD_OVERLONG: mean(x.get("overlong", 0.0) for x in kept),
+            metric_names.COMPLETION_LENGTH: float(torch.tensor(self.lengths).float().mean()),
+            metric_names.TRUNCATED_FRACTION: float(torch.tensor(self.truncated, dtype=torch.bool).float().mean()),
+            metric_names.GROUPS_ZERO_STD_FRACTION: self.zero_std_fraction,
+            metric_names.GROUPS_REFILL_ROUNDS: self.rounds - 1,
+            metric_names.ROLLOUT_TOKENS_PER_S: self.tokens_per_s,
+            metric_names.ROLLOUT_TIME_S: self.seconds,
+            metric_names.REWARD_TIME_S: self.reward_s,
             **reward_component_metrics(sampled),  # rewards/<name>/mean|std of a train.reward_fn list
         }
 
@@ -265,23 +265,23 @@ class UpdateStats(Mapping):
 
     def metrics(self) -> dict[str, float]:
         out = {
-            tracking.LEARNING_RATE: self.lr,
-            tracking.LOSS: self.loss,
-            tracking.GRAD_NORM: self.grad_norm,
-            tracking.POLICY_ENTROPY: self.entropy,
-            tracking.CLIP_FRACTION: self.clip_fraction,
-            tracking.CLIP_LOW_FRACTION: self.clip_low_fraction,
-            tracking.CLIP_HIGH_FRACTION: self.clip_high_fraction,
-            tracking.MISMATCH_KL: self.mismatch_kl,
+            metric_names.LEARNING_RATE: self.lr,
+            metric_names.LOSS: self.loss,
+            metric_names.GRAD_NORM: self.grad_norm,
+            metric_names.POLICY_ENTROPY: self.entropy,
+            metric_names.CLIP_FRACTION: self.clip_fraction,
+            metric_names.CLIP_LOW_FRACTION: self.clip_low_fraction,
+            metric_names.CLIP_HIGH_FRACTION: self.clip_high_fraction,
+            metric_names.MISMATCH_KL: self.mismatch_kl,
         }
         if self.selected_token_fraction is not None:
-            out[tracking.SELECTED_TOKEN_FRACTION] = self.selected_token_fraction
-            out[tracking.ENTROPY_THRESHOLD] = self.entropy_threshold
+            out[metric_names.SELECTED_TOKEN_FRACTION] = self.selected_token_fraction
+            out[metric_names.ENTROPY_THRESHOLD] = self.entropy_threshold
         if self.importance is not None:
             out.update(self.importance.metrics())
-            out[tracking.IS_WEIGHT_MEAN] = self.is_weight_mean
+            out[metric_names.IS_WEIGHT_MEAN] = self.is_weight_mean
         if self.kl_to_base is not None:
-            out[tracking.KL_TO_BASE] = self.kl_to_base
+            out[metric_names.KL_TO_BASE] = self.kl_to_base
         return out
 
     def __getitem__(self, name: str) -> float:
@@ -318,16 +318,16 @@ class StepStats:
     def metrics(self) -> dict[str, float]:
         out = {
             **self.rollout.metrics(),
-            tracking.AQN_SIGMA: self.aqn_sigma,
-            tracking.AQN_SIGMA_EFFECTIVE: self.aqn_sigma_effective,
-            tracking.AQN_STAGE: self.aqn_stage,
-            tracking.SYNC_TIME_S: self.sync_s,
-            tracking.UPDATE_TIME_S: self.update_s,
-            tracking.STEP_TIME_S: self.step_s,
-            tracking.PEAK_MEMORY_GB: self.peak_memory_gb,
+            metric_names.AQN_SIGMA: self.aqn_sigma,
+            metric_names.AQN_SIGMA_EFFECTIVE: self.aqn_sigma_effective,
+            metric_names.AQN_STAGE: self.aqn_stage,
+            metric_names.SYNC_TIME_S: self.sync_s,
+            metric_names.UPDATE_TIME_S: self.update_s,
+            metric_names.STEP_TIME_S: self.step_s,
+            metric_names.PEAK_MEMORY_GB: self.peak_memory_gb,
             **self.update.metrics(),
             **self.sleep,
         }
         if self.engine_cpu_s is not None:
-            out[tracking.ENGINE_CPU_DURING_UPDATE_S] = self.engine_cpu_s
+            out[metric_names.ENGINE_CPU_DURING_UPDATE_S] = self.engine_cpu_s
         return out

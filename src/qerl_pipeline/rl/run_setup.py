@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import yaml
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names
 from qerl_pipeline.adapter import is_adapter, save_adapter, trained_norms
 from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
 from qerl_pipeline.memory import limit_heap_fragmentation
@@ -215,7 +215,11 @@ def setup(
     run.adapter_dir = _save_step_adapter(policy, folder.path / "adapters" / f"step-{start_step:06d}", d)
     run.written = [run.adapter_dir]
     folder.logger.log_metrics(
-        {tracking.DATA_PROMPTS: len(items), tracking.DATA_DROPPED_PROMPTS: dropped, tracking.WORLD_SIZE: d.world_size},
+        {
+            metric_names.DATA_PROMPTS: len(items),
+            metric_names.DATA_DROPPED_PROMPTS: dropped,
+            metric_names.WORLD_SIZE: d.world_size,
+        },
         step=start_step,
     )
     return run

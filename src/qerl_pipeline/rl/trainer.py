@@ -41,7 +41,7 @@ One readable loop (torchtune style), its parts plain functions. Per step ``s``:
 ``_train_step``. The step's parts live where their concept does: the rollout side (prompts, sampling
 seeds, ``collect``) in ``rl/collect.py``, the update side (log-probs, ``policy_update``) in
 ``rl/update.py``, and the records passed between them (``Rollout``, ``Batch``, ``UpdateStats``,
-``StepStats``: fields named as metrics in ``tracking.py``) in ``rl/records.py``; this module is the
+``StepStats``: fields named as metrics in ``metric_names.py``) in ``rl/records.py``; this module is the
 loop, the run folder and run control.
 
 Resume: the newest intact checkpoint of ``<output_dir>/<method>`` (``open_run_dir``) restores
@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names, tracking
 from qerl_pipeline.adapter import save_adapter
 from qerl_pipeline.atomic import write_atomic
 from qerl_pipeline.config import QerlConfig, flatten
@@ -294,8 +294,8 @@ def train(
                 "step %d/%d reward %.3f acc %.3f entropy %.3f sigma %.1e | rollout %.1fs (%.0f tok/s) update %.1fs",
                 step + 1,
                 tc.steps,
-                metrics[tracking.REWARD_MEAN],
-                metrics[tracking.TRAIN_ACCURACY],
+                metrics[metric_names.REWARD_MEAN],
+                metrics[metric_names.TRAIN_ACCURACY],
                 stats.update.entropy,
                 stats.aqn_sigma,
                 rollout.seconds,
@@ -313,7 +313,7 @@ def train(
         _save_final_adapter(run, base_dir)
     d.barrier()
     seconds = time.perf_counter() - t_start
-    logger.log_metrics({tracking.TOTAL_TIME_S: seconds}, step=tc.steps)
+    logger.log_metrics({metric_names.TOTAL_TIME_S: seconds}, step=tc.steps)
     return TrainResult(
         folder.path, folder.final, tc.steps, run.start_step, folder.run_id, history, seconds, folder.moved_aside
     )
@@ -483,7 +483,7 @@ def _full_history(logger: MetricsLogger) -> list[dict]:
     """Per-step metrics from the logger (MLflow: the run's whole history, also before a resume)."""
     if not hasattr(logger, "history"):  # the protocol's optional reader
         return []
-    metrics = logger.history(tracking.CURVE_METRICS)
+    metrics = logger.history(metric_names.CURVE_METRICS)
     rows: dict[int, dict] = {}
     for name, pts in metrics.items():
         for step, value in pts:

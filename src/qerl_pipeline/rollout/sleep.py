@@ -87,7 +87,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from qerl_pipeline import tracking
+from qerl_pipeline import metric_names
 from qerl_pipeline.memory import release_trainer_cache
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class EngineSleeper:
         self._asleep = True
         if not slept:
             log.warning("engine did not go to sleep (sleep mode off in the engine, or asleep already)")
-        return {tracking.SLEEP_TIME_S: self._sleep_s}
+        return {metric_names.SLEEP_TIME_S: self._sleep_s}
 
     def after_update(self, adapter_dir: str | Path | None) -> dict:
         """Wake, check the probe, register ``adapter_dir`` (the next rollout's); the step's sleep metrics."""
@@ -245,10 +245,10 @@ class EngineSleeper:
             repairs += self._check_registered(Path(adapter_dir))
         check_s = self._check_s + time.perf_counter() - t0
         return {
-            tracking.SLEEP_TIME_S: self._sleep_s,
-            tracking.WAKE_TIME_S: wake_s,
-            tracking.WAKE_CHECK_TIME_S: check_s,
-            tracking.SLEEP_REPAIRS: repairs,
+            metric_names.SLEEP_TIME_S: self._sleep_s,
+            metric_names.WAKE_TIME_S: wake_s,
+            metric_names.WAKE_CHECK_TIME_S: check_s,
+            metric_names.SLEEP_REPAIRS: repairs,
         }
 
     def _check_probe(self, woke: Any) -> int:

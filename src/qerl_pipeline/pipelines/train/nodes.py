@@ -28,12 +28,13 @@ from typing import Any
 
 from qerl_pipeline.config import SKIPPED_BRANCH, QerlConfig, compare_branch, flatten, validate
 from qerl_pipeline.datasets.hf_model_folder import folder_of
+from qerl_pipeline.metric_names import REWARD_MEAN
 from qerl_pipeline.rl.launch import launch
 from qerl_pipeline.rl.run_setup import Reporting
 from qerl_pipeline.rl.trainer import TrainResult, run_dir_for
 from qerl_pipeline.rl.trainer import train as run_training
 from qerl_pipeline.rollout.pool import shared_engine
-from qerl_pipeline.tracking import REWARD_MEAN, TrainingRun, run_name
+from qerl_pipeline.tracking import TrainingRun, run_name
 
 log = logging.getLogger(__name__)
 

@@ -183,23 +183,13 @@ def test_merged_keeps_the_head_tied_and_it_is_the_head_peft_computes_with(export
 
 
 def test_merged_nvfp4_decodes_by_compressed_tensors_to_the_tensors_of_our_decoder(exported):
-    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
-    from compressed_tensors.quantization import preset_name_to_scheme
-
-    from qerl_pipeline.quantization import checkpoint, nvfp4
+    from qerl_pipeline.quantization import checkpoint
+    from tests.helpers.golden import assert_nvfp4_decodes_like_compressed_tensors
 
     folder = exported["export"] / "merged_nvfp4"
     ours = checkpoint.read_tensors(folder)
-    owners = [k.removesuffix(".weight_packed") for k in ours if k.endswith(".weight_packed")]
-    assert len(owners) == 7 * 30
+    assert len(assert_nvfp4_decodes_like_compressed_tensors(ours)) == 7 * 30
     assert "lm_head.weight" not in ours and "model.embed_tokens.weight" in ours  # tied head, kept dense
-    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
-    for owner in owners:
-        sd = {s: ours[f"{owner}.{s}"] for s in nvfp4.CODEC.suffixes}
-        theirs = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
-        assert torch.equal(
-            nvfp4.decode(*sd.values(), dtype=theirs.dtype).view(torch.int16), theirs.view(torch.int16)
-        ), owner
     assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is True
 
 

@@ -147,25 +147,16 @@ def test_peft_applies_the_trained_norms_and_the_same_adapter_without_them_differ
 
 
 def test_merged_nvfp4_decodes_like_compressed_tensors_and_is_what_llmcompressor_writes(exported, tmp_path):
-    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
-    from compressed_tensors.quantization import preset_name_to_scheme
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM
 
-    from qerl_pipeline.quantization import checkpoint, nvfp4
+    from qerl_pipeline.quantization import checkpoint
+    from tests.helpers.golden import assert_nvfp4_decodes_like_compressed_tensors
 
     folder = exported["folder"]
     ours = checkpoint.read_tensors(folder / "merged_nvfp4")
-    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
-    owners = [k.removesuffix(".weight_packed") for k in ours if k.endswith(".weight_packed")]
-    assert len(owners) == 14  # 7 linears x 2 layers (smoke model)
-    for owner in owners:
-        sd = {s: ours[f"{owner}.{s}"] for s in nvfp4.CODEC.suffixes}
-        theirs = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
-        assert torch.equal(
-            nvfp4.decode(*sd.values(), dtype=theirs.dtype).view(torch.int16), theirs.view(torch.int16)
-        ), owner
+    assert len(assert_nvfp4_decodes_like_compressed_tensors(ours)) == 14  # 7 linears x 2 layers (smoke model)
     # llmcompressor on merged/, as its golden recipe runs (loaded in bf16, data-free NVFP4A16, lm_head ignored)
     model = AutoModelForCausalLM.from_pretrained(folder / "merged", dtype=torch.bfloat16)
     oneshot(model=model, recipe=[QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"])])

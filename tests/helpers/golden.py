@@ -31,6 +31,23 @@ def assert_bit_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert diff == 0, f"{what}: {diff} elements differ"
 
 
+def assert_nvfp4_decodes_like_compressed_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Every NVFP4 linear of a compressed-tensors checkpoint's ``tensors`` decoded by our decoder and by
+    compressed-tensors' own (``NVFP4PackedCompressor`` under the NVFP4A16 preset), bit for bit; their names."""
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    from qerl_pipeline.quantization import nvfp4
+
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    owners = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
+    for owner in owners:
+        sd = {s: tensors[f"{owner}.{s}"] for s in nvfp4.CODEC.suffixes}
+        theirs = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
+        assert_bit_equal(nvfp4.decode(*sd.values(), dtype=theirs.dtype), theirs, owner)
+    return owners
+
+
 def golden_reference(golden_dir: Path, reference: str) -> tuple[dict, dict, Path]:
     """``(base tensors, reference tensors, reference folder)``; ``reference`` relative to ``../shared/golden``."""
     ref_dir = golden_dir.parent / reference

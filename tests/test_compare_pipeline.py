@@ -374,8 +374,10 @@ def test_one_branch_alone_reuses_its_training_and_evaluation(compared):
 
 
 def test_a_method_left_out_of_compare_methods_is_neither_trained_nor_evaluated(compared):
-    """``compare.methods`` chooses what trains: a compare of lora alone on a seed no run has used leaves the other
-    branches' nodes saying so, with no run folder, no MLflow run and no engine start for their methods.
+    """``compare.methods`` chooses what trains: a compare of mxfp4 alone (QeRL's recipe on an MXFP4 base, a format
+    of the sweep) on a seed no run has used trains, evaluates and reports that branch through the same code as the
+    others (its own base, quantized by its codec and served as its dense decoded copy on CPU), and leaves every
+    other branch's nodes saying so, with no run folder, no MLflow run and no engine start for their methods.
 
     The last test of the module: it rewrites the skipped branches' datasets (their ``train_summary`` says
     ``skipped``), which the tests above read. ``compare.methods`` is given as the space-separated string form."""
@@ -386,30 +388,35 @@ def test_a_method_left_out_of_compare_methods_is_neither_trained_nor_evaluated(c
         "run",
         "--pipelines=compare",
         "--env=smoke",
-        f"{EVAL_PARAMS},compare.methods=lora,compare.seeds=[{seed}],compare.report_dir={report}",
+        f"{EVAL_PARAMS},compare.methods=mxfp4,compare.seeds=[{seed}],compare.report_dir={report}",
         timeout=900,
     )
     out = proc.stdout
-    left_out = [m for m in METHODS if m != "lora"]
+    from qerl_pipeline.config import COMPARE_METHODS
+
+    left_out = [m for m in COMPARE_METHODS if m != "mxfp4"]
+    assert set(METHODS) <= set(left_out) | {"mxfp4"} and "fp8" in left_out
     for m in left_out:  # its train, evaluate and export nodes ran, and each said so (the export once for its three)
         assert out.count(f"compare.{m}: not in compare.methods, skipped") == 3, m
-    assert _branches(out) == ["lora"]
-    assert re.findall(r"evaluate (\w+) seed (\d+) on ", out) == [("lora", str(seed))]
+    assert _branches(out) == ["mxfp4"]
+    assert re.findall(r"evaluate (\w+) seed (\d+) on ", out) == [("mxfp4", str(seed))]
     started = re.findall(r"shared engine started for (\S+)", out)
-    assert started and all("base_bf16" in path for path in started), started  # lora's base alone
-    assert sorted(p.name for p in (root / "data/06_models/train_smoke/compare" / f"seed-{seed}").iterdir()) == ["lora"]
+    assert started and all("base_mxfp4" in path for path in started), started  # mxfp4's base alone
+    assert sorted(p.name for p in (root / "data/06_models/train_smoke/compare" / f"seed-{seed}").iterdir()) == [
+        "mxfp4"
+    ]
     exp = client.get_experiment_by_name("qerl_pipeline")
     seeded = client.search_runs([exp.experiment_id], filter_string=f"tags.seed = '{seed}'")
-    assert [r.data.tags["method"] for r in seeded] == ["lora"]
+    assert [r.data.tags["method"] for r in seeded] == ["mxfp4"]
     parent = next(
         r
         for r in client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
         if r.data.tags.get("qerl.role") == "compare"
     )
-    assert list(_child_runs(client, parent.info.run_id)) == [("lora", seed)]
+    assert list(_child_runs(client, parent.info.run_id)) == [("mxfp4", seed)]
     # the report's runs
-    assert list(json.loads((root / "data/08_reporting/smoke/compare/runs.json").read_text())) == ["lora"]
-    assert "lora" in (report / "report.html").read_text()
+    assert list(json.loads((root / "data/08_reporting/smoke/compare/runs.json").read_text())) == ["mxfp4"]
+    assert "mxfp4" in (report / "report.html").read_text()
     assert json.loads((report / "claims.json").read_text()) == []  # every claim names a method left out
     summary = json.loads((compared["report"] / "qlora" / "train_summary.json").read_text())
     assert summary["skipped"] == "compare.qlora: not in compare.methods, skipped" and summary["runs"] == []

@@ -14,6 +14,8 @@ its zero init), exported in float32 (``export.dtype``) so the checks below can a
 * ``evaluate.model_path=merged/`` (``vllm.LLM`` on the folder, the project's engine process, float32 as the
   evaluation's) gives the greedy completions the project's own evaluation gave the trained adapter (base +
   merged LoRA + written norms): the same float32 weights, the same kernels, so the same tokens;
+* ``vllm_lora/`` served as ``vllm serve --enable-lora`` serves it (vLLM's LoRA path over the base with the
+  trained norms) gives the greedy tokens of vLLM on ``merged/``;
 * an export of a method with no training is one ``Error:`` line naming it and the command.
 """
 
@@ -229,6 +231,41 @@ def test_vllm_on_merged_through_evaluate_model_path_gives_the_tokens_of_the_proj
         if r["policy"] == "trained"
     }
     assert len(mine) == 8 and mine == trained  # smoke: 4 problems x 2 benchmarks
+
+
+def test_vllm_serving_vllm_lora_as_a_lora_gives_the_tokens_of_vllm_on_merged(exported):
+    """What ``vllm serve vllm_lora/base --enable-lora --lora-modules policy=vllm_lora/adapter`` runs: vLLM's own LoRA
+    path (a ``LoRARequest`` over the base with the trained norms written in) against ``vllm.LLM(model=merged/)``,
+    both in float32 on the project's engine process, on 16 prompts. ``x W + s (x A) B`` and ``x (W + s B A)`` sum
+    in other orders, so the tokens must be equal and the log-probs within 2e-3 nats (the bound the rollout
+    engine's LoRA-vs-merge tests hold). The pair's base is not ``base/``: its norms are the trained ones."""
+    from transformers import AutoTokenizer
+
+    from qerl_pipeline.quantization import checkpoint
+    from qerl_pipeline.rollout.engine import RolloutEngine
+
+    folder = exported["folder"]
+    pair = folder / "vllm_lora"
+    rank = json.loads((pair / "adapter" / "adapter_config.json").read_text())["r"]
+    prompts = _prompts(AutoTokenizer.from_pretrained(folder / "merged"))
+
+    def greedy(model_dir, lora_rank=None, lora_path=None):
+        with RolloutEngine(model_dir, max_model_len=512, max_lora_rank=lora_rank, dtype="float32") as engine:
+            res = engine.generate(
+                prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=24, ignore_eos=True, lora_path=lora_path
+            )
+        return [g[0].completion_ids for g in res.samples], [g[0].logprobs for g in res.samples]
+
+    merged_ids, merged_lps = greedy(folder / "merged")
+    lora_ids, lora_lps = greedy(pair / "base", lora_rank=max(8, rank), lora_path=pair / "adapter")
+    assert lora_ids == merged_ids
+    assert (
+        max(abs(a - b) for xs, ys in zip(lora_lps, merged_lps, strict=True) for a, b in zip(xs, ys, strict=True))
+        < 2e-3
+    )
+    served, plain = checkpoint.read_tensors(pair / "base"), checkpoint.read_tensors(folder / "base")
+    norms = [k for k in served if k.endswith("norm.weight")]
+    assert norms and any((served[k] - plain[k]).abs().max() > 1e-3 for k in norms)
 
 
 def test_an_export_without_its_training_is_one_error_line_before_any_model_loads(exported):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from qerl_pipeline.adapter import NORMS_FILE, MissingTraining, save_adapter, trained_adapter
 from qerl_pipeline.config import LoraConfig
@@ -29,6 +29,7 @@ from qerl_pipeline.export import ExportInputError, folders
 from qerl_pipeline.export.quantized import decode_folder, packed_format
 from qerl_pipeline.export.serve import served_export
 from qerl_pipeline.quantization import checkpoint, nf4, nvfp4
+from tests.helpers.exports import adapter_without_norms
 from tests.helpers.models import tiny_llama
 
 FORMATS = ("nvfp4", "nf4", "bf16")
@@ -118,13 +119,7 @@ def test_peft_applies_the_trained_norms_and_fails_without_them(trained, exported
     cfg = json.loads((folder / folders.ADAPTER / "adapter_config.json").read_text())
     norms = load_file(str(trained["nvfp4"][1] / NORMS_FILE))
     assert sorted(cfg["modules_to_save"]) == sorted(n.removesuffix(".weight") for n in norms)
-    stripped = tmp_path / "no_norms"
-    shutil.copytree(folder / folders.ADAPTER, stripped)
-    save_file(
-        {k: v for k, v in load_file(str(stripped / "adapter_model.safetensors")).items() if "lora_" in k},
-        str(stripped / "adapter_model.safetensors"),
-    )
-    (stripped / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": None}))
+    stripped = adapter_without_norms(folder / folders.ADAPTER, tmp_path / "no_norms")
 
     def peft(adapter):
         base = AutoModelForCausalLM.from_pretrained(folder / folders.BASE, dtype=torch.float32)

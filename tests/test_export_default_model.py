@@ -34,6 +34,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers.exports import adapter_without_norms, greedy_tokens
 from tests.helpers.project import PROJECT
 
 pytestmark = [pytest.mark.vllm]
@@ -97,15 +98,8 @@ def exported(cfg, tmp_path_factory):
 
 
 def _greedy(model, prompts: list[list[int]], pad: int) -> list[list[int]]:
-    """Greedy continuations of ``prompts`` (``NEW_TOKENS``), one left-padded batch."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        seq = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad
-        )
-    return seq[:, width:].tolist()
+    """Greedy continuations of ``prompts`` (``NEW_TOKENS``)."""
+    return greedy_tokens(model, prompts, NEW_TOKENS, pad)
 
 
 def _peft(folder, adapter):
@@ -134,9 +128,7 @@ def loaded(exported, records):
 
 
 def test_transformers_merged_gives_the_greedy_tokens_of_peft_and_needs_the_trained_norms(exported, loaded, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from qerl_pipeline.quantization import checkpoint
 
@@ -157,10 +149,7 @@ def test_transformers_merged_gives_the_greedy_tokens_of_peft_and_needs_the_train
     assert sorted(cfg["modules_to_save"]) == sorted(
         k.removeprefix("base_model.model.").removesuffix(".weight") for k in norms
     )
-    stripped = tmp_path / "adapter"
-    shutil.copytree(adapter, stripped)
-    save_file({k: v for k, v in tensors.items() if "lora_" in k}, str(stripped / "adapter_model.safetensors"))
-    (stripped / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": None}))
+    stripped = adapter_without_norms(adapter, tmp_path / "adapter")
     assert _greedy(_peft(folder, stripped), prompts, pad) != want
 
 

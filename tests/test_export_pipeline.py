@@ -26,6 +26,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers.exports import adapter_without_norms, greedy_tokens
 from tests.helpers.project import project_copy, run_kedro, tracking_uri
 
 pytestmark = [pytest.mark.kedro_run, pytest.mark.vllm]
@@ -62,14 +63,9 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def _greedy(model, prompts: list[list[int]], n: int = 24, pad: int = 0) -> list[list[int]]:
-    """Greedy continuations of ``prompts``, one left-padded batch."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        seq = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=pad)
-    return seq[:, width:].tolist()
+def _greedy(model, prompts: list[list[int]], n: int = 24) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (the random tiny model's pad id is 0)."""
+    return greedy_tokens(model, prompts, n, pad=0)
 
 
 def test_the_export_holds_every_folder_and_its_report(exported):
@@ -113,10 +109,8 @@ def test_transformers_merged_gives_the_tokens_of_peft_adapter_over_base(exported
 
 
 def test_peft_applies_the_trained_norms_and_the_same_adapter_without_them_differs(exported, tmp_path):
-    import shutil
-
     from peft import PeftModel
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = exported["folder"]
@@ -130,10 +124,7 @@ def test_peft_applies_the_trained_norms_and_the_same_adapter_without_them_differ
     base = load_file(str(folder / "base" / "model.safetensors"))
     # they trained
     assert any((v - base[k.removeprefix("base_model.model.")]).abs().max() > 1e-3 for k, v in norms.items())
-    stripped = tmp_path / "adapter"
-    shutil.copytree(adapter, stripped)
-    save_file({k: v for k, v in tensors.items() if "lora_" in k}, str(stripped / "adapter_model.safetensors"))
-    (stripped / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": None}))
+    stripped = adapter_without_norms(adapter, tmp_path / "adapter")
     ids = torch.tensor([_prompts(AutoTokenizer.from_pretrained(folder / "merged"))[3]])
 
     def logits(path):

@@ -49,6 +49,32 @@ def test_mlflow_logger_resumes_a_run_by_id(sqlite_store, tmp_path):
     assert json.loads(open(table).read()) == {"columns": ["prompt", "reward"], "data": [["p", 1.0]]}
 
 
+def test_a_step_logged_again_after_a_resume_counts_once_with_its_last_value(sqlite_store):
+    """A kill between a step's metrics and its checkpoint leaves that step in MLflow; the resume trains it again
+    and logs it again (MLflow cannot delete a logged point). Every reader takes one value per step, the last
+    logged (the one the final adapter went through): the logger's history, the curves the trainer draws, and
+    the compare report's runs."""
+    import time
+
+    from qerl_pipeline.evaluation.report_runs import run_data
+    from qerl_pipeline.rl.trainer import _full_history
+
+    first = MlflowLogger(experiment="t")
+    for step, value in ((1, 0.1), (2, 0.2), (3, 0.3)):
+        first.log_metrics({"reward/mean": value, "policy/entropy": 1.0 + value}, step=step)
+    first.end("KILLED")
+    time.sleep(0.01)  # the resume logs later
+    again = MlflowLogger(run_id=first.run_id)
+    again.log_metrics({"reward/mean": 0.9, "policy/entropy": 1.9}, step=3)
+    client = mlflow.tracking.MlflowClient()
+    assert sorted(m.step for m in client.get_metric_history(first.run_id, "reward/mean")) == [1, 2, 3, 3]
+    assert again.history(["reward/mean"]) == {"reward/mean": [(1, 0.1), (2, 0.2), (3, 0.9)]}
+    assert [(r["step"], r["reward/mean"]) for r in _full_history(again)] == [(1, 0.1), (2, 0.2), (3, 0.9)]
+    data = run_data(client, client.get_run(first.run_id))
+    assert data.history["reward/mean"] == [(1, 0.1), (2, 0.2), (3, 0.9)]
+    assert data.history["policy/entropy"] == [(1, 1.1), (2, 1.2), (3, 1.9)]
+
+
 def test_failed_status(sqlite_store):
     log = MlflowLogger(experiment="t")
     log.end("FAILED")

@@ -238,6 +238,8 @@ def test_reference_run_trains_and_logs(reference, tracking):
 def test_resume_after_sigkill_continues_the_same_mlflow_run(reference, resumed, tracking):
     from mlflow.tracking import MlflowClient
 
+    from qerl_pipeline.tracking import metric_history
+
     out, killed_mid_run, killed_run_id, _, killed_name = resumed
     assert killed_mid_run, "the run finished before it could be killed"
     assert (out / "qerl" / "final_adapter").is_dir()
@@ -251,8 +253,11 @@ def test_resume_after_sigkill_continues_the_same_mlflow_run(reference, resumed, 
     assert f"{damaged / 'state.pt'}: size mismatch" in run.data.tags["qerl.resume_fallback"]
     assert (damaged.with_name("step-000003.damaged") / "state.pt").stat().st_size == 100 and not damaged.exists()
     assert run.info.status == "FINISHED"
-    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward/mean"))
-    assert steps == list(range(1, STEPS + 1))  # one run: steps before and after the kill
+    # one run: steps before and after the kill, each once as the curves read them (a step logged before the kill
+    # and trained again after the resume from step 2 shows twice in MLflow's raw history, tracking.metric_history)
+    assert [s for s, _ in metric_history(client, run.info.run_id, "reward/mean")] == list(range(1, STEPS + 1))
+    raw = [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")]
+    assert all(raw.count(s) == 1 for s in (1, 2)), raw
     # one name from its start: while it ran and when killed, and after the resume finished it
     assert killed_name == run.info.run_name == "train qerl · random · seed 0" and run.data.tags["qerl.role"] == "train"
     (resuming,) = client.search_runs([run.info.experiment_id], f"tags.`qerl.resumed_run_id` = '{run.info.run_id}'")
@@ -318,6 +323,8 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking
     """
     from mlflow.tracking import MlflowClient
 
+    from qerl_pipeline.tracking import metric_history
+
     out, _, _, _, _ = resumed
     client = MlflowClient(tracking)
     ref_run, res_run = _run_for(client, reference).info.run_id, _run_for(client, out).info.run_id
@@ -325,8 +332,8 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, resumed, tracking
         assert _completions(client, res_run, step, tmp_path / "res") == _completions(
             client, ref_run, step, tmp_path / "ref"
         ), step
-    ref_rewards = [m.value for m in sorted(client.get_metric_history(ref_run, "reward/mean"), key=lambda m: m.step)]
-    res_rewards = [m.value for m in sorted(client.get_metric_history(res_run, "reward/mean"), key=lambda m: m.step)]
+    ref_rewards = [v for _, v in metric_history(client, ref_run, "reward/mean")]
+    res_rewards = [v for _, v in metric_history(client, res_run, "reward/mean")]
     assert res_rewards == pytest.approx(ref_rewards)
     ref, res = _adapter(reference / "qerl" / "final_adapter"), _adapter(out / "qerl" / "final_adapter")
     assert ref.keys() == res.keys()

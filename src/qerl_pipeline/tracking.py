@@ -108,6 +108,17 @@ class MemoryLogger:
         return {n: [(s, v) for s, v in self.metrics.get(n, []) if s is not None] for n in names}
 
 
+def metric_history(client, run_id: str, name: str) -> list[tuple[int, float]]:
+    """``[(step, value), ...]`` of one MLflow metric, one value per step, the last logged, in step order.
+
+    A kill between a step's metrics and its checkpoint leaves that step logged; the resume trains it again
+    and logs it again, and MLflow has no way to delete the first point. The last one is the step the final
+    adapter went through (and the one MLflow's own latest-metric value keeps); every reader of a run's
+    curves goes through here so that a resumed run counts each step once."""
+    points = sorted(client.get_metric_history(run_id, name), key=lambda m: (int(m.step), int(m.timestamp)))
+    return list({int(m.step): (int(m.step), float(m.value)) for m in points}.values())
+
+
 class MlflowLogger:
     """Logs to one MLflow run through ``MlflowClient``.
 
@@ -153,8 +164,8 @@ class MlflowLogger:
             self.client.log_batch(self.run_id, metrics=batch)
 
     def history(self, names) -> dict[str, list[tuple[int, float]]]:
-        """``{name: [(step, value), ...]}`` of the run's logged metrics (all of its steps)."""
-        return {n: [(m.step, m.value) for m in self.client.get_metric_history(self.run_id, n)] for n in names}
+        """``{name: [(step, value), ...]}`` of the run's logged metrics (all of its steps, one value each)."""
+        return {n: metric_history(self.client, self.run_id, n) for n in names}
 
     def log_params(self, params):
         from mlflow.entities import Param

@@ -45,7 +45,7 @@ from mlflow.tracking import MlflowClient
 #: ROLE_TAG = compare (the compare pipeline's own run) are never method rows.
 from qerl_pipeline import metric_names
 from qerl_pipeline.config import METHODS
-from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG
+from qerl_pipeline.tracking import GROUP_TAG, ROLE_TAG, metric_history
 
 #: Per-step training curves: key -> (title, the metric the trainer writes).
 CURVES: dict[str, tuple[str, str]] = {
@@ -195,7 +195,7 @@ def run_data(client: MlflowClient, run) -> RunData:
     history = {}
     for name in _history_names():
         if name in run.data.metrics:
-            history[name] = [(int(m.step), float(m.value)) for m in client.get_metric_history(run.info.run_id, name)]
+            history[name] = metric_history(client, run.info.run_id, name)
     return RunData(
         seed=_seed_of(run),
         records=eval_records(client, run.info.run_id) if _has_eval(run) else None,

@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from qerl_pipeline import metric_names
-from qerl_pipeline.adapter import is_adapter, save_adapter, trained_norms
+from qerl_pipeline.adapter import adapter_meta, is_adapter, save_adapter, trained_norms
 from qerl_pipeline.config import METHOD_FORMAT, QerlConfig
 from qerl_pipeline.memory import limit_heap_fragmentation
 from qerl_pipeline.models import load_tokenizer, resolve_dtype
@@ -84,8 +84,27 @@ class RunFolder:
         return self.path / "final_adapter"
 
     def finished(self, steps: int) -> bool:
-        """Trained to ``steps`` already, its final adapter in place."""
-        return self.checkpoint is not None and int(self.state.get("step", 0)) >= steps and is_adapter(self.final)
+        """Trained to ``steps`` already, its final adapter of that many steps in place (a run resumed with more
+        steps keeps the shorter run's final adapter until it writes its own; one without ``steps`` counts)."""
+        return (
+            self.checkpoint is not None
+            and int(self.state.get("step", 0)) >= steps
+            and is_adapter(self.final)
+            and int(adapter_meta(self.final).get("steps", steps)) >= steps
+        )
+
+    @property
+    def wrapped_up(self) -> Path:
+        """Written last, once the final adapter and the curves are in the run's tracking store."""
+        return self.path / "final_logged.json"
+
+    def logged(self, steps: int) -> bool:
+        """The final adapter of ``steps`` steps and the curves are in the tracking store (``wrapped_up`` says so):
+        without it the run ended during its wrap-up, and its reuse logs them (``trainer.train``)."""
+        try:
+            return int(json.loads(self.wrapped_up.read_text())["steps"]) >= steps
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
 
 @dataclass

@@ -47,7 +47,8 @@ loop, the run folder and run control.
 Resume: the newest intact checkpoint of ``<output_dir>/<method>`` (``open_run_dir``) restores
 trainable tensors, optimizer, scheduler, RNG, data cursor and the MLflow run id; metrics go on in that run.
 A fresh run never mixes with an earlier one's files: the earlier folder is moved aside
-first (``open_run_dir``).
+first (``open_run_dir``). A run folder trained to the last step is reused; if its run ended during
+the wrap-up (final adapter and curves not yet in MLflow, ``RunFolder.logged``), the reuse logs them.
 Every random draw is a function of ``(seed, step)`` (sampling seeds, AQN noise, data
 order), so a resumed run reproduces the uninterrupted one.
 
@@ -250,6 +251,9 @@ def train(
             folder.path,
             folder.run_id,
         )
+        if d.is_main and not folder.logged(tc.steps):  # it ended after its final adapter, before the rest
+            log.info("%s: its run ended before its final adapter and curves were logged; logging them", cfg.method)
+            _log_final(folder, cfg.method, tc.steps)
         return TrainResult(
             folder.path,
             folder.final,
@@ -302,6 +306,8 @@ def train(
                 rollout.tokens_per_s,
                 stats.update_s,
             )
+        if d.is_main:
+            _save_final_adapter(run, base_dir)
     except BaseException as exc:  # the run says how it ended: KILLED (Ctrl-C, SIGTERM) or FAILED, after which step
         tracking.mark_ended(logger, exc, last_step=history[-1]["step"] if history else run.start_step)
         raise
@@ -309,8 +315,6 @@ def train(
         if bar is not None:
             bar.close()
         run.close()
-    if d.is_main:
-        _save_final_adapter(run, base_dir)
     d.barrier()
     seconds = time.perf_counter() - t_start
     logger.log_metrics({metric_names.TOTAL_TIME_S: seconds}, step=tc.steps)
@@ -453,8 +457,15 @@ def _save_final_adapter(run: Run, base_dir: str | Path) -> None:
             "world_size": run.dist.world_size,
         },
     )
+    _log_final(folder, cfg.method, cfg.train.steps)
+
+
+def _log_final(folder: RunFolder, method: str, steps: int) -> None:
+    """The final adapter and the curves into the run's tracking store, then the folder's ``wrapped_up`` marker
+    (a reuse of a folder without it logs them again: the run ended in between)."""
     folder.logger.log_artifact(folder.final, artifact_path="final_adapter")
-    _log_curves(folder.logger, folder.path, cfg.method)
+    _log_curves(folder.logger, folder.path, method)
+    write_atomic(folder.wrapped_up, {"run_id": folder.run_id, "steps": steps}, as_json=True)
 
 
 def _engine_cpu(engine) -> float | None:

@@ -1,8 +1,9 @@
 """Fixtures several test files share, the two test tiers, and the guard that the checkout stays clean.
 
-Tiers. ``integration``: every test that starts a vLLM engine or runs Kedro (a ``kedro`` CLI
-process or an in-process ``KedroSession``). It is never set by hand:
-``pytest_collection_modifyitems`` gives it to each test marked ``vllm`` or ``kedro_run`` and
+Tiers. ``integration``: every test that starts a vLLM engine, runs Kedro (a ``kedro`` CLI
+process or an in-process ``KedroSession``) or starts a service (PostgreSQL and ``mlflow server``,
+``services``). It is never set by hand:
+``pytest_collection_modifyitems`` gives it to each test marked ``vllm``, ``kedro_run`` or ``services`` and
 to each test that uses a fixture whose code starts one of them (it calls ``RolloutEngine``,
 ``KedroSession`` or one of the Kedro helpers of ``tests/helpers/project.py``). The rest is
 the fast tier, ``pytest -m "not integration"``. The fast tier is enforced, not only
@@ -256,7 +257,8 @@ def _uses_heavy_fixture(item, cache: dict[int, bool]) -> bool:
 def pytest_collection_modifyitems(config, items):
     cache: dict[int, bool] = {}
     for item in items:
-        if item.get_closest_marker("vllm") or item.get_closest_marker("kedro_run") or _uses_heavy_fixture(item, cache):
+        marked = any(item.get_closest_marker(m) for m in ("vllm", "kedro_run", "services"))
+        if marked or _uses_heavy_fixture(item, cache):
             item.add_marker(pytest.mark.integration)
 
 

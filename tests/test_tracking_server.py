@@ -1,0 +1,259 @@
+"""The tracking store on a real PostgreSQL and a real ``mlflow server``, started by the project's command.
+
+One store for the module (``python -m qerl_pipeline.tracking_server start``: free ports on 127.0.0.1,
+its own folder, each start under a timeout, stopped by its PIDs at the end). It is started, given a
+probe run, stopped and started again over the same folder before the Kedro runs use it, so the runs
+below also show that a second start keeps the store. Then, with ``MLFLOW_TRACKING_URI`` the server:
+the smoke training with its export, and a smoke compare of 2 methods x 1 seed. Every assertion reads
+the server (runs, each step's metrics once, artifacts downloaded through it, the registered model)
+or what the compare report built from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from qerl_pipeline import tracking_server
+from qerl_pipeline.tracking_server import StoreServerError, free_port
+from tests.helpers.project import project_copy, run_kedro
+
+#: the tests that read the store: a real PostgreSQL and mlflow server (the integration tier)
+SERVICES = pytest.mark.services
+
+COMMAND = [sys.executable, "-m", "qerl_pipeline.tracking_server"]
+TRAIN_STEPS = 3  # conf/smoke/parameters.yml train.steps
+METHODS = ["qerl", "lora"]
+
+
+def store_command(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The project's store command, to its end (its own start/stop timeouts are 120 s each)."""
+    proc = subprocess.run(
+        [*COMMAND, *args, "--timeout", "120"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, f"{args[0]}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _exported_uri(proc: subprocess.CompletedProcess) -> str:
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("export MLFLOW_TRACKING_URI="), proc.stdout
+    return last.split("=", 1)[1]
+
+
+def _kill_recorded(folder: Path) -> None:
+    """Whatever ``stop`` left: the recorded PIDs, SIGKILLed (teardown of a failed test)."""
+    try:
+        state = json.loads((folder / "store.json").read_text())
+    except (OSError, ValueError):
+        return
+    for key, group in (("mlflow_pid", True), ("pg_pid", False)):
+        try:
+            (os.killpg if group else os.kill)(state[key], signal.SIGKILL)
+        except (KeyError, TypeError, ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.fixture(scope="module")
+def store():
+    from mlflow.tracking import MlflowClient
+
+    # under /tmp, open to the postgres user: PostgreSQL runs as that user when the tests run as root
+    top = Path(tempfile.mkdtemp(prefix="qerl-store-"))
+    top.chmod(0o755)
+    folder = top / "store"
+    port, pg_port = free_port(), free_port()
+    try:
+        first = store_command("start", "--folder", str(folder), "--port", str(port), "--pg-port", str(pg_port))
+        uri = _exported_uri(first)
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.create_experiment("probe")
+        probe = client.create_run(exp).info.run_id
+        client.log_metric(probe, "probe/value", 7.0, step=1)
+        client.set_terminated(probe)
+        again = store_command("start", "--folder", str(folder))  # while running: the same processes
+        state_running = json.loads((folder / "store.json").read_text())
+        store_command("stop", "--folder", str(folder))
+        second = store_command("start", "--folder", str(folder))  # the same folder: its ports and data
+        yield {
+            "folder": folder,
+            "uri": _exported_uri(second),
+            "first_uri": uri,
+            "again": again,
+            "running": state_running,
+            "state": json.loads((folder / "store.json").read_text()),
+            "probe": probe,
+        }
+        stopped = store_command("stop", "--folder", str(folder))
+        assert "stopped mlflow server" in stopped.stderr and "PostgreSQL" in stopped.stderr, stopped.stderr
+    finally:
+        _kill_recorded(folder)
+        shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def project(store, tmp_path_factory):
+    return project_copy(tmp_path_factory.mktemp("server") / "project", shared=["gsm8k/test.jsonl"])
+
+
+@pytest.fixture(scope="module")
+def trained(store, project):
+    """The smoke training and its export (method qerl), logged to the server."""
+    proc = run_kedro(
+        project,
+        "run",
+        "--pipelines=train,export",
+        "--env=smoke",
+        "--params=export.dtype=float32",
+        env={"MLFLOW_TRACKING_URI": store["uri"]},
+        timeout=1200,
+    )
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def compared(store, project, trained):
+    """A smoke compare of 2 methods x 1 seed, logged to the server."""
+    proc = run_kedro(
+        project,
+        "run",
+        "--pipelines=compare",
+        "--env=smoke",
+        f"--params=compare.methods={' '.join(METHODS)},compare.seeds=[0],evaluate.greedy=false",
+        env={"MLFLOW_TRACKING_URI": store["uri"]},
+        timeout=1500,
+    )
+    return proc.stdout
+
+
+def _client(store):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=store["uri"])
+
+
+def _runs(client, role: str) -> list:
+    exp = client.get_experiment_by_name("qerl_pipeline")
+    return [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("qerl.role") == role]
+
+
+def _each_step_once(client, run_id: str, name: str, steps: int) -> None:
+    logged = [m.step for m in client.get_metric_history(run_id, name)]
+    assert sorted(logged) == list(range(1, steps + 1)), (name, logged)
+
+
+@SERVICES
+def test_a_second_start_over_the_folder_keeps_the_first_starts_runs(store):
+    state, running = store["state"], store["running"]
+    assert store["uri"] == store["first_uri"]  # the folder's ports are kept
+    assert state["backend_store_uri"].startswith("postgresql+psycopg://") and state["backend_store_uri"].endswith(
+        f":{state['pg_port']}/mlflow"
+    )
+    # a start while both run reuses them
+    assert "already running" in store["again"].stderr and "made a PostgreSQL data folder" not in store["again"].stderr
+    # the restart started new processes over the same data folder
+    assert state["mlflow_pid"] != running["mlflow_pid"] and state["pg_pid"] != running["pg_pid"]
+    run = _client(store).get_run(store["probe"])
+    assert run.info.status == "FINISHED" and run.data.metrics["probe/value"] == 7.0
+
+
+@pytest.mark.services
+@pytest.mark.kedro_run
+@pytest.mark.vllm
+def test_the_smoke_training_logs_to_the_server_each_step_once(store, project, trained):
+    client = _client(store)
+    (run,) = [r for r in _runs(client, "train") if "qerl.compare_group" not in r.data.tags]
+    assert run.info.status == "FINISHED" and run.data.tags["method"] == "qerl"
+    for name in ("reward/mean", "policy/entropy", "aqn/sigma", "optim/lr"):
+        _each_step_once(client, run.info.run_id, name, TRAIN_STEPS)
+    # artifacts go through the server (mlflow-artifacts:/) and come back byte for byte
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:/"), run.info.artifact_uri
+    top = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"final_adapter", "config", "plots", "completions"} <= top, top
+    local = project / "data/06_models/train_smoke/qerl/final_adapter/adapter_config.json"
+    got = Path(client.download_artifacts(run.info.run_id, "final_adapter/adapter_config.json", str(project)))
+    assert got.read_bytes() == local.read_bytes()
+    assert str(got).startswith(str(project)) and not str(got).startswith(str(store["folder"]))
+    # and they live in the store's artifact folder, not the project's
+    assert any(Path(store["state"]["artifacts"]).rglob("adapter_config.json"))
+    assert not (project / "mlruns").exists() and not (project / "mlflow.db").exists()
+
+
+@pytest.mark.services
+@pytest.mark.kedro_run
+@pytest.mark.vllm
+def test_the_export_registers_its_model_in_the_server(store, trained):
+    client = _client(store)
+    versions = client.search_model_versions("")
+    assert versions and all(v.status == "READY" for v in versions), versions
+    (run,) = [r for r in _runs(client, "train") if "qerl.compare_group" not in r.data.tags]
+    assert {v.run_id for v in versions} == {run.info.run_id}
+
+
+@pytest.mark.services
+@pytest.mark.kedro_run
+@pytest.mark.vllm
+def test_the_compare_logs_to_the_server_and_its_report_is_built_from_it(store, project, compared):
+    client = _client(store)
+    (parent,) = _runs(client, "compare")
+    assert parent.info.status == "FINISHED"
+    children = [r for r in _runs(client, "train") if r.data.tags.get("qerl.compare_group") == parent.info.run_id]
+    assert sorted((r.data.tags["method"], r.data.tags["seed"]) for r in children) == sorted((m, "0") for m in METHODS)
+    for run in children:
+        assert run.info.status == "FINISHED"
+        for name in ("reward/mean", "policy/entropy"):
+            _each_step_once(client, run.info.run_id, name, TRAIN_STEPS)
+        assert run.data.metrics["eval/trained/gsm8k/n_problems"] == 4  # the evaluation logged there too
+        assert "eval/accuracy.json" in {a.path for a in client.list_artifacts(run.info.run_id, "eval")}
+    report = project / "data/08_reporting/smoke/compare"
+    runs = json.loads((report / "runs.json").read_text())
+    assert {r["run_id"] for m in METHODS for r in runs[m]} == {r.info.run_id for r in children}, runs
+    page = (report / "report.html").read_text()
+    assert all(r.info.run_id in page for r in children)
+    # the report's files in the compare run, read back through the server
+    got = Path(client.download_artifacts(parent.info.run_id, "report/claims.json", str(project / "dl")))
+    assert json.loads(got.read_text()) == json.loads((report / "claims.json").read_text())
+
+
+# ----------------------------------------------------------------------------- refusals (fast tier: nothing starts)
+@pytest.fixture()
+def open_folder():
+    """A folder under /tmp the postgres user can reach (pytest's own tmp_path sits under a 0700 folder)."""
+    top = Path(tempfile.mkdtemp(prefix="qerl-store-"))
+    top.chmod(0o755)
+    yield top
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="PostgreSQL runs as the postgres user only when this process is root")
+def test_as_root_a_folder_the_postgres_user_cannot_reach_is_refused_naming_the_closed_folder(tmp_path):
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    with pytest.raises(StoreServerError) as err:
+        tracking_server.start(closed / "store", timeout_s=10)
+    line = str(err.value)
+    assert "\n" not in line and "postgres user" in line and f"{closed} is closed to it (mode 700)" in line, line
+    assert not (closed / "store" / "postgres" / "PG_VERSION").exists()  # refused before initdb
+
+
+def test_missing_postgresql_binaries_are_named_with_the_fix(open_folder):
+    with pytest.raises(StoreServerError, match=r"PostgreSQL's initdb is not in /no/such/bin: install PostgreSQL"):
+        tracking_server.start(open_folder / "store", pg_bin="/no/such/bin", timeout_s=10)
+
+
+def test_stop_without_a_store_says_so_in_one_line_and_exits_1(open_folder, capsys):
+    assert tracking_server.main(["stop", "--folder", str(open_folder / "none")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: no tracking store in {open_folder / 'none'} (store.json missing): nothing to stop", err

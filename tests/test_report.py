@@ -48,11 +48,11 @@ def _curves(method, seed, step):
 
 def _log_records(client, rid, records):
     """``eval/records.json`` written by ``MlflowLogger.log_table`` itself (its list cells become text)."""
-    from types import SimpleNamespace
-
     from qerl_pipeline.tracking import MlflowLogger
 
-    MlflowLogger.log_table(SimpleNamespace(client=client, run_id=rid), records, "eval/records.json")
+    logger = MlflowLogger(run_id=rid)
+    logger.client = client
+    logger.log_table(records, "eval/records.json")
 
 
 def _log_method_run(client, exp_id, method, i, seed=0, group="g1"):

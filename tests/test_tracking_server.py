@@ -13,11 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,59 +20,23 @@ import pytest
 from qerl_pipeline import tracking_server
 from qerl_pipeline.tracking_server import StoreServerError, free_port
 from tests.helpers.project import project_copy, run_kedro
+from tests.helpers.store import exported_uri, store_command, store_folder
 
 #: the tests that read the store: a real PostgreSQL and mlflow server (the integration tier)
 SERVICES = pytest.mark.services
 
-COMMAND = [sys.executable, "-m", "qerl_pipeline.tracking_server"]
 TRAIN_STEPS = 3  # conf/smoke/parameters.yml train.steps
 METHODS = ["qerl", "lora"]
-
-
-def store_command(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The project's store command, to its end (its own start/stop timeouts are 120 s each)."""
-    proc = subprocess.run(
-        [*COMMAND, *args, "--timeout", "120"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, f"{args[0]}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
-def _exported_uri(proc: subprocess.CompletedProcess) -> str:
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("export MLFLOW_TRACKING_URI="), proc.stdout
-    return last.split("=", 1)[1]
-
-
-def _kill_recorded(folder: Path) -> None:
-    """Whatever ``stop`` left: the recorded PIDs, SIGKILLed (teardown of a failed test)."""
-    try:
-        state = json.loads((folder / "store.json").read_text())
-    except (OSError, ValueError):
-        return
-    for key, group in (("mlflow_pid", True), ("pg_pid", False)):
-        try:
-            (os.killpg if group else os.kill)(state[key], signal.SIGKILL)
-        except (KeyError, TypeError, ProcessLookupError, PermissionError):
-            pass
 
 
 @pytest.fixture(scope="module")
 def store():
     from mlflow.tracking import MlflowClient
 
-    # under /tmp, open to the postgres user: PostgreSQL runs as that user when the tests run as root
-    top = Path(tempfile.mkdtemp(prefix="qerl-store-"))
-    top.chmod(0o755)
-    folder = top / "store"
     port, pg_port = free_port(), free_port()
-    try:
+    with store_folder() as folder:
         first = store_command("start", "--folder", str(folder), "--port", str(port), "--pg-port", str(pg_port))
-        uri = _exported_uri(first)
+        uri = exported_uri(first)
         client = MlflowClient(tracking_uri=uri)
         exp = client.create_experiment("probe")
         probe = client.create_run(exp).info.run_id
@@ -89,7 +48,7 @@ def store():
         second = store_command("start", "--folder", str(folder))  # the same folder: its ports and data
         yield {
             "folder": folder,
-            "uri": _exported_uri(second),
+            "uri": exported_uri(second),
             "first_uri": uri,
             "again": again,
             "running": state_running,
@@ -98,9 +57,6 @@ def store():
         }
         stopped = store_command("stop", "--folder", str(folder))
         assert "stopped mlflow server" in stopped.stderr and "PostgreSQL" in stopped.stderr, stopped.stderr
-    finally:
-        _kill_recorded(folder)
-        shutil.rmtree(top, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -231,10 +187,8 @@ def test_the_compare_logs_to_the_server_and_its_report_is_built_from_it(store, p
 @pytest.fixture()
 def open_folder():
     """A folder under /tmp the postgres user can reach (pytest's own tmp_path sits under a 0700 folder)."""
-    top = Path(tempfile.mkdtemp(prefix="qerl-store-"))
-    top.chmod(0o755)
-    yield top
-    shutil.rmtree(top, ignore_errors=True)
+    with store_folder() as folder:
+        yield folder.parent
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="PostgreSQL runs as the postgres user only when this process is root")

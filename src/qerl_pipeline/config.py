@@ -1254,6 +1254,19 @@ class PlannerConfig(Section):
     )
 
 
+class TrackingConfig(Section):
+    """tracking: how a run lives through a tracking server that is away (tracking_journal.py)."""
+
+    outage_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds a training goes on while its MLflow tracking server does not answer: what it logs waits "
+        "in the journal of its run folder (tracking_journal.jsonl) and is sent, in order and once, when the server "
+        "answers again. Past it the training checkpoints its step and stops with one line naming the server; the same "
+        "command run again once the server answers sends the journal first and goes on in the same MLflow run.",
+    )
+
+
 class QerlConfig(Section):
     """Every parameter of the project; mirrors conf/base/parameters.yml."""
 
@@ -1279,6 +1292,7 @@ class QerlConfig(Section):
     compare: CompareConfig = Field(default_factory=CompareConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _format_matches_prompt(self) -> QerlConfig:

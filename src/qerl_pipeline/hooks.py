@@ -34,7 +34,9 @@ for a ``KeyboardInterrupt`` and MLflow's exit handler closes the active run as F
 during the run SIGINT and SIGTERM raise ``tracking.Interrupted`` (a KeyboardInterrupt naming
 the signal: every ``finally`` runs, the engines close), and an exit handler, which runs before
 MLflow's, ends the run KILLED with the signal and the last completed node. An error reaches
-``on_pipeline_error``: the run is tagged with its one-line summary and kedro-mlflow ends it FAILED.
+``on_pipeline_error``: the run is tagged with its one-line summary and kedro-mlflow ends it FAILED;
+a training stopped by its tracking server away (``TrackingOutage``) leaves as one ``Error:`` line,
+its runs taken off MLflow's stack without a request (the server cannot hear it; the resume reopens them).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from qerl_pipeline import tracking
 from qerl_pipeline.config import ConfigError, QerlConfig, validate
 from qerl_pipeline.data.user_sets import column_problems
 from qerl_pipeline.platform import current_platform, gpu_memory_bytes
+from qerl_pipeline.tracking_journal import TrackingOutage
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,27 @@ class TrackingStoreUnusable(click.ClickException):
         super().__init__(
             f"{err} (nothing ran; set MLFLOW_TRACKING_URI, or server.mlflow_tracking_uri in conf/local/mlflow.yml)"
         )
+
+
+class TrackingServerAway(click.ClickException):
+    """A training stopped because its tracking server was away past ``tracking.outage_s``: one ``Error:`` line."""
+
+    def __init__(self, err: TrackingOutage) -> None:
+        super().__init__(str(err))
+
+
+def _forget_active_runs() -> None:
+    """Take this thread's MLflow runs off the fluent API's stack without waiting on a server that is away
+    (``end_run`` pops each run, then its one request fails at once); the resume reopens the training's run."""
+    import mlflow
+
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "2"
+    while mlflow.active_run() is not None:
+        try:
+            mlflow.end_run("FAILED")
+        except Exception as err:  # the server is away: the run stays RUNNING there
+            log.debug("MLflow run not ended: %s", err)
 
 
 def tracking_uri(context) -> str | None:
@@ -333,6 +357,10 @@ class RunStatusHook:
 
     @hook_impl(tryfirst=True)  # before kedro-mlflow's, which ends the run FAILED
     def on_pipeline_error(self, error: Exception) -> None:
+        if isinstance(error, TrackingOutage):
+            self._close()
+            _forget_active_runs()
+            raise TrackingServerAway(error) from None  # skips kedro-mlflow's hook, which would wait on the server
         self._tag(tracking.end_tags(error))
         self._close()
 

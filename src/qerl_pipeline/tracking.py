@@ -14,30 +14,41 @@ imports MLflow's fluent API directly. That keeps three things simple:
 The tracking store defaults to the embedded SQLite file ``mlflow.db`` at the project root
 (conf/base/mlflow.yml); ``MLFLOW_TRACKING_URI`` overrides it. ``check_store`` tries it within
 seconds (a TCP connect to a server, a write probe beside a SQLite file) so a run that cannot log
-stops before its first node, and ``bound_http_retries`` shortens MLflow's HTTP retries.
+stops before its first node, ``bound_http_retries`` shortens MLflow's HTTP retries, and a training's
+journal (``MlflowLogger.keep_journal``) outlives a server away.
 
 How a run ended is its MLflow status and tags (``mark_ended``, ``reopen``): FINISHED when every
 step ran; KILLED on Ctrl-C or SIGTERM (``Interrupted``), tagged with the signal; FAILED on an
 error, tagged with its one-line summary; a training also tags its last completed step. A
 resumed training reopens its run and keeps how it ended before as ``qerl.previous_end``.
 
-MLflow is imported inside the functions that use it: it is a heavy import, and code that logs
-to a ``MemoryLogger`` (tests, the ranks after the first of a distributed training) never needs it.
+MLflow is imported inside the functions that use it (a heavy import): code that logs to a ``MemoryLogger``
+(tests, the ranks after the first of a distributed training) never needs it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import socket
 import tempfile
+import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from qerl_pipeline.metric_names import REWARD_MEAN
+from qerl_pipeline.tracking_journal import (
+    Journal,
+    Outbox,
+    TrackingOutage,
+    is_outage,
+    jsonable,
+    send_record,
+    server_answers,
+)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 log = logging.getLogger(__name__)
@@ -122,8 +133,10 @@ def metric_history(client, run_id: str, name: str) -> list[tuple[int, float]]:
 class MlflowLogger:
     """Logs to one MLflow run through ``MlflowClient``.
 
-    ``run_id=None`` takes the active run (the one kedro-mlflow started), or starts one
-    in ``experiment`` when none is active (library use outside Kedro).
+    ``run_id=None``: the active run (kedro-mlflow's), or a new one in ``experiment`` (library use outside Kedro).
+
+    ``keep_journal(path, outage_s)`` (a training's run folder): every write then goes through a journal there
+    and outlives a tracking server that is away (``tracking_journal.py``); ``history`` and ``end`` wait for it.
     """
 
     def __init__(
@@ -140,6 +153,8 @@ class MlflowLogger:
             # never fall back to the file store (maintenance mode): use the embedded SQLite
             mlflow.set_tracking_uri(DEFAULT_TRACKING_URI)
         self.client = MlflowClient()
+        self.uri = mlflow.get_tracking_uri()
+        self.outbox: Outbox | None = None
         if run_id is None:
             active = mlflow.active_run()
             if active is None:
@@ -153,68 +168,81 @@ class MlflowLogger:
             self._owns_run = False
         self.run_id = run_id
 
+    def keep_journal(self, path: str | Path, outage_s: float, after_step: int | None = None) -> None:
+        """Write through the journal at ``path`` from now on; what it holds from before is sent first (waiting for
+        the server up to ``outage_s``). ``after_step``: a resume from that step drops the pending metrics of later
+        steps, which it trains and logs again."""
+        self.outbox = Outbox(
+            Journal(path),
+            partial(send_record, self.client),
+            server=self.uri,
+            outage_s=outage_s,
+            answers=partial(server_answers, self.uri),
+            is_outage=is_outage,
+        )
+        if after_step is not None:  # a resume trains the later steps again: their pending metrics would come twice
+            self.outbox.drop_pending(lambda r: r["op"] != "metrics" or r["step"] <= after_step)
+        self.outbox.flush(wait=True)  # what it kept from before goes first
+
+    def outage(self) -> TrackingOutage | None:
+        """The error to stop with when the server has been away past the journal's bound (None without a journal)."""
+        return self.outbox.outage() if self.outbox is not None else None
+
+    def away_s(self) -> float | None:
+        """Seconds the server has been away with records pending (None while it answers, or without a journal)."""
+        return self.outbox.away_s() if self.outbox is not None else None
+
+    def drain(self) -> None:
+        """Wait until the journal's records are sent (``TrackingOutage`` past its bound); no journal: nothing."""
+        if self.outbox is not None:
+            self.outbox.flush(wait=True)
+
+    def _submit(self, op: str, **fields) -> None:
+        record = {"op": op, "run_id": self.run_id, **fields}
+        if self.outbox is None:
+            send_record(self.client, record, uncertain=False)
+        else:
+            self.outbox.submit(record)
+
     def log_metrics(self, metrics, step=None):
-        import time
-
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, v, now, step or 0) for k, v in _finite(metrics).items()]
-        if batch:
-            self.client.log_batch(self.run_id, metrics=batch)
+        metrics = _finite(metrics)
+        if metrics:
+            self._submit("metrics", metrics=metrics, step=step or 0, t=int(time.time() * 1000))
 
     def history(self, names) -> dict[str, list[tuple[int, float]]]:
         """``{name: [(step, value), ...]}`` of the run's logged metrics (all of its steps, one value each)."""
+        self.drain()
         return {n: metric_history(self.client, self.run_id, n) for n in names}
 
     def log_params(self, params):
-        from mlflow.entities import Param
-
-        existing = self.client.get_run(self.run_id).data.params
-        batch = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
-        for i in range(0, len(batch), 100):
-            self.client.log_batch(self.run_id, params=batch[i : i + 100])
+        self._submit("params", params={k: str(v)[:6000] for k, v in params.items()})
 
     def set_tags(self, tags):
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, str(value))
+        self._submit("tags", tags={k: str(v) for k, v in tags.items()})
 
     def log_artifact(self, path, artifact_path=None):
-        path = Path(path)
-        if path.is_dir():
-            self.client.log_artifacts(self.run_id, str(path), artifact_path=artifact_path)
-        else:
-            self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
+        self._submit("artifact", path=str(Path(path).absolute()), artifact_path=artifact_path)
 
     def log_text(self, text, artifact_file):
-        self.client.log_text(self.run_id, text, artifact_file)
+        self._submit("text", text=text, file=artifact_file)
 
     def log_table(self, rows, artifact_file):
         """Rows as a JSON table MLflow's UI shows (``artifact_file`` should end in .json)."""
         rows = list(rows)
         columns = sorted({k for r in rows for k in r})
-        payload = {"columns": columns, "data": [[_jsonable(r.get(c)) for c in columns] for r in rows]}
-        with tempfile.TemporaryDirectory() as tmp:
-            target = Path(tmp) / Path(artifact_file).name
-            target.write_text(json.dumps(payload))
-            parent = str(Path(artifact_file).parent)
-            self.client.log_artifact(self.run_id, str(target), artifact_path=None if parent == "." else parent)
+        table = {"columns": columns, "data": [[jsonable(r.get(c)) for c in columns] for r in rows]}
+        self._submit("table", table=table, file=artifact_file)
 
     def end(self, status: str = "FINISHED") -> None:
-        """Close the run if this logger opened it, or force a status (e.g. FAILED)."""
+        """Close the run if this logger opened it, or force a status (e.g. FAILED); after what the journal holds."""
         import mlflow
 
+        self.drain()
         active = mlflow.active_run()
         if self._owns_run and active is not None and active.info.run_id == self.run_id:
             mlflow.end_run(status=status)  # also clears the fluent API's active run
         elif self._owns_run or status != "FINISHED":
             self.client.set_terminated(self.run_id, status=status)
-
-
-def _jsonable(value):
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
 
 
 def git_commit(cwd: str | Path | None = None) -> str:
@@ -283,8 +311,13 @@ def end_tags(exc: BaseException) -> dict[str, str]:
 def mark_ended(logger: MetricsLogger, exc: BaseException, last_step: int | None = None) -> None:
     """Tag and close the run of ``logger`` that ``exc`` ended (KILLED or FAILED, ``end_tags``, ``last_step``).
 
-    Never raises: recording the end must not hide ``exc`` (a dead tracking server only warns).
+    Never raises: recording the end must not hide ``exc`` (a dead tracking server only warns). A server away
+    (``away_s``) records nothing: the journal keeps what came before, and the resume goes on in the same run.
     """
+    away = getattr(logger, "away_s", lambda: None)()
+    if away is not None:
+        log.warning("the run's end (%s) is not recorded: its tracking server is away (%.0f s)", end_status(exc), away)
+        return
     tags = end_tags(exc)
     if last_step is not None:
         tags[LAST_STEP_TAG] = str(last_step)
@@ -547,7 +580,7 @@ class TrainingRun:
         """After a training that raised ``exc``: end its run if still RUNNING (not kedro-mlflow's, which the
         Kedro hooks end), tagged as ``mark_ended`` does with the last step its metrics reached."""
         run = self.run
-        if run is None or (not self.parent and run.run_id == self.active_run_id):
+        if run is None or (not self.parent and run.run_id == self.active_run_id) or run.away_s() is not None:
             return
         try:
             if run.client.get_run(run.run_id).info.status != "RUNNING":
@@ -559,6 +592,9 @@ class TrainingRun:
         mark_ended(run, exc, last_step=max(steps, default=0))
 
     def finish(self) -> None:
-        """After the training: close the run kedro-mlflow does not own (a branch's, or the one a resume reopened)."""
+        """After the training: what its journal holds sent (waiting for the server, ``TrackingOutage`` past the
+        bound), then the run kedro-mlflow does not own closed (a branch's, or the one a resume reopened)."""
+        if self.run is not None:
+            self.run.drain()
         if self.run is not None and (self.parent or self.run.run_id != self.active_run_id):
             self.run.client.set_terminated(self.run.run_id, status="FINISHED")

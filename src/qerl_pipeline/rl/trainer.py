@@ -52,6 +52,10 @@ the wrap-up (final adapter and curves not yet in MLflow, ``RunFolder.logged``), 
 Every random draw is a function of ``(seed, step)`` (sampling seeds, AQN noise, data
 order), so a resumed run reproduces the uninterrupted one.
 
+Tracking server away: what the run logs waits in the run folder's journal (``JOURNAL``) and is sent
+when it answers; past ``tracking.outage_s`` the loop checkpoints the step it finished and stops
+(``tracking_journal.TrackingOutage``); run again, the journal is sent first and the run goes on.
+
 A NaN/Inf loss raises ``TrainingDiverged`` naming the step before any optimizer update,
 so the newest checkpoint is the last good state. A loop that ends early marks its MLflow run
 (``tracking.mark_ended``): FAILED with the error's one-line summary, or KILLED (Ctrl-C, SIGTERM)
@@ -104,6 +108,10 @@ class TrainResult:
     moved_aside: Path | None = None
     #: True when the run folder held this run finished already (nothing was trained)
     reused: bool = False
+
+
+#: the run folder's tracking journal (``tracking_journal.py``): what the run logged, kept until its server has it
+JOURNAL = "tracking_journal.jsonl"
 
 
 def run_dir_for(cfg: QerlConfig, output_dir: str | Path | None = None) -> Path:
@@ -306,6 +314,10 @@ def train(
                 rollout.tokens_per_s,
                 stats.update_s,
             )
+            if away := (logger.outage() if hasattr(logger, "outage") else None):  # away past tracking.outage_s
+                if d.is_main and (step + 1) % tc.checkpoint_every and step + 1 != tc.steps:
+                    _save_checkpoint(run, step + 1, stats)  # a resume goes on after the step the journal holds
+                raise away
         if d.is_main:
             _save_final_adapter(run, base_dir)
     except BaseException as exc:  # the run says how it ended: KILLED (Ctrl-C, SIGTERM) or FAILED, after which step
@@ -335,6 +347,8 @@ def open_run(cfg: QerlConfig, output_dir: str | Path | None, reporting: Reportin
             "with train.resume=false"
         )
     logger = reporting.make_logger(stored.get("run_id"))
+    if d.is_main and hasattr(logger, "keep_journal"):  # what it logs survives a tracking server that is away
+        logger.keep_journal(run_dir / JOURNAL, cfg.tracking.outage_s, after_step=stored.get("step"))
     return RunFolder(run_dir, latest, stored, moved_aside, logger, getattr(logger, "run_id", None))
 
 

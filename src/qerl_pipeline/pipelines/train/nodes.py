@@ -59,7 +59,8 @@ def train_policy(
     """Train ``method`` on ``train_prompts`` over the base folder, once per seed (module docstring).
 
     ``sections``: the parameter sections the pipeline wires in by name (``pipeline.SECTIONS``:
-    ``model``, ``lora``, ``rollout``, ``grpo``, ``aqn``, ``optim``, ``train``, ``reward``, ``data``),
+    ``model``, ``lora``, ``rollout``, ``grpo``, ``aqn``, ``optim``, ``train``, ``reward``, ``data``,
+    ``tracking``),
     validated together into the training's ``QerlConfig`` (``train_config``).
 
     A compare branch whose method ``methods`` (``compare.methods``) leaves out trains nothing:

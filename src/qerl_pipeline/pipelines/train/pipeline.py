@@ -28,7 +28,7 @@ BASE_DATASET = "base_model"
 #: data_prep's report (counts, dropped rows): logged into the training run with the base's quantize report.
 DATA_REPORT = "data_prep_report"
 #: Parameter sections the train node reads (besides ``params:method``).
-SECTIONS = ("model", "lora", "rollout", "grpo", "aqn", "optim", "train", "reward", "data")
+SECTIONS = ("model", "lora", "rollout", "grpo", "aqn", "optim", "train", "reward", "data", "tracking")
 #: compare's seeds (``compare.seeds``): the compare templates train and evaluate each of them.
 SEEDS_PARAM = "params:compare.seeds"
 #: compare's methods (``compare.methods``): a compare template whose method it leaves out trains and evaluates nothing.

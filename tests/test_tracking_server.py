@@ -7,26 +7,39 @@ below also show that a second start keeps the store. Then, with ``MLFLOW_TRACKIN
 the smoke training with its export, and a smoke compare of 2 methods x 1 seed. Every assertion reads
 the server (runs, each step's metrics once, artifacts downloaded through it, the registered model)
 or what the compare report built from it.
+
+A training outlives its server: the smoke training's server is SIGKILLed right after its step-2
+checkpoint (its process group stopped meanwhile, so the kill lands between steps 2 and 3) and started
+again on the same store 60 s later; the training goes on, exits 0, and every assertion above holds. Last,
+a server away past a 10 s ``tracking.outage_s``: one ``Error:`` line, a non-zero exit, the checkpoint
+kept, and the same command with the server back finishes the same run, each step once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from qerl_pipeline import tracking_server
+from qerl_pipeline.rl import checkpoint as ckpt
+from qerl_pipeline.rl.trainer import JOURNAL
+from qerl_pipeline.tracking_journal import Journal
 from qerl_pipeline.tracking_server import StoreServerError, free_port
-from tests.helpers.project import project_copy, run_kedro
-from tests.helpers.store import exported_uri, store_command, store_folder
+from tests.helpers.project import project_copy, run_kedro, start_kedro, stop_kedro, wait_kedro
+from tests.helpers.store import exported_uri, kill_recorded, store_command, store_folder
 
 #: the tests that read the store: a real PostgreSQL and mlflow server (the integration tier)
 SERVICES = pytest.mark.services
 
 TRAIN_STEPS = 3  # conf/smoke/parameters.yml train.steps
 METHODS = ["qerl", "lora"]
+RUN_DIR = "data/06_models/train_smoke/qerl"
+CURVES = ("reward/mean", "policy/entropy", "aqn/sigma", "optim/lr")
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +79,19 @@ def project(store, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(store, project):
-    """The smoke training and its export (method qerl), logged to the server."""
-    proc = run_kedro(
-        project,
-        "run",
-        "--pipelines=train,export",
-        "--env=smoke",
-        "--params=export.dtype=float32",
-        env={"MLFLOW_TRACKING_URI": store["uri"]},
-        timeout=1200,
+    """The smoke training and its export (method qerl), logged to the server, which is SIGKILLed right after the
+    step-2 checkpoint and started again on the same store 60 s later: the training goes on meanwhile."""
+    log = project / "train.log"
+    proc, killed, _ = _train_and_kill_the_server_at_step_2(
+        project, store, log, "export.dtype=float32", pipelines="train,export"
     )
-    return proc.stdout
+    try:
+        time.sleep(max(0.0, 60 - (time.monotonic() - killed)))
+        _restart(store)
+    except BaseException:
+        stop_kedro(proc)
+        raise
+    return wait_kedro(proc, log, timeout=1200).stdout
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +107,34 @@ def compared(store, project, trained):
         timeout=1500,
     )
     return proc.stdout
+
+
+def _train_and_kill_the_server_at_step_2(project: Path, store: dict, log: Path, *params: str, pipelines="train"):
+    """``kedro run --pipelines=<pipelines>`` logging to the store; the run's process group stopped (SIGSTOP) within one
+    20 ms poll of its step-2 checkpoint's rename (a smoke step takes ~0.2 s), the server SIGKILLed, the run
+    continued. Returns the process (running), the time of the kill and the command's arguments."""
+    args = ["run", f"--pipelines={pipelines}", "--env=smoke", *([f"--params={','.join(params)}"] if params else [])]
+    proc = start_kedro(project, *args, log=log, env={"MLFLOW_TRACKING_URI": store["uri"]})
+    step2 = project / RUN_DIR / ckpt.CHECKPOINTS / "step-000002"
+    deadline = time.monotonic() + 900
+    try:
+        while not step2.is_dir():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no step-2 checkpoint (rc {proc.poll()})\n{log.read_text(errors='replace')[-6000:]}")
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        kill_recorded(store["folder"], which=("mlflow_pid",))
+        killed = time.monotonic()
+        os.killpg(proc.pid, signal.SIGCONT)
+    except BaseException:
+        stop_kedro(proc)
+        raise
+    return proc, killed, args
+
+
+def _restart(store: dict) -> None:
+    again = store_command("start", "--folder", str(store["folder"]))
+    assert exported_uri(again) == store["uri"] and "mlflow server started" in again.stderr, again.stderr
 
 
 def _client(store):
@@ -132,7 +175,7 @@ def test_the_smoke_training_logs_to_the_server_each_step_once(store, project, tr
     client = _client(store)
     (run,) = [r for r in _runs(client, "train") if "qerl.compare_group" not in r.data.tags]
     assert run.info.status == "FINISHED" and run.data.tags["method"] == "qerl"
-    for name in ("reward/mean", "policy/entropy", "aqn/sigma", "optim/lr"):
+    for name in CURVES:
         _each_step_once(client, run.info.run_id, name, TRAIN_STEPS)
     # artifacts go through the server (mlflow-artifacts:/) and come back byte for byte
     assert run.info.artifact_uri.startswith("mlflow-artifacts:/"), run.info.artifact_uri
@@ -181,6 +224,51 @@ def test_the_compare_logs_to_the_server_and_its_report_is_built_from_it(store, p
     # the report's files in the compare run, read back through the server
     got = Path(client.download_artifacts(parent.info.run_id, "report/claims.json", str(project / "dl")))
     assert json.loads(got.read_text()) == json.loads((report / "claims.json").read_text())
+
+
+@pytest.mark.services
+@pytest.mark.kedro_run
+@pytest.mark.vllm
+def test_the_training_went_on_while_the_server_was_away_and_sent_what_it_kept(store, project, trained):
+    assert "does not answer" in trained and "answers again after" in trained, trained[-4000:]
+    client = _client(store)
+    (run,) = [r for r in _runs(client, "train") if "qerl.compare_group" not in r.data.tags]
+    step3 = [a.path for a in client.list_artifacts(run.info.run_id, "completions")]
+    assert "completions/step_00003.json" in step3  # logged while the server was away
+    journal = project / RUN_DIR / JOURNAL
+    assert journal.stat().st_size > 0 and Journal(journal).pending == []
+
+
+@pytest.mark.services
+@pytest.mark.kedro_run
+@pytest.mark.vllm
+def test_a_server_away_past_the_bound_stops_the_training_and_the_rerun_finishes_it(store, compared, tmp_path):
+    """Last in the module (it kills the server again): its own project copy, 6 steps, a 10 s bound."""
+    project = project_copy(tmp_path / "project", shared=["gsm8k/test.jsonl"])
+    log = tmp_path / "first.log"
+    proc, _, args = _train_and_kill_the_server_at_step_2(project, store, log, "train.steps=6", "tracking.outage_s=10")
+    first = wait_kedro(proc, log, timeout=900, check=False)
+    assert first.returncode != 0
+    errors = [line for line in first.stdout.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"MLflow tracking server {store['uri']} has not answered for" in errors[0], errors
+    assert "tracking.outage_s is 10" in errors[0] and "Traceback" not in first.stdout, first.stdout[-4000:]
+    stopped_at = int(ckpt.peek_state(ckpt.find_latest(project / RUN_DIR))["step"])
+    assert stopped_at >= 3  # the step it finished while away was checkpointed before the stop
+    kept = Journal(project / RUN_DIR / JOURNAL).pending
+    assert kept and all(r["run_id"] == kept[0]["run_id"] for r in kept)
+    assert any(r["op"] == "metrics" and r["step"] == 3 for r in kept), kept
+
+    _restart(store)
+    log2 = tmp_path / "second.log"
+    second = wait_kedro(start_kedro(project, *args, log=log2, env={"MLFLOW_TRACKING_URI": store["uri"]}), log2)
+    assert "kept from before; they are sent first" in second.stdout
+    client = _client(store)
+    run = client.get_run(kept[0]["run_id"])  # the run it stopped in
+    assert run.info.status == "FINISHED" and run.data.tags["qerl.role"] == "train", run.info
+    for name in CURVES:
+        _each_step_once(client, run.info.run_id, name, 6)
+    assert Journal(project / RUN_DIR / JOURNAL).pending == []
+    assert json.loads((project / RUN_DIR / "final_logged.json").read_text()) == {"run_id": run.info.run_id, "steps": 6}
 
 
 # ----------------------------------------------------------------------------- refusals (fast tier: nothing starts)

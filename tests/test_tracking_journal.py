@@ -210,3 +210,26 @@ def test_mlflow_logger_through_its_journal_logs_each_point_once(sqlite_store, tm
     assert "completions/step_00003.json" in [a.path for a in client.list_artifacts(run_id, "completions")]
     history = again.history(["loss"])
     assert history == {"loss": [(1, 1.0), (2, 2.0), (3, 3.0)]}
+
+
+def test_a_reader_waits_for_the_server_and_goes_on_when_it_answers(caplog):
+    from qerl_pipeline.tracking_journal import await_server
+
+    clock = Clock()
+    await_server("http://127.0.0.1:1", 300, answers=lambda: clock.now >= 40, clock=clock, sleep=clock.sleep)
+    assert 40 <= clock.now < 50
+    assert "answers again after" in caplog.text
+    slept = Clock()
+    await_server("http://127.0.0.1:1", 300, answers=lambda: True, clock=slept, sleep=slept.sleep)
+    assert slept.now == 0  # a server that answers costs no wait
+
+
+def test_a_reader_past_the_bound_stops_with_one_line():
+    from qerl_pipeline.tracking_journal import await_server
+
+    clock = Clock()
+    with pytest.raises(TrackingOutage) as err:
+        await_server("http://127.0.0.1:1", 10, answers=lambda: False, clock=clock, sleep=clock.sleep)
+    msg = str(err.value)
+    assert "\n" not in msg and "http://127.0.0.1:1 has not answered for 15 s (tracking.outage_s is 10)" in msg, msg
+    assert "stopped before reading from it: run the same command again once it answers" in msg

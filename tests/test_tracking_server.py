@@ -10,7 +10,9 @@ or what the compare report built from it.
 
 A training outlives its server: the smoke training's server is SIGKILLed right after its step-2
 checkpoint (its process group stopped meanwhile, so the kill lands between steps 2 and 3) and started
-again on the same store 60 s later; the training goes on, exits 0, and every assertion above holds. Last,
+again on the same store 60 s later; the training goes on, exits 0, and every assertion above holds. The
+compare's server is killed when its first evaluation starts and started again once that evaluation's records
+wait in its training's journal: the compare finishes, the evaluation in its run once. Last,
 a server away past a 10 s ``tracking.outage_s``: one ``Error:`` line, a non-zero exit, the checkpoint
 kept, and the same command with the server back finishes the same run, each step once.
 """
@@ -27,10 +29,9 @@ import pytest
 
 from qerl_pipeline import tracking_server
 from qerl_pipeline.rl import checkpoint as ckpt
-from qerl_pipeline.rl.trainer import JOURNAL
-from qerl_pipeline.tracking_journal import Journal
+from qerl_pipeline.tracking_journal import JOURNAL_FILE, Journal
 from qerl_pipeline.tracking_server import StoreServerError, free_port
-from tests.helpers.project import project_copy, run_kedro, start_kedro, stop_kedro, wait_kedro
+from tests.helpers.project import project_copy, start_kedro, stop_kedro, wait_kedro
 from tests.helpers.store import exported_uri, kill_recorded, store_command, store_folder
 
 #: the tests that read the store: a real PostgreSQL and mlflow server (the integration tier)
@@ -96,17 +97,52 @@ def trained(store, project):
 
 @pytest.fixture(scope="module")
 def compared(store, project, trained):
-    """A smoke compare of 2 methods x 1 seed, logged to the server."""
-    proc = run_kedro(
-        project,
-        "run",
-        "--pipelines=compare",
-        "--env=smoke",
-        f"--params=compare.methods={' '.join(METHODS)},compare.seeds=[0],evaluate.greedy=false",
-        env={"MLFLOW_TRACKING_URI": store["uri"]},
-        timeout=1500,
-    )
-    return proc.stdout
+    """A smoke compare of 2 methods x 1 seed, logged to the server, which is SIGKILLed when lora's evaluation starts
+    (its first) and started again once that evaluation's records wait in lora's training journal."""
+    log = project / "compare.log"
+    params = f"compare.methods={' '.join(METHODS)},compare.seeds=[0],evaluate.greedy=false"
+    args = ["run", "--pipelines=compare", "--env=smoke", f"--params={params}"]
+    proc = start_kedro(project, *args, log=log, env={"MLFLOW_TRACKING_URI": store["uri"]})
+    try:
+        _wait_for(
+            lambda: "evaluate lora seed 0 on " in log.read_text(errors="replace"), proc, log, "lora's evaluation"
+        )
+        os.killpg(proc.pid, signal.SIGSTOP)
+        kill_recorded(store["folder"], which=("mlflow_pid",))
+        os.killpg(proc.pid, signal.SIGCONT)
+        (meta,) = project.glob("data/06_models/**/compare/lora/seed-0/qerl_adapter.json")
+        journal = project / json.loads(meta.read_text())["run_dir"] / JOURNAL_FILE  # relative to the project
+        _wait_for(lambda: "eval/accuracy.json" in _pending_files(journal), proc, log, "the evaluation in the journal")
+        _restart(store)
+    except BaseException:
+        stop_kedro(proc)
+        raise
+    return {"stdout": wait_kedro(proc, log, timeout=1500).stdout, "journal": journal}
+
+
+def _wait_for(ready, proc, log: Path, what: str, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {what} (rc {proc.poll()})\n{log.read_text(errors='replace')[-6000:]}")
+        time.sleep(0.02)
+
+
+def _pending_files(journal: Path) -> list[str]:
+    """The artifact files of the journal's pending records, read without opening it as a ``Journal`` (which may
+    rewrite the file its writer holds): the whole lines after the last ``sent`` mark."""
+    try:
+        lines = journal.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    items = []
+    for line in lines:
+        try:
+            items.append(json.loads(line))
+        except ValueError:  # a line being written
+            break
+    sent = max((x["sent"] for x in items if "sent" in x), default=-1)
+    return [x.get("file", "") for x in items if x.get("n", -1) > sent]
 
 
 def _train_and_kill_the_server_at_step_2(project: Path, store: dict, log: Path, *params: str, pipelines="train"):
@@ -116,12 +152,8 @@ def _train_and_kill_the_server_at_step_2(project: Path, store: dict, log: Path, 
     args = ["run", f"--pipelines={pipelines}", "--env=smoke", *([f"--params={','.join(params)}"] if params else [])]
     proc = start_kedro(project, *args, log=log, env={"MLFLOW_TRACKING_URI": store["uri"]})
     step2 = project / RUN_DIR / ckpt.CHECKPOINTS / "step-000002"
-    deadline = time.monotonic() + 900
     try:
-        while not step2.is_dir():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"no step-2 checkpoint (rc {proc.poll()})\n{log.read_text(errors='replace')[-6000:]}")
-            time.sleep(0.02)
+        _wait_for(step2.is_dir, proc, log, "step-2 checkpoint")
         os.killpg(proc.pid, signal.SIGSTOP)
         kill_recorded(store["folder"], which=("mlflow_pid",))
         killed = time.monotonic()
@@ -229,13 +261,27 @@ def test_the_compare_logs_to_the_server_and_its_report_is_built_from_it(store, p
 @pytest.mark.services
 @pytest.mark.kedro_run
 @pytest.mark.vllm
+def test_the_compare_kept_an_evaluation_while_the_server_was_away_and_sent_it_once(store, compared):
+    assert "does not answer" in compared["stdout"] and "answers again after" in compared["stdout"]
+    client = _client(store)
+    (parent,) = _runs(client, "compare")
+    assert parent.info.status == "FINISHED"
+    (lora,) = [r for r in _runs(client, "train") if r.data.tags.get("method") == "lora"]
+    assert len(client.get_metric_history(lora.info.run_id, "eval/trained/gsm8k/n_problems")) == 1
+    assert lora.data.tags["qerl.evaluation_key"]  # what the compare's rerun would find and reuse
+    assert Journal(compared["journal"]).pending == []
+
+
+@pytest.mark.services
+@pytest.mark.kedro_run
+@pytest.mark.vllm
 def test_the_training_went_on_while_the_server_was_away_and_sent_what_it_kept(store, project, trained):
     assert "does not answer" in trained and "answers again after" in trained, trained[-4000:]
     client = _client(store)
     (run,) = [r for r in _runs(client, "train") if "qerl.compare_group" not in r.data.tags]
     step3 = [a.path for a in client.list_artifacts(run.info.run_id, "completions")]
     assert "completions/step_00003.json" in step3  # logged while the server was away
-    journal = project / RUN_DIR / JOURNAL
+    journal = project / RUN_DIR / JOURNAL_FILE
     assert journal.stat().st_size > 0 and Journal(journal).pending == []
 
 
@@ -254,7 +300,7 @@ def test_a_server_away_past_the_bound_stops_the_training_and_the_rerun_finishes_
     assert "tracking.outage_s is 10" in errors[0] and "Traceback" not in first.stdout, first.stdout[-4000:]
     stopped_at = int(ckpt.peek_state(ckpt.find_latest(project / RUN_DIR))["step"])
     assert stopped_at >= 3  # the step it finished while away was checkpointed before the stop
-    kept = Journal(project / RUN_DIR / JOURNAL).pending
+    kept = Journal(project / RUN_DIR / JOURNAL_FILE).pending
     assert kept and all(r["run_id"] == kept[0]["run_id"] for r in kept)
     assert any(r["op"] == "metrics" and r["step"] == 3 for r in kept), kept
 
@@ -267,7 +313,7 @@ def test_a_server_away_past_the_bound_stops_the_training_and_the_rerun_finishes_
     assert run.info.status == "FINISHED" and run.data.tags["qerl.role"] == "train", run.info
     for name in CURVES:
         _each_step_once(client, run.info.run_id, name, 6)
-    assert Journal(project / RUN_DIR / JOURNAL).pending == []
+    assert Journal(project / RUN_DIR / JOURNAL_FILE).pending == []
     assert json.loads((project / RUN_DIR / "final_logged.json").read_text()) == {"run_id": run.info.run_id, "steps": 6}
 
 

@@ -1263,7 +1263,9 @@ class TrackingConfig(Section):
         description="Seconds a training goes on while its MLflow tracking server does not answer: what it logs waits "
         "in the journal of its run folder (tracking_journal.jsonl) and is sent, in order and once, when the server "
         "answers again. Past it the training checkpoints its step and stops with one line naming the server; the same "
-        "command run again once the server answers sends the journal first and goes on in the same MLflow run.",
+        "command run again once the server answers sends the journal first and goes on in the same MLflow run. A "
+        "compare's evaluations (logged into their trainings' runs through the same journal) and its report wait for "
+        "the server as long.",
     )
 
 

@@ -18,6 +18,9 @@ have reached the server anyway (the reply was lost, or the process died before i
 it is sent as uncertain, and the sender skips what the server already holds (for metrics: a point
 of the same key, step and timestamp; the other records are idempotent: tags, params, artifacts).
 A record the server refuses (not an outage) is marked sent, so it cannot block the journal, and raised.
+
+``await_server`` is the same wait for a reader (a compare's report, an evaluation's reuse check): what
+it reads cannot wait in a journal, so it waits for the server up to the bound, then stops the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 RETRY_S = 5.0
 #: seconds between two "still waiting" lines while a run waits for its server
 SAY_EVERY_S = 30.0
+#: a run folder's journal (a training's, and the evaluations logged into its run)
+JOURNAL_FILE = "tracking_journal.jsonl"
 
 
 class JournalError(RuntimeError):
@@ -48,11 +53,16 @@ class JournalError(RuntimeError):
 class TrackingOutage(RuntimeError):
     """The tracking server has been away longer than the bound: one line naming it and for how long."""
 
-    def __init__(self, server: str, away_s: float, bound_s: float, pending: int, journal: Path) -> None:
-        super().__init__(
-            f"MLflow tracking server {server} has not answered for {away_s:.0f} s (tracking.outage_s is {bound_s:g}); "
+    def __init__(self, server: str, away_s: float, bound_s: float, pending: int, journal: Path | None) -> None:
+        kept = (
             f"stopped with {pending} record(s) kept in {journal}: run the same command again once it answers, "
             "they are sent first and the run goes on"
+            if journal is not None
+            else "stopped before reading from it: run the same command again once it answers"
+        )
+        super().__init__(
+            f"MLflow tracking server {server} has not answered for {away_s:.0f} s (tracking.outage_s is {bound_s:g}); "
+            + kept
         )
         self.server, self.away_s = server, away_s
 
@@ -289,6 +299,31 @@ def server_answers(uri: str, timeout_s: float = 2.0) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def await_server(
+    uri: str,
+    outage_s: float,
+    *,
+    answers: Callable[[], bool] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Return once the server at ``uri`` answers (at once when it does); ``TrackingOutage`` past ``outage_s``."""
+    answers = answers or (lambda: server_answers(uri))
+    start, said = clock(), None
+    while not answers():
+        away = clock() - start
+        if away > outage_s:
+            raise TrackingOutage(uri, away, outage_s, 0, None)
+        if said is None or clock() - said >= SAY_EVERY_S:
+            said = clock()
+            log.warning(
+                "waiting for MLflow tracking server %s: away %.0f s of tracking.outage_s %g", uri, away, outage_s
+            )
+        sleep(RETRY_S)
+    if said is not None:
+        log.warning("MLflow tracking server %s answers again after %.0f s", uri, clock() - start)
 
 
 #: a server's answers that mean it is away (its store down, say), not that it refuses the record

@@ -8,8 +8,10 @@ with ``evaluate.include_base``, the base alone as ``base``, both on an engine se
   as it is, and the pipeline's datasets log it into the ``kedro run``'s MLflow run.
 * A compare branch (``branch=True``): one adapter per seed, on the compare's shared engine
   (``rollout/pool.py``). Each seed's evaluation is logged into its training run (the
-  adapter's ``mlflow_run_id``) with its ``evaluation_key``; a run that already holds an
-  evaluation with that key is reused, not redone (a resumed compare). The base alone is
+  adapter's ``mlflow_run_id``) with its ``evaluation_key``, through that training's run folder
+  journal (``tracking_journal.py``: a server away keeps it there up to ``tracking.outage_s``, and a
+  rerun sends it first); a run that already holds an evaluation with that key is reused, not
+  redone (a resumed compare). The base alone is
   evaluated once, with the first seed evaluated here: same base, prompts and settings give the
   same numbers, so later seeds' results get a copy of its records (tag
   ``qerl.base_eval_of_seed``). Records, skipped prompts and timings then carry the seed
@@ -23,7 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.adapter import adapter_meta
-from qerl_pipeline.config import DataConfig, EvaluateConfig, ModelConfig, RewardConfig, RolloutConfig, parse
+from qerl_pipeline.config import (
+    DataConfig,
+    EvaluateConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrackingConfig,
+    parse,
+)
 from qerl_pipeline.evaluation.evaluator import (
     EvalResult,
     adapter_rank,
@@ -39,6 +49,7 @@ from qerl_pipeline.quantization.checkpoint import folder_bytes
 from qerl_pipeline.rollout.pool import shared_engine
 from qerl_pipeline.rollout.serving import served_model
 from qerl_pipeline.tracking import MlflowLogger
+from qerl_pipeline.tracking_journal import JOURNAL_FILE, await_server
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +101,16 @@ def result_metrics(result: EvalResult, rows: list[dict[str, Any]]) -> dict[str, 
     return metrics
 
 
+def training_run_logger(run_id: str, run_dir: str | None, outage_s: float) -> MlflowLogger:
+    """A logger into the training run ``run_id`` through its run folder's journal, once its server answers:
+    what the journal kept from before (the training's, an earlier evaluation's) is sent first."""
+    logger = MlflowLogger(run_id=run_id)
+    if run_dir is not None and Path(run_dir).is_dir():  # a folder moved or deleted since: straight to the server
+        logger.keep_journal(Path(run_dir) / JOURNAL_FILE, outage_s)
+    await_server(logger.uri, outage_s)
+    return logger
+
+
 def evaluate_adapters(
     method: str,
     base_dir: Path,
@@ -101,13 +122,16 @@ def evaluate_adapters(
     rollout_cfg: RolloutConfig,
     *,
     branch: bool = False,
+    outage_s: float = TrackingConfig().outage_s,
 ) -> EvalResult:
     """Evaluate ``method``'s adapters (seed -> folder) and the base alone over ``base_dir`` (module docstring)."""
     served = served_model(base_dir)
     results: dict[int | None, EvalResult] = {}
     base_records: tuple[int | None, list[dict[str, Any]]] | None = None
     for seed, adapter in adapters.items():
-        trained_run = adapter_meta(adapter).get("mlflow_run_id") if branch else None
+        meta = adapter_meta(adapter) if branch else {}
+        trained_run = meta.get("mlflow_run_id")
+        logger = training_run_logger(trained_run, meta.get("run_dir"), outage_s) if trained_run else None
         key = evaluation_key(adapter, cfg, records, served) if trained_run else None
         prior = logged_evaluation(trained_run, key) if trained_run else None
         label = method if seed is None else f"{method} seed {seed}"
@@ -141,8 +165,9 @@ def evaluate_adapters(
             if cfg.include_base and not with_base:
                 result.records += [dict(r) for r in base_records[1]]
                 result.tags = {**result.tags, "qerl.base_eval_of_seed": str(base_records[0])}
-            if trained_run:
-                log_evaluation(MlflowLogger(run_id=trained_run), result, accuracy_rows(result.records), key=key)
+            if logger is not None:
+                log_evaluation(logger, result, accuracy_rows(result.records), key=key)
+                logger.drain()
             results[seed] = result
         if base_records is None:
             mine = [r for r in results[seed].records if r.get("policy") == "base"]

@@ -52,7 +52,7 @@ the wrap-up (final adapter and curves not yet in MLflow, ``RunFolder.logged``), 
 Every random draw is a function of ``(seed, step)`` (sampling seeds, AQN noise, data
 order), so a resumed run reproduces the uninterrupted one.
 
-Tracking server away: what the run logs waits in the run folder's journal (``JOURNAL``) and is sent
+Tracking server away: what the run logs waits in the run folder's journal (``JOURNAL_FILE``) and is sent
 when it answers; past ``tracking.outage_s`` the loop checkpoints the step it finished and stops
 (``tracking_journal.TrackingOutage``); run again, the journal is sent first and the run goes on.
 
@@ -90,6 +90,7 @@ from qerl_pipeline.rl.run_setup import Reporting, Run, RunFolder, _save_step_ada
 from qerl_pipeline.rl.update import policy_update
 from qerl_pipeline.terminal import TrainProgress
 from qerl_pipeline.tracking import MetricsLogger
+from qerl_pipeline.tracking_journal import JOURNAL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +109,6 @@ class TrainResult:
     moved_aside: Path | None = None
     #: True when the run folder held this run finished already (nothing was trained)
     reused: bool = False
-
-
-#: the run folder's tracking journal (``tracking_journal.py``): what the run logged, kept until its server has it
-JOURNAL = "tracking_journal.jsonl"
 
 
 def run_dir_for(cfg: QerlConfig, output_dir: str | Path | None = None) -> Path:
@@ -348,7 +345,7 @@ def open_run(cfg: QerlConfig, output_dir: str | Path | None, reporting: Reportin
         )
     logger = reporting.make_logger(stored.get("run_id"))
     if d.is_main and hasattr(logger, "keep_journal"):  # what it logs survives a tracking server that is away
-        logger.keep_journal(run_dir / JOURNAL, cfg.tracking.outage_s, after_step=stored.get("step"))
+        logger.keep_journal(run_dir / JOURNAL_FILE, cfg.tracking.outage_s, after_step=stored.get("step"))
     return RunFolder(run_dir, latest, stored, moved_aside, logger, getattr(logger, "run_id", None))
 
 

@@ -16,12 +16,13 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from qerl_pipeline.config import SKIPPED_BRANCH, CompareConfig, parse
+from qerl_pipeline.config import SKIPPED_BRANCH, CompareConfig, TrackingConfig, parse
 from qerl_pipeline.evaluation import report_runs
 from qerl_pipeline.evaluation.report import report_artifacts
 from qerl_pipeline.evaluation.report_claims import claim_metrics, claims
 from qerl_pipeline.evaluation.report_tables import accuracy_frame, system_table
 from qerl_pipeline.tracking import MlflowLogger, name_run, run_name
+from qerl_pipeline.tracking_journal import await_server
 
 
 def open_compare(compare: dict[str, Any], model: dict[str, Any], train: dict[str, Any]) -> dict[str, str]:
@@ -37,8 +38,14 @@ def open_compare(compare: dict[str, Any], model: dict[str, Any], train: dict[str
     return {"run_id": logger.run_id, "experiment_id": run.info.experiment_id}
 
 
-def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branches: Any) -> dict[str, Any]:
+def build_report(
+    compare_group: dict[str, str], compare: dict[str, Any], tracking: dict[str, Any] | None = None, **branches: Any
+) -> dict[str, Any]:
     """The comparison report of the branches' runs (the claims also logged to the compare run).
+
+    A tracking server away is waited for up to ``tracking.outage_s``, then the node stops with one line
+    (``TrackingOutage``): the compare run holds nothing but what the report derives from the branches' runs,
+    so nothing of it waits in a journal; the same command run again reuses every branch and builds it.
 
     ``branches``: ``<method>_summary`` (each branch's ``train_summary``, which names its run),
     ``<method>_accuracy`` (its ``eval_accuracy``) and ``<method>_export`` (its ``export_report``), inputs
@@ -60,9 +67,9 @@ def build_report(compare_group: dict[str, str], compare: dict[str, Any], **branc
             )
         runs = summary.get("runs", [summary])  # one entry per seed (train/nodes.py)
         selection[method] = [{"run_id": r["mlflow_run_id"], "eval_run_id": None, "seed": r.get("seed")} for r in runs]
-    return report_outputs(
-        report_runs.load_selected(selection, client=MlflowClient()), compare_group["run_id"], cc.methods
-    )
+    client = MlflowClient()
+    await_server(client.tracking_uri, parse(TrackingConfig, tracking, "tracking").outage_s)
+    return report_outputs(report_runs.load_selected(selection, client=client), compare_group["run_id"], cc.methods)
 
 
 def report_outputs(runs: list[report_runs.RunData], compare_run_id: str, methods: list[str]) -> dict[str, Any]:

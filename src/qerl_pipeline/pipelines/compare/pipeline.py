@@ -123,7 +123,7 @@ def create_pipeline(**kwargs) -> Pipeline:
     """data_prep + the compare run + a base per format + a branch per method + the report."""
     bases = format_nodes(sorted({METHOD_FORMAT[m] for m in COMPARE_METHODS}))
     branches = sum((branch(m) for m in COMPARE_METHODS), Pipeline([]))
-    report_inputs = {"compare_group": "compare_group", "compare": "params:compare"}
+    report_inputs = {"compare_group": "compare_group", "compare": "params:compare", "tracking": "params:tracking"}
     for m in COMPARE_METHODS:
         report_inputs[f"{m}_summary"] = f"{namespace(m)}.train_summary"
         report_inputs[f"{m}_accuracy"] = f"{namespace(m)}.eval_accuracy"

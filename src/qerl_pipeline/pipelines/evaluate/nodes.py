@@ -42,6 +42,7 @@ from qerl_pipeline.config import (
     ModelConfig,
     RewardConfig,
     RolloutConfig,
+    TrackingConfig,
     compare_branch,
     parse,
 )
@@ -57,6 +58,7 @@ from qerl_pipeline.evaluation.seeds import (
 from qerl_pipeline.export.accuracy import evaluate_folder
 from qerl_pipeline.export.folders import read_manifest
 from qerl_pipeline.tracking import label_run, run_name
+from qerl_pipeline.tracking_journal import await_server
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ def run_evaluation(
     # them): typed Any, as Kedro's parameter validator warns at every run start on a union-typed params: input
     seeds: Any = None,
     methods: Any = None,
+    tracking: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``trained`` (base + the adapter of ``method``, per seed in a compare branch) and ``base``.
 
@@ -86,7 +89,7 @@ def run_evaluation(
     evaluated after ``evaluate.benchmarks``. Returns the ``eval_result`` dataset's data.
     A compare branch whose method ``methods`` (``compare.methods``) leaves out evaluates
     nothing and starts no engine: it logs why and returns an empty result marked ``skipped``
-    (``config.compare_branch``).
+    (``config.compare_branch``). A tracking server away is waited for up to ``tracking.outage_s``.
     """
     if compare_group:
         seeds, skipped = compare_branch(method, methods, seeds)
@@ -95,6 +98,7 @@ def run_evaluation(
             return {**EvalResult(records=[]).as_dict(), SKIPPED_BRANCH: skipped}
     cfg = evaluate_config(evaluate, data)
     mc: ModelConfig = parse(ModelConfig, model, "model")
+    outage_s = parse(TrackingConfig, tracking, "tracking").outage_s
     if cfg.model_path and not compare_group:
         return _evaluate_folder(Path(cfg.model_path), flatten_prompts(eval_prompts), cfg, reward, mc, rollout, method)
     branch_seeds = (seeds if seeds is not None else [0]) if compare_group else [None]
@@ -109,8 +113,12 @@ def run_evaluation(
         mc,
         parse(RolloutConfig, rollout, "rollout"),
         branch=bool(compare_group),
+        outage_s=outage_s,
     )
     if not compare_group:
+        import mlflow
+
+        await_server(mlflow.get_tracking_uri(), outage_s)
         meta = adapter_meta(adapters[None])
         trained_run = meta.get("mlflow_run_id")
         label_run(

@@ -47,6 +47,7 @@ def evaluation_nodes(in_compare: bool = False) -> Pipeline:
         "model": "params:model",
         "rollout": "params:rollout",
         "data": "params:data",
+        "tracking": "params:tracking",
     }
     if in_compare:  # every seed of compare.seeds, each logged into its training run, if compare.methods has it
         inputs["compare_group"] = "compare_group"

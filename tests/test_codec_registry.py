@@ -114,7 +114,7 @@ def test_the_format_sweep_methods_are_registered():
     assert "mxfp4" in config.AQN_METHODS and "mxfp4_noaqn" not in config.AQN_METHODS
     assert all(config.METHOD_SPECS[m].quantized for m in ("mxfp4", "mxfp4_noaqn", "fp8"))
     cfg = validate({"compare": {"methods": "qerl mxfp4 fp8"}})
-    assert cfg.compare.methods == ["qerl", "mxfp4", "fp8"] and cfg.compare.mxfp4.method == "mxfp4"
+    assert cfg.compare.methods == ["qerl", "mxfp4", "fp8"]
 
 
 # ----------------------------------------------------------------------------- refusals

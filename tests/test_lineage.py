@@ -71,7 +71,10 @@ def test_compare_has_one_branch_per_method_on_shared_bases():
         )
         train = _producer(pipe, f"{ns}.trained_adapters")
         assert train.name == f"{ns}.train_policy"
-        assert f"base_{METHOD_FORMAT[m]}" in train.inputs and f"params:{ns}.method" in train.inputs
+        assert f"base_{METHOD_FORMAT[m]}" in train.inputs
+        # the branch is its method's registration: the method bound into its nodes, no parameter of its own
+        assert all(not i.startswith(f"params:{ns}") for n in mine for i in n.inputs), [n.inputs for n in mine]
+        assert all(n.func.keywords == {"method": m} for n in mine if n.name.split(".")[-1] != "evaluation_outputs")
         assert sorted(n.name for n in _consumers(pipe, f"{ns}.trained_adapters")) == sorted(
             f"{ns}.{x}" for x in ("evaluate_policies", "export_policy", "evaluate_export", "report_export")
         )
@@ -86,17 +89,21 @@ def test_compare_has_one_branch_per_method_on_shared_bases():
         assert _producer(pipe, f"base_{fmt}").name == f"quantize_{fmt}"
     users = [n.namespace for n in _consumers(pipe, "base_nvfp4") if n.name.endswith("train_policy")]
     assert sorted(users) == ["compare.qerl", "compare.qerl_noaqn"]
-    # every branch parameter the pipeline reads is part of the validated config
-    cfg = validate({}, QerlConfig)
-    for m in METHODS:
-        assert getattr(cfg.compare, m).method == m
+    # every parameter the pipeline reads is part of the validated config
+    cfg = validate({}, QerlConfig).model_dump()
+    for name in sorted({i for n in pipe.nodes for i in n.inputs if i.startswith("params:")}):
+        value = cfg
+        for part in name.removeprefix("params:").split("."):
+            assert isinstance(value, dict) and part in value, name
+            value = value[part]
 
 
-def test_a_branch_that_names_another_method_is_refused():
+def test_a_compare_branch_entry_is_an_unknown_key_naming_it():
+    """A branch is its method's registration: the old ``compare.<method>: {method: ...}`` entries are refused."""
     from qerl_pipeline.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"compare\.qlora\.method|qlora\.method"):
-        validate({"compare": {"qlora": {"method": "lora"}}}, QerlConfig)
+    with pytest.raises(ConfigError, match=r"compare\.qlora"):
+        validate({"compare": {"qlora": {"method": "qlora"}}}, QerlConfig)
 
 
 @pytest.mark.kedro_run

@@ -125,7 +125,7 @@ def node_functions(root: Path = SRC) -> set[tuple[str, str]]:
             if (
                 isinstance(call, ast.Call)
                 and isinstance(call.func, ast.Name)
-                and call.func.id in ("Node", "node")
+                and call.func.id in ("Node", "node", "with_method")  # with_method: a template node's function
                 and call.args
                 and isinstance(call.args[0], ast.Name)
             ):

@@ -18,7 +18,6 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -29,7 +28,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    create_model,
     field_validator,
     model_validator,
 )
@@ -71,9 +69,9 @@ METHOD_SPECS: dict[str, MethodSpec] = {}
 def register_method(spec: MethodSpec) -> MethodSpec:
     """Add a method to the registry; a taken name or a format no codec is registered for is refused.
 
-    Validation accepts it at once (``method``, ``compare.methods``, ``benchmark.methods``, ``optim.lr``).
-    ``compare.<method>`` branches are the methods registered when this module is first imported
-    (``CompareConfig`` and the compare pipeline are built then)."""
+    Validation accepts it at once (``method``, ``benchmark.methods``, ``optim.lr``, whose rate for it is
+    ``spec.lr`` unless the map gives one). The compare's branches are the methods registered when this module is
+    first imported (``COMPARE_METHODS``: Kedro builds the compare pipeline then)."""
     if not spec.name.isidentifier():
         raise ValueError(
             f"method name {spec.name!r}: a Python identifier is needed (it names namespaces and run folders)"
@@ -831,15 +829,22 @@ class OptimConfig(Section):
     )
     lr: dict[str, float] = Field(
         default_factory=lambda: {m: spec.lr for m, spec in METHOD_SPECS.items()},
-        description="Learning rate per method (paper: 1e-5 for QeRL and QLoRA, 5e-6 for LoRA; lora_aqn, not in the "
-        "paper, takes LoRA's: it is the BF16 LoRA arm with AQN added, so only the noise differs; the other quantized "
-        "methods, mxfp4, mxfp4_noaqn and fp8, take QeRL's). Keys: registered methods.",
+        description="Learning rate per method, over each registered method's own (``MethodSpec.lr``: the paper's "
+        "1e-5 for QeRL and QLoRA, 5e-6 for LoRA; lora_aqn, not in the paper, takes LoRA's: it is the BF16 LoRA arm "
+        "with AQN added, so only the noise differs; mxfp4, mxfp4_noaqn and fp8 take QeRL's). A method this map "
+        "leaves out keeps its own. Keys: registered methods.",
     )
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.99))
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     schedule: Literal["cosine", "constant"] = Field("cosine", description="After warmup.")
     max_grad_norm: float = Field(0.2, gt=0, description="Gradient clipping (paper scripts: 0.2).")
+
+    @field_validator("lr", mode="before")
+    @classmethod
+    def _over_the_registry(cls, value: Any) -> Any:
+        """The given rates over every registered method's own: a method is one registration."""
+        return {**{m: spec.lr for m, spec in METHOD_SPECS.items()}, **value} if isinstance(value, dict) else value
 
     @model_validator(mode="after")
     def _positive_lr(self) -> OptimConfig:
@@ -1099,21 +1104,15 @@ class ExportConfig(Section):
     )
 
 
-class CompareBranch(Section):
-    """One method's branch of the compare pipeline (Kedro namespace ``compare.<method>``).
-
-    Its parameters are what differs between branches; every other section is shared, so
-    config and seeds are equal by construction. The learning rate differs through
-    ``optim.lr``'s per-method mapping (the paper's 2:1 ratio), not here.
-    """
-
-    method: Method = Field(description="The method this branch trains; must be the branch's own name.")
+#: The methods with a compare branch: those registered when this module is imported (the compare pipeline's too).
+COMPARE_METHODS: tuple[str, ...] = tuple(METHODS)
 
 
-class _CompareSettings(Section):
+class CompareConfig(Section):
     """compare: one branch per method (train + evaluate, pipelines/compare/pipeline.py), then the report.
 
-    ``CompareConfig`` adds a ``CompareBranch`` field per method of ``METHOD_SPECS`` (``compare.<method>``).
+    A branch is its method's registration (``register_method``): nothing of it is listed here; every section is
+    shared, and the learning rate differs through ``optim.lr``'s per-method rates.
     """
 
     methods: list[Method] = Field(
@@ -1147,11 +1146,7 @@ class _CompareSettings(Section):
         return value.split() if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _branches_are_their_methods(self) -> _CompareSettings:
-        for name in COMPARE_METHODS:
-            got = getattr(self, name).method
-            if got != name:
-                raise ValueError(f"{name}.method: the branch compare.{name} trains {name!r}, got {got!r}")
+    def _each_once_with_a_branch(self) -> CompareConfig:
         late = [m for m in self.methods if m not in COMPARE_METHODS]
         if late:
             raise ValueError(
@@ -1164,24 +1159,6 @@ class _CompareSettings(Section):
             raise ValueError(f"methods: each method once, got {self.methods}")
         return self
 
-
-#: The methods with a compare branch: those registered when this module is imported (the compare pipeline's too).
-COMPARE_METHODS: tuple[str, ...] = tuple(METHODS)
-CompareConfig = create_model(
-    "CompareConfig",
-    __base__=_CompareSettings,
-    __doc__=_CompareSettings.__doc__,
-    **{
-        m: (
-            CompareBranch,
-            Field(
-                default_factory=partial(CompareBranch, method=m),
-                description=f"The {m} branch (Kedro namespace compare.{m}).",
-            ),
-        )
-        for m in COMPARE_METHODS
-    },
-)
 
 #: The key a compare branch's ``train_summary`` and ``eval_result`` hold (the sentence it logged) when
 #: ``compare.methods`` leaves its method out and it trained and evaluated nothing (``compare_branch``).

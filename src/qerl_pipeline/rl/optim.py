@@ -20,10 +20,7 @@ log = logging.getLogger(__name__)
 def build_optimizer(params: list[torch.nn.Parameter], cfg: QerlConfig) -> tuple[torch.optim.Optimizer, str]:
     """AdamW (8-bit through bitsandbytes when asked and it runs on CUDA), and a note saying which."""
     o = cfg.optim
-    lr = o.lr.get(cfg.method)
-    if lr is None:
-        raise KeyError(f"optim.lr has no learning rate for method {cfg.method!r}")
-    kwargs = dict(lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    kwargs = dict(lr=o.lr[cfg.method], betas=tuple(o.betas), weight_decay=o.weight_decay)
     if o.name == "adamw_8bit":
         on_cuda = any(p.is_cuda for p in params)
         try:

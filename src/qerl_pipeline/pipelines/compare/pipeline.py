@@ -13,7 +13,8 @@ Declared, so ``kedro viz`` shows the experiment:
   pipeline's (``...export_policy`` -> ``...exports``, ``...export_report``; it exports and scores the
   4-bit merged policy of every seed only with ``export.in_compare``, off by default: on CPU each
   export is another engine start and evaluation per method and seed). Every parameter section is
-  shared; the branch's own parameter is ``compare.<method>.method``;
+  shared; the branch's method is bound into its nodes (``train.pipeline.with_method``), so a method is
+  its registration (``config.register_method``), with no ``compare.<method>`` entry in parameters.yml;
 * ``build_comparison_report``, joining the branches: means and 95% intervals over the seeds and
   the paper's claims put to the data (``evaluation/report.py``, ``evaluation/stats.py``). Every
   file of the report is one of its outputs, a catalog dataset ``compare_report_<stem>_<ext>``
@@ -69,7 +70,7 @@ from qerl_pipeline.pipelines.export.pipeline import export_nodes
 from qerl_pipeline.pipelines.quantize.pipeline import format_nodes
 from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SECTIONS, SEEDS_PARAM, training_nodes
 
-#: Parameters every branch shares (everything but ``params:method``), compare's seeds and methods included.
+#: Parameters every branch shares (all: its method is bound), compare's seeds and methods included.
 SHARED_PARAMS = sorted(
     {f"params:{s}" for s in SECTIONS}
     | {"params:evaluate", "params:export", "params:quantize", SEEDS_PARAM, METHODS_PARAM}
@@ -105,7 +106,7 @@ def _group() -> Pipeline:
 def branch(method: str) -> Pipeline:
     """The train + evaluate templates for ``method`` in its namespace, on its format's shared base."""
     return pipeline(
-        training_nodes(in_compare=True) + evaluation_nodes(in_compare=True) + export_nodes(in_compare=True),
+        training_nodes(method) + evaluation_nodes(method) + export_nodes(method),
         namespace=namespace(method),
         inputs={
             "train_prompts": "train_prompts",

@@ -12,7 +12,7 @@ outputs node reads), ``eval_records`` (per problem), ``eval_accuracy``
 logged to the run's MLflow run (named ``evaluate <method> · <model> · seed <n>``, tagged
 ``qerl.trained_run_id``).
 
-``evaluation_nodes(in_compare=...)`` is the template compare instantiates per method
+``evaluation_nodes(method)`` is the template compare instantiates per method
 (namespace ``compare.<method>``); there it evaluates every seed of ``params:compare.seeds``,
 each logged into its own training run, or nothing when ``params:compare.methods`` leaves its method out.
 """
@@ -20,7 +20,7 @@ each logged into its own training run, or nothing when ``params:compare.methods`
 from kedro.pipeline import Node, Pipeline
 
 from qerl_pipeline.pipelines.evaluate.nodes import eval_outputs, run_evaluation
-from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SEEDS_PARAM
+from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SEEDS_PARAM, with_method
 
 PROMPTS_DATASET = "eval_prompts"
 #: The quantize pipeline's dataset holding the base folder of ``params:method``.
@@ -35,13 +35,12 @@ def _upstream() -> Pipeline:
     return data_prep().to_outputs(PROMPTS_DATASET) + quantize().only_nodes("select_base")
 
 
-def evaluation_nodes(in_compare: bool = False) -> Pipeline:
+def evaluation_nodes(method: str | None = None) -> Pipeline:
     """Engine + scoring -> ``eval_result`` -> ``eval_records``, ``eval_accuracy``, ``eval_metrics``."""
     inputs = {
         "eval_prompts": PROMPTS_DATASET,
         "base_dir": BASE_DATASET,
         "trained_adapters": ADAPTERS_DATASET,
-        "method": "params:method",
         "evaluate": "params:evaluate",
         "reward": "params:reward",
         "model": "params:model",
@@ -49,13 +48,13 @@ def evaluation_nodes(in_compare: bool = False) -> Pipeline:
         "data": "params:data",
         "tracking": "params:tracking",
     }
-    if in_compare:  # every seed of compare.seeds, each logged into its training run, if compare.methods has it
+    if method is not None:  # every seed of compare.seeds, each logged into its training run, if compare.methods has it
         inputs["compare_group"] = "compare_group"
         inputs["seeds"] = SEEDS_PARAM
         inputs["methods"] = METHODS_PARAM
     return Pipeline(
         [
-            Node(run_evaluation, inputs, "eval_result", name="evaluate_policies"),
+            Node(*with_method(run_evaluation, inputs, method), "eval_result", name="evaluate_policies"),
             Node(
                 eval_outputs,
                 "eval_result",

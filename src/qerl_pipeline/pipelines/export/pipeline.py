@@ -15,7 +15,7 @@ Datasets (conf/base/catalog_export.yml):
 * ``export_report``: folders, load commands, 4-bit weight error, accuracies with intervals, the 4-bit
   cost, the registered model version (JSON, logged to the run under ``export/``).
 
-``export_nodes(in_compare=...)`` is the template compare instantiates per method (namespace
+``export_nodes(method)`` is the template compare instantiates per method (namespace
 ``compare.<method>``, on the branch's ``base_<format>``): every seed, with ``export.in_compare``,
 after the branch's evaluation (whose logged evaluation of ``trained`` it reuses); the compare
 report comes after it.
@@ -24,7 +24,7 @@ report comes after it.
 from kedro.pipeline import Node, Pipeline
 
 from qerl_pipeline.pipelines.export.nodes import evaluate_exports, export_policy, report_exports
-from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SEEDS_PARAM
+from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SEEDS_PARAM, with_method
 
 PROMPTS_DATASET = "eval_prompts"
 ADAPTERS_DATASET = "trained_adapters"
@@ -39,12 +39,12 @@ def _upstream() -> Pipeline:
     return data_prep().to_outputs(PROMPTS_DATASET)
 
 
-def export_nodes(in_compare: bool = False) -> Pipeline:
+def export_nodes(method: str | None = None) -> Pipeline:
     """``export_policy`` -> ``exports`` -> ``evaluate_export`` -> ``export_eval_result`` -> ``report_export``."""
+    in_compare = method is not None
     base = BRANCH_BASE_DATASET if in_compare else BASES_DATASET
     common = {
         "trained_adapters": ADAPTERS_DATASET,
-        "method": "params:method",
         "export": "params:export",
         "train": "params:train",
     }
@@ -62,21 +62,25 @@ def export_nodes(in_compare: bool = False) -> Pipeline:
     return Pipeline(
         [
             Node(
-                export_policy,
-                {**common, "base": base, "quantize": "params:quantize", **branch},
+                *with_method(export_policy, {**common, "base": base, "quantize": "params:quantize", **branch}, method),
                 "exports",
                 name="export_policy",
             ),
-            Node(evaluate_exports, evaluate_inputs, "export_eval_result", name="evaluate_export"),
             Node(
-                report_exports,
-                {
-                    **common,
-                    "export_eval_result": "export_eval_result",
-                    "exports": "exports",
-                    "model": "params:model",
-                    **branch,
-                },
+                *with_method(evaluate_exports, evaluate_inputs, method), "export_eval_result", name="evaluate_export"
+            ),
+            Node(
+                *with_method(
+                    report_exports,
+                    {
+                        **common,
+                        "export_eval_result": "export_eval_result",
+                        "exports": "exports",
+                        "model": "params:model",
+                        **branch,
+                    },
+                    method,
+                ),
                 "export_report",
                 name="report_export",
             ),

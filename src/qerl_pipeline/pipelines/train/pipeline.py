@@ -12,11 +12,15 @@ Datasets (conf/base/catalog_train.yml):
   pipeline reads it, so the lineage runs train -> adapter -> evaluate.
 * ``train_summary``: JSON (adapter folder, run id, per-step metrics).
 
-``training_nodes(in_compare=...)`` is the template compare instantiates once per method
-(Kedro namespace ``compare.<method>``); there the node also takes ``compare_group`` (the
-compare run), ``params:compare.seeds`` and ``params:compare.methods``, and trains once per seed, each in a child
-MLflow run, or nothing when ``compare.methods`` leaves its method out.
+``training_nodes(method)`` is the template compare instantiates once per method (Kedro
+namespace ``compare.<method>``, the method bound: ``with_method``); there the node also takes
+``compare_group`` (the compare run), ``params:compare.seeds`` and ``params:compare.methods``, and
+trains once per seed, each in a child MLflow run, or nothing when ``compare.methods`` leaves its
+method out.
 """
+
+from functools import partial, update_wrapper
+from typing import Any
 
 from kedro.pipeline import Node, Pipeline
 
@@ -42,24 +46,31 @@ def _upstream() -> Pipeline:
     return data_prep().to_outputs(PROMPTS_DATASET, DATA_REPORT) + quantize().to_outputs(BASE_DATASET)
 
 
-def training_nodes(in_compare: bool = False) -> Pipeline:
-    """The training node: prompts + base + parameters -> ``trained_adapters``, ``train_summary``."""
+def with_method(func, inputs: dict[str, str], method: str | None) -> tuple[Any, dict[str, str]]:
+    """A template node's function and inputs for its ``method`` argument: standalone (``method`` None) the
+    ``params:method`` parameter; in a compare branch the branch's method, bound (a method is its registration:
+    no ``compare.<method>`` entry in parameters.yml)."""
+    if method is None:
+        return func, {**inputs, "method": "params:method"}
+    return update_wrapper(partial(func, method=method), func), inputs
+
+
+def training_nodes(method: str | None = None) -> Pipeline:
+    """The training node: prompts + base + parameters -> ``trained_adapters``, ``train_summary``; ``method``:
+    compare's branch of that method."""
     inputs = {
         "train_prompts": PROMPTS_DATASET,
         "base_model": BASE_DATASET,
         "data_report": DATA_REPORT,
-        "method": "params:method",
         **{s: f"params:{s}" for s in SECTIONS},
     }
     # one training per seed of compare.seeds, in the compare run, if compare.methods has it (train/nodes.py)
-    if in_compare:
+    if method is not None:
         inputs["compare_group"] = "compare_group"
         inputs["seeds"] = SEEDS_PARAM
         inputs["methods"] = METHODS_PARAM
-    return Pipeline(
-        [Node(train_policy, inputs, ["trained_adapters", "train_summary"], name="train_policy")],
-        tags="train",
-    )
+    func, inputs = with_method(train_policy, inputs, method)
+    return Pipeline([Node(func, inputs, ["trained_adapters", "train_summary"], name="train_policy")], tags="train")
 
 
 def create_pipeline(**kwargs) -> Pipeline:

@@ -238,6 +238,42 @@ def test_one_finished_run_per_method_and_seed_with_curves_and_eval(compared):
     assert all(p == params[0] for p in params)
 
 
+def test_mlflow_opens_on_the_trainings_each_under_its_compare_with_its_prompts_one_dataset(compared):
+    """What MLflow's UI shows, asked of its API: the experiment's kind (its training runs, not GenAI traces), each
+    training under its compare run with the columns a user sorts by, its prompts a dataset input that is one
+    dataset across methods and seeds, and each evaluated benchmark one too."""
+    from qerl_pipeline import metric_names
+    from qerl_pipeline.config import METHOD_FORMAT
+    from qerl_pipeline.tracking import metric_history
+    from qerl_pipeline.tracking_view import KIND_TAG, MODEL_DEVELOPMENT
+
+    client, parent, children = compared["client"], compared["parent"], compared["children"]
+    assert client.get_experiment(parent.info.experiment_id).tags[KIND_TAG] == MODEL_DEVELOPMENT
+    assert len(children) == len(METHODS) * len(SEEDS)
+    trained, evaluated = set(), set()
+    sort_metrics = (metric_names.REWARD_AREA, metric_names.FINAL_REWARD, metric_names.MEAN_STEP_S)
+    for run in children:
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        # the runs list's sort and filter columns: method, format, seed, reward area, final reward, step time,
+        # accuracy per benchmark
+        tags, metrics = run.data.tags, run.data.metrics
+        assert tags["format"] == METHOD_FORMAT[tags["method"]] and int(tags["seed"]) in SEEDS, tags
+        assert all(name in metrics for name in sort_metrics), sorted(metrics)
+        assert metrics[metric_names.FINAL_REWARD] == metric_history(client, run.info.run_id, "reward/mean")[-1][1]
+        assert {m.split("/")[2] for m in metrics if m.startswith("eval/trained/")} == {"generator", "gsm8k"}
+        inputs = client.get_run(run.info.run_id).inputs.dataset_inputs
+        by_context = {}
+        for i in inputs:
+            context = {t.key: t.value for t in i.tags}["mlflow.data.context"]
+            by_context.setdefault(context, []).append((i.dataset.name, i.dataset.digest))
+        (train,) = by_context["training"]
+        trained.add(train)
+        evaluated |= set(by_context["evaluation"])
+    assert len(trained) == 1, trained  # the same prompts: one dataset for every method and seed
+    # one per benchmark of conf/smoke's evaluate.benchmarks, the same subset (evaluate.limit) for all
+    assert sorted(name.split("/")[0] for name, _ in evaluated) == ["generator", "gsm8k"], evaluated
+
+
 def test_branch_outputs_are_datasets(compared):
     """Each branch's adapter and evaluation are files of its namespace's datasets."""
     root = compared["root"]

@@ -57,6 +57,7 @@ from qerl_pipeline.config import ConfigError, QerlConfig, validate
 from qerl_pipeline.data.user_sets import column_problems
 from qerl_pipeline.platform import current_platform, gpu_memory_bytes
 from qerl_pipeline.tracking_journal import TrackingOutage
+from qerl_pipeline.tracking_view import mark_model_development
 
 log = logging.getLogger(__name__)
 
@@ -341,6 +342,8 @@ class RunStatusHook:
 
         active = mlflow.active_run()
         self._run_id = active.info.run_id if active is not None else None
+        if active is not None:  # MLflow's UI then opens the experiment on its runs (tracking_view.py)
+            mark_model_development(active.info.experiment_id)
         self._open, self._last_node, self._signal = True, None, None
         self._catch_signals()
         if not self._exit_registered:  # registered after MLflow's own, so it runs before it

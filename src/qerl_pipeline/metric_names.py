@@ -63,6 +63,11 @@ DATA_PROMPTS = "data/prompts"
 DATA_DROPPED_PROMPTS = "data/dropped_prompts"
 WORLD_SIZE = "dist/world_size"
 TOTAL_TIME_S = "time/total_s"
+#: logged once when a training ends, to sort its runs by in MLflow's runs list: the mean reward over the steps
+#: (the area under the reward curve per step, the report's claim (b)), the last step's, the mean step time
+REWARD_AREA = "summary/reward_area"
+FINAL_REWARD = "summary/final_reward"
+MEAN_STEP_S = "summary/step_s"
 BASE_WEIGHT_MIB = "base/weight_mib"
 LINEAR_BYTES_RATIO = "quantize/linear_bytes_ratio"
 #: the per-step curves a training returns and plots

@@ -5,11 +5,12 @@ imports MLflow's fluent API directly. That keeps three things simple:
 
 - Kedro runs: kedro-mlflow opens one MLflow run per ``kedro run``; ``MlflowLogger()``
   logs into that active run.
-- Resumed training: the checkpoint stores the run id; ``MlflowLogger(run_id=...)`` keeps
-  logging into the original run through ``MlflowClient``, whatever run kedro-mlflow opened.
-  ``TrainingRun`` decides which run a training logs into (standalone or a compare branch's
-  child run) and closes it; the nodes call it and ``label_run`` instead of MLflow itself.
+- Resumed training: ``MlflowLogger(run_id=...)`` logs into the checkpoint's run, whatever run kedro-mlflow
+  opened. ``TrainingRun`` decides which run a training logs into (standalone or a compare branch's child) and
+  closes it; the nodes call it and ``label_run`` instead of MLflow itself.
 - Tests: ``MemoryLogger`` keeps everything in memory, so the numbers can be asserted.
+
+What MLflow's UI shows of the runs (the experiment's kind, dataset inputs) is ``tracking_view.py``'s.
 
 The tracking store defaults to the embedded SQLite file ``mlflow.db`` at the project root
 (conf/base/mlflow.yml); ``MLFLOW_TRACKING_URI`` overrides it. ``check_store`` tries it within
@@ -22,8 +23,7 @@ step ran; KILLED on Ctrl-C or SIGTERM (``Interrupted``), tagged with the signal;
 error, tagged with its one-line summary; a training also tags its last completed step. A
 resumed training reopens its run and keeps how it ended before as ``qerl.previous_end``.
 
-MLflow is imported inside the functions that use it (a heavy import): code that logs to a ``MemoryLogger``
-(tests, the ranks after the first of a distributed training) never needs it.
+MLflow is imported inside the functions that use it (a heavy import): a ``MemoryLogger`` never needs it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from qerl_pipeline.tracking_journal import (
     send_record,
     server_answers,
 )
+from qerl_pipeline.tracking_view import mark_model_development
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class MetricsLogger(Protocol):
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_table(self, rows: list[dict], artifact_file: str) -> None: ...
+    def log_input(self, dataset: dict[str, str], context: str) -> None: ...  # tracking_view.dataset_input
 
 
 def scalar_metrics(values: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -94,6 +96,7 @@ class MemoryLogger:
         self.params: dict[str, Any] = {}
         self.tags: dict[str, str] = {}
         self.artifacts: dict[str, Any] = {}
+        self.inputs: list[tuple[dict[str, str], str]] = []
 
     def log_metrics(self, metrics, step=None):
         for key, value in _finite(metrics).items():
@@ -114,6 +117,9 @@ class MemoryLogger:
 
     def log_table(self, rows, artifact_file):
         self.artifacts[artifact_file] = list(rows)
+
+    def log_input(self, dataset, context):
+        self.inputs.append((dict(dataset), context))
 
     def history(self, names) -> dict[str, list[tuple[int, float]]]:
         return {n: [(s, v) for s, v in self.metrics.get(n, []) if s is not None] for n in names}
@@ -158,7 +164,7 @@ class MlflowLogger:
         if run_id is None:
             active = mlflow.active_run()
             if active is None:
-                mlflow.set_experiment(experiment)
+                mark_model_development(mlflow.set_experiment(experiment).experiment_id, self.client)
                 active = mlflow.start_run()
                 self._owns_run = True
             else:
@@ -226,6 +232,9 @@ class MlflowLogger:
     def log_text(self, text, artifact_file):
         self._submit("text", text=text, file=artifact_file)
 
+    def log_input(self, dataset, context):
+        self._submit("input", dataset=dict(dataset), context=context)
+
     def log_table(self, rows, artifact_file):
         """Rows as a JSON table MLflow's UI shows (``artifact_file`` should end in .json)."""
         rows = list(rows)
@@ -243,22 +252,6 @@ class MlflowLogger:
             mlflow.end_run(status=status)  # also clears the fluent API's active run
         elif self._owns_run or status != "FINISHED":
             self.client.set_terminated(self.run_id, status=status)
-
-
-def git_commit(cwd: str | Path | None = None) -> str:
-    """The checkout's commit (with ``-dirty`` when it has changes), or ``unknown``."""
-    import subprocess
-
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True
-        ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except Exception:
-        return "unknown"
 
 
 # ------------------------------------------------------------------ how a run ended

@@ -16,7 +16,7 @@ seconds away it raises ``TrackingOutage``, as ``outage()`` tells the training lo
 Nothing is sent twice. A record whose send failed, or the first pending one after a restart, may
 have reached the server anyway (the reply was lost, or the process died before its ``sent`` mark):
 it is sent as uncertain, and the sender skips what the server already holds (for metrics: a point
-of the same key, step and timestamp; the other records are idempotent: tags, params, artifacts).
+of the same key, step and timestamp; the other records are idempotent: tags, params, artifacts, inputs).
 A record the server refuses (not an outage) is marked sent, so it cannot block the journal, and raised.
 
 ``await_server`` is the same wait for a reader (a compare's report, an evaluation's reuse check): what
@@ -280,6 +280,11 @@ def send_record(client, record: dict, uncertain: bool) -> None:
             target.write_text(json.dumps(record["table"]))
             parent = str(Path(record["file"]).parent)
             client.log_artifact(run_id, str(target), artifact_path=None if parent == "." else parent)
+    elif op == "input":  # a dataset input (tracking_view.dataset_input); MLflow keeps one per dataset and run
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        tag = InputTag("mlflow.data.context", record["context"])
+        client.log_inputs(run_id, datasets=[DatasetInput(Dataset(**record["dataset"]), tags=[tag])])
     else:
         raise ValueError(f"unknown journal record {op!r}")
 

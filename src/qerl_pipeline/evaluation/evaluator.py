@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.config import EvaluateConfig, RewardConfig, RolloutConfig
+from qerl_pipeline.tracking_view import EVALUATION, dataset_input
 
 log = logging.getLogger(__name__)
 
@@ -460,6 +461,14 @@ def log_evaluation(logger, result: EvalResult, rows: list[dict[str, Any]], key: 
     if key is not None:
         logger.log_text(json.dumps(result.as_dict(), default=str), RESULT_ARTIFACT)
         logger.set_tags({EVALUATED_TAG: key})
+
+
+def log_benchmark_inputs(logger, records: Sequence[dict[str, Any]], cfg: EvaluateConfig) -> None:
+    """Each benchmark's evaluated prompts (``cfg.limit`` applied as ``evaluate_policies`` applies it) as a dataset
+    input of the run (``tracking_view``: MLflow's Dataset column; the same prompts, one dataset)."""
+    for rows in group_by_source(records, cfg.benchmarks).values():
+        if rows:
+            logger.log_input(dataset_input(subset(rows, cfg.limit), "eval_prompts"), EVALUATION)
 
 
 #: Tag of a run whose evaluation was logged by ``log_evaluation(..., key=...)``: what was evaluated.

@@ -40,6 +40,7 @@ from qerl_pipeline.evaluation.evaluator import (
     evaluate_policies,
     evaluation_key,
     evaluation_metrics,
+    log_benchmark_inputs,
     log_evaluation,
     logged_evaluation,
 )
@@ -167,6 +168,7 @@ def evaluate_adapters(
                 result.tags = {**result.tags, "qerl.base_eval_of_seed": str(base_records[0])}
             if logger is not None:
                 log_evaluation(logger, result, accuracy_rows(result.records), key=key)
+                log_benchmark_inputs(logger, records, cfg)
                 logger.drain()
             results[seed] = result
         if base_records is None:

@@ -40,7 +40,8 @@ from qerl_pipeline.rl.update import Optim
 from qerl_pipeline.rollout.layout import engine_plan
 from qerl_pipeline.rollout.serving import open_engine, resolve_sync, served_model, served_tags
 from qerl_pipeline.rollout.sleep import EngineSleeper, engine_platform, sleep_plan
-from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, git_commit, scalar_metrics
+from qerl_pipeline.tracking import MemoryLogger, MetricsLogger, scalar_metrics
+from qerl_pipeline.tracking_view import TRAINING, dataset_input, git_commit
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,7 @@ def setup(
             optimizer_note=opt_note,
             data_report=reporting.data_report,
             moved_aside=folder.moved_aside,
+            records=records,
         )
     if dropped:
         log.warning(
@@ -305,11 +307,14 @@ def _log_fresh_run(
     optimizer_note: str,
     data_report: dict | None,
     moved_aside: Path | None,
+    records: list[dict[str, Any]],
 ) -> None:
-    """A fresh run's tags, resolved config and inputs (a resumed run has them already)."""
+    """A fresh run's tags, resolved config and inputs: its prompts a dataset input (a resumed run has them)."""
     logger.set_tags(
         {
             "method": cfg.method,
+            "format": METHOD_FORMAT[cfg.method],
+            "seed": str(cfg.train.seed),
             "model": cfg.model.name,
             "dataset": dataset_name or cfg.data.train_source,
             "git_commit": git_commit(),
@@ -318,6 +323,7 @@ def _log_fresh_run(
     )
     logger.log_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), "config/resolved_config.yaml")
     log_inputs(logger, base_dir, data_report)
+    logger.log_input(dataset_input(records, "train_prompts"), TRAINING)
     if moved_aside is not None:
         logger.set_tags({"qerl.previous_run_dir": str(moved_aside)})
 

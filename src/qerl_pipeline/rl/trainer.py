@@ -476,6 +476,7 @@ def _log_final(folder: RunFolder, method: str, steps: int) -> None:
     (a reuse of a folder without it logs them again: the run ended in between)."""
     folder.logger.log_artifact(folder.final, artifact_path="final_adapter")
     _log_curves(folder.logger, folder.path, method)
+    _log_summary(folder.logger, steps)
     write_atomic(folder.wrapped_up, {"run_id": folder.run_id, "steps": steps}, as_json=True)
 
 
@@ -499,6 +500,22 @@ def _log_curves(logger: MetricsLogger, run_dir: Path, method: str) -> None:
         logger.log_artifact(path, artifact_path="plots")
     except Exception as exc:  # a plot must never fail a finished training
         log.warning("could not draw the training curves: %s", exc)
+
+
+def _log_summary(logger: MetricsLogger, steps: int) -> None:
+    """The run's sort columns in MLflow's runs list (``metric_names.REWARD_AREA`` and the two after it)."""
+    from qerl_pipeline.evaluation.stats import curve_auc
+
+    if not hasattr(logger, "history"):
+        return
+    got = logger.history([metric_names.REWARD_MEAN, metric_names.STEP_TIME_S])
+    reward, step_s = got[metric_names.REWARD_MEAN], [v for _, v in got[metric_names.STEP_TIME_S]]
+    if reward:
+        last = max(reward)[1]  # the point of the highest step
+        summary = {metric_names.REWARD_AREA: curve_auc(reward), metric_names.FINAL_REWARD: last}
+        if step_s:
+            summary[metric_names.MEAN_STEP_S] = sum(step_s) / len(step_s)
+        logger.log_metrics(summary, step=steps)
 
 
 def _full_history(logger: MetricsLogger) -> list[dict]:

@@ -47,7 +47,7 @@ from qerl_pipeline.config import (
     parse,
 )
 from qerl_pipeline.datasets.hf_model_folder import folder_of
-from qerl_pipeline.evaluation.evaluator import EvalResult
+from qerl_pipeline.evaluation.evaluator import EvalResult, log_benchmark_inputs
 from qerl_pipeline.evaluation.seeds import (
     accuracy_rows,
     evaluate_adapters,
@@ -57,7 +57,7 @@ from qerl_pipeline.evaluation.seeds import (
 )
 from qerl_pipeline.export.accuracy import evaluate_folder
 from qerl_pipeline.export.folders import read_manifest
-from qerl_pipeline.tracking import label_run, run_name
+from qerl_pipeline.tracking import MlflowLogger, label_run, run_name
 from qerl_pipeline.tracking_journal import await_server
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,7 @@ def run_evaluation(
             "evaluate",
             {**result.tags, "method": method, **({"qerl.trained_run_id": trained_run} if trained_run else {})},
         )
+        log_benchmark_inputs(MlflowLogger(), flatten_prompts(eval_prompts), cfg)
     return result.as_dict()
 
 

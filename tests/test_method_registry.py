@@ -83,6 +83,15 @@ def test_a_method_registered_in_a_test_file_trains_a_step_at_its_own_rate(toy, t
     assert result.run_dir.name == "toy_lora"
     ((step, lr),) = logger.history([metric_names.LEARNING_RATE])[metric_names.LEARNING_RATE]
     assert step == 1 and lr == pytest.approx(2.5e-3 * lr_factor(1, warmup=0, total=1, schedule="constant"))
+    # what MLflow's runs list sorts by (tracking_view.py): its format and seed, its prompts as a dataset input, and
+    # the summary of its curve
+    assert logger.tags["format"] == "bf16" and logger.tags["seed"] == "0"
+    ((dataset, context),) = logger.inputs
+    assert context == "training" and dataset["name"] == "prompts" and dataset["digest"]  # no source/split
+    ((_, reward),) = logger.history([metric_names.REWARD_MEAN])[metric_names.REWARD_MEAN]
+    summary = {m: logger.metrics[m] for m in (metric_names.REWARD_AREA, metric_names.FINAL_REWARD)}
+    assert summary == {metric_names.REWARD_AREA: [(1, reward)], metric_names.FINAL_REWARD: [(1, reward)]}
+    assert logger.metrics[metric_names.MEAN_STEP_S][0][1] > 0
 
 
 @pytest.fixture(scope="module")

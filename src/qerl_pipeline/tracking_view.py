@@ -52,7 +52,8 @@ def dataset_input(records: Sequence[dict[str, Any]], kedro_dataset: str, name: s
 
     frame = pd.DataFrame([{f: "" if r.get(f) is None else str(r.get(f)) for f in FIELDS} for r in records])
     if name is None:
-        name = "+".join(sorted({f"{r.get('source')}/{r.get('split')}" for r in records}))
+        parts = {"/".join(str(r[k]) for k in ("source", "split") if r.get(k)) for r in records}
+        name = "+".join(sorted(parts)) or "prompts"
     source = CodeDatasetSource({"qerl.kedro_dataset": kedro_dataset})
     with warnings.catch_warnings():  # MLflow warns of a dataset without targets
         warnings.simplefilter("ignore")

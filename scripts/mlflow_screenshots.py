@@ -1,23 +1,25 @@
-"""Screenshots of MLflow's UI on a compare's runs, taken with headless Chromium (docs/mlflow-ui.md).
+"""Screenshots of MLflow's UI on a compare's runs, taken in headless Chromium driven by Playwright
+(docs/mlflow-ui.md): the runs page with the trainings expanded under their compare run, and the chart
+comparison of their ``reward/mean`` and ``policy/entropy`` curves.
 
-``python scripts/mlflow_screenshots.py --uri http://127.0.0.1:5000 --out docs/img``: the experiment's runs page
-as a PNG in ``--out``. Chromium's ``--screenshot`` cannot click, so what needs a click (the trainings expanded
-under their compare run, the chart comparison of chosen runs) is not taken.
+``python scripts/mlflow_screenshots.py --uri http://127.0.0.1:5000 --out docs/img`` with Playwright's Python
+package (``pip install playwright``; no browser download: it drives Debian's ``/usr/bin/chromium``).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import json
 import sys
-import tempfile
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 #: MLflow 3.17's UI takes an experiment's kind from its GenAI / Model training switch (this query parameter, else
 #: the browser's last choice, GenAI at first) rather than from the experiment's ``mlflow.experimentKind`` tag
 WORKFLOW = "machine_learning"
-FLAGS = [
-    "--headless",
+#: Chromium on a machine without internet: no background connections, no sandbox as root
+ARGS = [
     "--no-sandbox",
     "--disable-gpu",
     "--disable-quic",
@@ -25,25 +27,42 @@ FLAGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
-    "--hide-scrollbars",
 ]
+CHARTS = {"mlflow_reward.png": "reward/mean", "mlflow_entropy.png": "policy/entropy"}
 
 
-def pages(uri: str, experiment: str) -> dict[str, str]:
-    """File name -> URL of each page (MLflow 3's hash routes)."""
-    from mlflow.tracking import MlflowClient
-
-    exp = MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
-    if exp is None:
-        raise SystemExit(f"no experiment {experiment!r} in {uri}: run the smoke compare into it first")
-    return {"mlflow_runs.png": f"{uri.rstrip('/')}/#/experiments/{exp.experiment_id}/runs?workflowType={WORKFLOW}"}
+def experiment_id(uri: str, name: str) -> str:
+    query = urllib.parse.urlencode({"experiment_name": name})
+    with urllib.request.urlopen(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?{query}", timeout=30) as r:
+        return json.load(r)["experiment"]["experiment_id"]
 
 
-def shoot(url: str, out: Path, chromium: str, wait_ms: int) -> None:
-    with tempfile.TemporaryDirectory() as profile:
-        args = [chromium, *FLAGS, f"--user-data-dir={profile}", "--window-size=1600,1400"]
-        args += [f"--virtual-time-budget={wait_ms}", f"--screenshot={out}", url]
-        subprocess.run(args, check=True, capture_output=True, timeout=120)
+def shoot(uri: str, exp: str, out: Path, chromium: str) -> list[Path]:
+    from playwright.sync_api import sync_playwright
+
+    url = f"{uri.rstrip('/')}/#/experiments/{exp}/runs?workflowType={WORKFLOW}"
+    written = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(url)
+        page.wait_for_timeout(6000)  # the app loads, then the runs
+        close = page.locator('[aria-label="Close"]')  # the assistant's panel
+        if close.count():
+            close.first.click()
+        page.locator(".ag-row button").first.click()  # the compare run's row: its trainings under it
+        page.wait_for_timeout(2000)
+        written.append(out / "mlflow_runs.png")
+        page.screenshot(path=written[-1])
+        page.locator("label:has(input[value=CHART])").click()
+        page.wait_for_timeout(3000)
+        for name, metric in CHARTS.items():
+            page.get_by_placeholder("Search metric charts").fill(metric)
+            page.wait_for_timeout(2500)
+            written.append(out / name)
+            page.screenshot(path=written[-1])
+        browser.close()
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,12 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     parser.add_argument("--experiment", default="qerl_pipeline")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
-    parser.add_argument("--wait-ms", type=int, default=20000, help="virtual time the page gets to render")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, url in pages(args.uri, args.experiment).items():
-        shoot(url, args.out / name, args.chromium, args.wait_ms)
-        print(f"{args.out / name}: {url}")
+    for path in shoot(args.uri, experiment_id(args.uri, args.experiment), args.out, args.chromium):
+        print(path)
     return 0
 
 

@@ -342,7 +342,7 @@ class RunStatusHook:
 
         active = mlflow.active_run()
         self._run_id = active.info.run_id if active is not None else None
-        if active is not None:  # MLflow's UI then opens the experiment on its runs (tracking_view.py)
+        if active is not None:  # its experiment's kind: model development (tracking_view.py)
             mark_model_development(active.info.experiment_id)
         self._open, self._last_node, self._signal = True, None, None
         self._catch_signals()

@@ -1,10 +1,10 @@
 """What MLflow's UI shows of the project's runs, beyond their metrics: the experiment's kind, each run's
 dataset inputs and the commit it ran.
 
-MLflow 3's UI opens an experiment on what its ``mlflow.experimentKind`` tag says; without it the UI infers
-GenAI development and opens on traces and token usage, empty here. Every experiment the project writes is
-tagged ``custom_model_development`` (``mark_model_development``, once per experiment and process; a kind the
-user set is kept). MLflow 3.17's own UI reads its GenAI / Model training switch instead (docs/mlflow-ui.md).
+An experiment's kind is its ``mlflow.experimentKind`` tag; without it MLflow infers GenAI development (traces
+and token usage, empty here). Every experiment the project writes is tagged ``custom_model_development``
+(``mark_model_development``, once per experiment and process; a kind the user set is kept). MLflow 3.17's own
+UI goes by its GenAI / Model training switch rather than the tag (docs/mlflow-ui.md says what to open).
 
 A training logs its prompts and an evaluation each of its benchmarks as MLflow dataset inputs
 (``dataset_input``: the runs list's Dataset column). The digest is MLflow's own of the prompts' fields (id,

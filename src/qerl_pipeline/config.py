@@ -828,7 +828,8 @@ class OptimConfig(Section):
         "adamw", description="adamw_8bit uses bitsandbytes where it runs (CUDA)."
     )
     lr: dict[str, float] = Field(
-        default_factory=lambda: {m: spec.lr for m, spec in METHOD_SPECS.items()},
+        default_factory=dict,
+        validate_default=True,  # the registered rates, filled in by _over_the_registry
         description="Learning rate per method, over each registered method's own (``MethodSpec.lr``: the paper's "
         "1e-5 for QeRL and QLoRA, 5e-6 for LoRA; lora_aqn, not in the paper, takes LoRA's: it is the BF16 LoRA arm "
         "with AQN added, so only the noise differs; mxfp4, mxfp4_noaqn and fp8 take QeRL's). A method this map "

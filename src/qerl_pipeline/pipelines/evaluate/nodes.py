@@ -99,15 +99,16 @@ def run_evaluation(
     cfg = evaluate_config(evaluate, data)
     mc: ModelConfig = parse(ModelConfig, model, "model")
     outage_s = parse(TrackingConfig, tracking, "tracking").outage_s
+    records = flatten_prompts(eval_prompts)
     if cfg.model_path and not compare_group:
-        return _evaluate_folder(Path(cfg.model_path), flatten_prompts(eval_prompts), cfg, reward, mc, rollout, method)
+        return _evaluate_folder(Path(cfg.model_path), records, cfg, reward, mc, rollout, method)
     branch_seeds = (seeds if seeds is not None else [0]) if compare_group else [None]
     adapters = {s: trained_adapter(folder_of(trained_adapters), method, s) for s in branch_seeds}
     result = evaluate_adapters(
         method,
         folder_of(base_dir),
         adapters,
-        flatten_prompts(eval_prompts),
+        records,
         cfg,
         parse(RewardConfig, reward, "reward"),
         mc,
@@ -116,9 +117,8 @@ def run_evaluation(
         outage_s=outage_s,
     )
     if not compare_group:
-        import mlflow
-
-        await_server(mlflow.get_tracking_uri(), outage_s)
+        logger = MlflowLogger()  # the kedro run's own (an evaluation run)
+        await_server(logger.uri, outage_s)
         meta = adapter_meta(adapters[None])
         trained_run = meta.get("mlflow_run_id")
         label_run(
@@ -126,7 +126,7 @@ def run_evaluation(
             "evaluate",
             {**result.tags, "method": method, **({"qerl.trained_run_id": trained_run} if trained_run else {})},
         )
-        log_benchmark_inputs(MlflowLogger(), flatten_prompts(eval_prompts), cfg)
+        log_benchmark_inputs(logger, records, cfg)
     return result.as_dict()
 
 

@@ -84,6 +84,7 @@ def test_relevant_change_rewrites_and_names_it(model, tmp_path, caplog, fmt, cha
     new_model = model.model_copy(update=change.get("model", {}))
     new_quantize = QuantizeConfig(**change.get("quantize", {}))
     caplog.set_level(logging.INFO, logger=LOGGER)
+    caplog.clear()  # the first write's line, when an earlier test left the logger at INFO
     _, report, reused = store.ensure_base(new_model, new_quantize, fmt, folder)
     assert not reused
     assert rewritten(before, snapshot(folder))
@@ -211,13 +212,13 @@ def test_quantize_format_node_and_dataset_round_trip_leave_files_untouched(model
     root = tmp_path / "models"
     existing = HFModelFolderDataset(str(root), missing_ok=True)
     assert existing.load() == root and not root.exists()  # missing: its path, not an error
-    path, report = quantize_format(model.model_dump(), {}, existing.load(), fmt="nf4")
+    path, report = quantize_format(model, QuantizeConfig(), existing.load(), fmt="nf4")
     assert Path(path) == root / "base_nf4" and report["reused"] is False
     before = snapshot(root / "base_nf4")
     HFModelFolderDataset(str(root / "base_nf4"), move=False).save(path)  # the base_nf4 dataset
     assert snapshot(root / "base_nf4") == before
     caplog.set_level(logging.INFO, logger=LOGGER)
-    written, report = quantize_base(model.model_dump(), {}, "qlora", existing.load())
+    written, report = quantize_base(model, QuantizeConfig(), "qlora", existing.load())
     assert written == {"base_nf4": str(root / "base_nf4")} and report["reused"] is True and report["method"] == "qlora"
     HFModelFolderDataset(str(root)).save(written)  # base_models: the mapping form, same path
     assert snapshot(root / "base_nf4") == before
@@ -227,4 +228,4 @@ def test_quantize_format_node_and_dataset_round_trip_leave_files_untouched(model
     with pytest.raises(DatasetError, match="missing_ok is for unversioned"):
         HFModelFolderDataset(str(root), version=Version(None, None), missing_ok=True)
     with pytest.raises(ValueError, match="existing_base_models"):
-        quantize_format(model.model_dump(), {}, None, fmt="nf4")
+        quantize_format(model, QuantizeConfig(), None, fmt="nf4")

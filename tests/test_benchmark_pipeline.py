@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qerl_pipeline.config import BenchmarkConfig
 from tests.helpers.models import fake_base
 from tests.helpers.project import kedro_session, project_copy
 
@@ -264,7 +265,7 @@ def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
         rollout,
         training,
         trl,
-        {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4},
+        BenchmarkConfig(methods=["qerl"], prompt_len=8, completion_len=4),
     )
     got = {metric_name(r): r for r in table["rows"]}
     assert got["bench.peer.qerl.our_step_time_s"]["value"] == pytest.approx(2.0 + 0.5 + 1.5)
@@ -292,7 +293,7 @@ def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
         rollout,
         training,
         trl,
-        {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4},
+        BenchmarkConfig(methods=["qerl"], prompt_len=8, completion_len=4),
     )
     got = {metric_name(r): r for r in table["rows"]}
     assert got["bench.peer.qerl.our_step_time_s"]["value"] == pytest.approx(0.5 + 0.25 + 1.5)
@@ -303,7 +304,7 @@ def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
         rollout,
         training,
         {"skipped": True, "reason": "trl is not installed"},
-        {"methods": ["qerl"]},
+        BenchmarkConfig(methods=["qerl"]),
     )
     rows = {metric_name(r): r for r in table["rows"]}
     assert "bench.peer.qerl.our_over_trl_step_time" not in rows
@@ -311,17 +312,13 @@ def test_build_table_ratios_and_limits_on_fixed_numbers(tmp_path):
 
 
 def test_rollout_node_is_wired_with_the_model_section():
-    """model.dtype / model.norm_dtype reach the rollout engines: the node's inputs name params:model."""
-    import inspect
-
+    """model.dtype / model.norm_dtype reach the rollout engines: the measuring nodes' config gathers params:model."""
     from qerl_pipeline.pipelines.benchmark import create_pipeline
 
     nodes = {n.name: n for n in create_pipeline().nodes}
-    node = nodes["benchmark_rollout"]
-    assert "params:model" in node.inputs
-    # positional wiring: each input lands on the parameter of the same name
-    for name, dataset in zip(inspect.signature(node.func).parameters, node.inputs, strict=True):
-        assert dataset in (f"params:{name}", f"benchmark_{name}"), (name, dataset)
+    assert "params:model" in nodes["benchmark_config"].inputs
+    for name in ("benchmark_rollout", "benchmark_training", "benchmark_trl"):
+        assert nodes[name].inputs == ["benchmark_bases", "benchmark_config"], name
 
 
 class _DenseOnlyEngine:

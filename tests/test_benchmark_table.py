@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from qerl_pipeline.config import BenchmarkConfig
 from tests.helpers.models import fake_base
 
 HW = {
@@ -31,7 +32,7 @@ TRL = {
     "update_s": 3.0,
     "peak_memory_bytes": 2**31,
 }
-BENCH = {"methods": ["qerl"], "prompt_len": 8, "completion_len": 4}
+BENCH = BenchmarkConfig(methods=["qerl"], prompt_len=8, completion_len=4)
 
 
 def _training() -> list[dict]:

@@ -22,28 +22,19 @@ def test_seeds_default_and_duplicates_refused():
 
 
 def test_a_seed_sets_the_three_random_streams_of_a_training_and_nothing_else():
-    from qerl_pipeline.pipelines.train.nodes import seeded_sections, train_config
+    from qerl_pipeline.pipelines.train.nodes import seeded
 
-    sections = {
-        "train": {"seed": 0, "steps": 3},
-        "rollout": {"seed": 0},
-        "aqn": {"seed": 0},
-        "data": {"seed": 42},
-        "model": {"source": "random"},
-        "lora": None,
-    }
-    out = seeded_sections(sections, 7)
-    assert out["train"] == {"seed": 7, "steps": 3} and out["rollout"] == {"seed": 7} and out["aqn"] == {"seed": 7}
-    assert out["data"] == {"seed": 42} and out["model"] == {"source": "random"}  # same prompts, same base
-    assert sections["train"]["seed"] == 0  # the shared parameters are not changed in place
-    cfg = train_config("qerl", out)
-    assert (cfg.train.seed, cfg.rollout.seed, cfg.aqn.seed, cfg.data.seed, cfg.model.random_init.seed) == (
+    cfg = validate({"train": {"steps": 3}, "data": {"seed": 42}, "model": {"source": "random"}}, QerlConfig)
+    out = seeded(cfg, 7)
+    assert (out.train.seed, out.rollout.seed, out.aqn.seed, out.data.seed, out.model.random_init.seed) == (
         7,
         7,
         7,
         42,
         0,
     )
+    assert out.train.steps == 3 and out.data == cfg.data and out.model == cfg.model  # same prompts, same base
+    assert (cfg.train.seed, cfg.rollout.seed, cfg.aqn.seed) == (0, 0, 0)  # the shared config is not changed in place
 
 
 def test_the_pipeline_reads_the_seeds_as_a_parameter_of_every_branch():
@@ -55,14 +46,15 @@ def test_the_pipeline_reads_the_seeds_as_a_parameter_of_every_branch():
         train, evaluate = (
             next(n for n in pipe.nodes if n.name == f"compare.{m}.{x}") for x in ("train_policy", "evaluate_policies")
         )
-        assert "params:compare.seeds" in train.inputs and "params:compare.seeds" in evaluate.inputs
+        config = next(n for n in pipe.nodes if n.name == f"compare.{m}.evaluation_config")
+        assert "params:compare" in train.inputs and "params:compare" in config.inputs
 
 
 def test_methods_choose_the_branches_and_take_a_space_separated_string():
     """``kedro run --params`` splits on commas: several methods (or seeds) come as one space-separated string."""
-    from qerl_pipeline.config import CompareConfig, compare_branch, parse
+    from qerl_pipeline.config import CompareConfig, compare_branch
 
-    assert parse(CompareConfig, {"methods": "qerl lora", "seeds": "0 1 2"}, "compare").seeds == [0, 1, 2]
+    assert CompareConfig.model_validate({"methods": "qerl lora", "seeds": "0 1 2"}).seeds == [0, 1, 2]
     assert validate({"compare": {"methods": "qerl lora"}}, QerlConfig).compare.methods == ["qerl", "lora"]
     for bad, field in (
         ([], "compare.methods"),
@@ -71,9 +63,10 @@ def test_methods_choose_the_branches_and_take_a_space_separated_string():
     ):
         with pytest.raises(ConfigError, match=field):
             validate({"compare": {"methods": bad}}, QerlConfig)
-    assert compare_branch("lora", "qerl lora", "3 4") == ([3, 4], "")
-    assert compare_branch("qlora", ["qerl", "lora"], None) == (None, "compare.qlora: not in compare.methods, skipped")
-    assert compare_branch("qlora") == (None, "")  # no list given: every branch runs
+    assert compare_branch(CompareConfig(methods="qerl lora", seeds="3 4"), "lora") == ([3, 4], "")
+    why = "compare.qlora: not in compare.methods, skipped"
+    assert compare_branch(CompareConfig(methods=["qerl", "lora"]), "qlora") == ([0], why)
+    assert compare_branch(CompareConfig(), "qlora") == ([0], "")  # the default: every branch runs
 
 
 def test_the_pipeline_reads_the_methods_as_a_parameter_of_every_branch():
@@ -81,9 +74,9 @@ def test_the_pipeline_reads_the_methods_as_a_parameter_of_every_branch():
 
     pipe = create_pipeline()
     for m in METHODS:
-        for x in ("train_policy", "evaluate_policies"):
+        for x in ("train_policy", "evaluation_config", "export_config"):
             node = next(n for n in pipe.nodes if n.name == f"compare.{m}.{x}")
-            assert "params:compare.methods" in node.inputs, node.name
+            assert "params:compare" in node.inputs, node.name
 
 
 def test_a_branch_left_out_of_methods_trains_and_evaluates_nothing(tmp_path, caplog):
@@ -91,36 +84,19 @@ def test_a_branch_left_out_of_methods_trains_and_evaluates_nothing(tmp_path, cap
     run folder or engine is touched (the paths given do not exist), and the report refuses to read it as a run."""
     import logging
 
+    from qerl_pipeline.config import CompareConfig, TrackingConfig
     from qerl_pipeline.pipelines.compare.nodes import build_report
     from qerl_pipeline.pipelines.evaluate.nodes import eval_outputs, run_evaluation
     from qerl_pipeline.pipelines.train.nodes import train_policy
 
     missing = tmp_path / "nothing-here"
     group = {"run_id": "r0", "experiment_id": "0"}
-    sections = {s: {} for s in ("model", "lora", "rollout", "grpo", "aqn", "optim", "reward", "data")}
+    cfg = validate({"method": "qlora", "train": {"output_dir": str(missing)}}, QerlConfig)
+    compare = CompareConfig(seeds="0 1", methods="qerl lora")
     with caplog.at_level(logging.INFO):
-        adapters, summary = train_policy(
-            [],
-            str(missing),
-            "qlora",
-            train={"output_dir": str(missing)},
-            compare_group=group,
-            seeds="0 1",
-            methods="qerl lora",
-            **sections,
-        )
+        adapters, summary = train_policy([], str(missing), cfg, compare_group=group, compare=compare)
         result = run_evaluation(
-            {},
-            str(missing),
-            str(missing),
-            "qlora",
-            {},
-            {},
-            {},
-            {},
-            compare_group=group,
-            seeds=[0, 1],
-            methods=["qerl", "lora"],
+            {}, str(missing), str(missing), cfg.model_copy(update={"compare": compare}), compare_group=group
         )
     why = "compare.qlora: not in compare.methods, skipped"
     assert adapters == {} and summary == {"method": "qlora", "skipped": why, "seeds": [], "runs": []}
@@ -129,7 +105,9 @@ def test_a_branch_left_out_of_methods_trains_and_evaluates_nothing(tmp_path, cap
     records, table, metrics = eval_outputs(result)
     assert records == [] and metrics == {} and table.to_dict(orient="list") == {"skipped": [why]}
     with pytest.raises(ValueError, match="compare.methods lists 'qlora', but its branch's train_summary says"):
-        build_report(group, {"methods": ["qlora"]}, qlora_summary=summary, qlora_accuracy=table)
+        build_report(
+            group, CompareConfig(methods=["qlora"]), TrackingConfig(), qlora_summary=summary, qlora_accuracy=table
+        )
 
 
 def test_the_report_is_built_one_way():

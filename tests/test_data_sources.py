@@ -131,13 +131,13 @@ def test_malformed_rows_named_by_id_and_source(tmp_path, local):
         on_bad_row="fail",
     )
     with pytest.raises(ValueError) as err:
-        prepare_train_prompts(data.model_dump())
+        prepare_train_prompts(data)
     message = str(err.value)
     assert "4 malformed row(s)" in message
     for rid in ("gsm8k-test-00005", "gsm8k-test-00006", "gsm8k-test-00007", "gsm8k-line9"):
         assert f"gsm8k/{rid}" in message
 
-    records, summary = prepare_train_prompts(data.model_copy(update={"on_bad_row": "drop"}).model_dump())
+    records, summary = prepare_train_prompts(data.model_copy(update={"on_bad_row": "drop"}))
     assert len(records) == 5 and summary["dropped"] == 4
     assert {b["id"] for b in summary["bad_rows"]} == {
         "gsm8k-test-00005",
@@ -156,7 +156,7 @@ def test_prompt_records(local):
             "amc23": SourceConfig(local_path=str(local / "amc23")),
         },
     )
-    evals, summary = prepare_eval_prompts(data.model_dump())
+    evals, summary = prepare_eval_prompts(data)
     assert list(evals) == ["gsm8k", "amc23"] and len(evals["gsm8k"]) == 7 and len(evals["amc23"]) == 40
     rec = evals["gsm8k"][0]
     assert set(rec) == {"id", "source", "split", "messages", "question", "gold", "level"}
@@ -166,11 +166,11 @@ def test_prompt_records(local):
         {"role": "user", "content": rec["question"]},
     ]
     assert "<think>" in PAPER_SYSTEM_PROMPT and "<answer>" in PAPER_SYSTEM_PROMPT
-    again, _ = prepare_eval_prompts(data.model_dump())
+    again, _ = prepare_eval_prompts(data)
     assert again == evals  # deterministic given the seed
-    custom, _ = prepare_eval_prompts(data.model_copy(update={"system_prompt": "Be brief."}).model_dump())
+    custom, _ = prepare_eval_prompts(data.model_copy(update={"system_prompt": "Be brief."}))
     assert custom["amc23"][0]["messages"][0] == {"role": "system", "content": "Be brief."}
-    suffix, _ = prepare_eval_prompts(data.model_copy(update={"prompt_style": "suffix"}).model_dump())
+    suffix, _ = prepare_eval_prompts(data.model_copy(update={"prompt_style": "suffix"}))
     rec = suffix["amc23"][0]
     assert rec["messages"] == [{"role": "user", "content": rec["question"] + "\n" + PAPER_SYSTEM_PROMPT}]
 
@@ -182,16 +182,16 @@ def test_missing_eval_source_skipped_or_fails(tmp_path, local, caplog):
     }
     data = DataConfig(eval_sources=["amc23", "aime25"], sources=sources_cfg)
     with caplog.at_level("WARNING"):
-        evals, summary = prepare_eval_prompts(data.model_dump())
+        evals, summary = prepare_eval_prompts(data)
     assert list(evals) == ["amc23"] and "aime25" in summary["skipped"]
     assert "no local folder" in summary["skipped"]["aime25"]
     assert any("aime25" in r.message and "no local folder" in r.message for r in caplog.records)
     with pytest.raises(DataError, match="aime25"):
-        prepare_eval_prompts(data.model_copy(update={"on_missing_source": "fail"}).model_dump())
+        prepare_eval_prompts(data.model_copy(update={"on_missing_source": "fail"}))
     # the training source always fails, whatever on_missing_source says
     train = DataConfig(train_source="gsm8k", sources={"gsm8k": SourceConfig(local_path=str(tmp_path / "nowhere"))})
     with pytest.raises(RuntimeError, match="training source unavailable") as err:
-        prepare_train_prompts(train.model_dump())
+        prepare_train_prompts(train)
     assert isinstance(err.value, DataError)  # kedro run prints it as one "Error:" line, no traceback
 
 
@@ -252,7 +252,7 @@ def test_hub_path_bigmath_levels_and_gsm8k(monkeypatch):
             )
         },
     )
-    records, summary = prepare_train_prompts(data.model_dump())
+    records, summary = prepare_train_prompts(data)
     assert len(records) == 4 and all(r["level"] in (4, 5) and r["source"] == "bigmath" for r in records)
 
 

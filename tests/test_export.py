@@ -281,10 +281,11 @@ def test_a_missing_training_names_what_is_missing_and_the_command(trained, tmp_p
     with pytest.raises(ExportInputError, match="kedro run --pipelines=quantize --params method=qlora"):
         folders.base_folder(tmp_path, "qlora")
     # the evaluate pipeline's node says the same one line (kedro prints a ClickException as `Error: ...`)
+    from qerl_pipeline.config import QerlConfig, validate
     from qerl_pipeline.pipelines.evaluate.nodes import run_evaluation
 
     with pytest.raises(MissingTraining, match=r"no trained adapter for method 'lora' at .*--params method=lora"):
-        run_evaluation({}, tmp_path, root, "lora", {}, {}, {}, {})
+        run_evaluation({}, tmp_path, root, validate({"method": "lora"}, QerlConfig))
 
 
 def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, tmp_path, caplog):
@@ -293,7 +294,7 @@ def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, t
     three nodes return their empty markers and its reason is logged once (by ``export_policy``)."""
     import logging
 
-    from qerl_pipeline.config import SKIPPED_BRANCH
+    from qerl_pipeline.config import SKIPPED_BRANCH, QerlConfig, validate
     from qerl_pipeline.pipelines.export.nodes import evaluate_exports, export_policy, report_exports
 
     base, adapter, _ = trained["nvfp4"]
@@ -302,26 +303,29 @@ def test_a_compare_branch_exports_every_seed_and_only_with_in_compare(trained, t
         shutil.copytree(adapter, root / f"seed-{seed}")
     group = {"run_id": "the-compare-run"}
     on = {"in_compare": True, "dtype": "float32"}
-    for export, methods, why in (
-        ({}, None, "compare.qerl: export.in_compare is off, not exported"),
-        (on, ["lora"], "compare.qerl: not in compare.methods, skipped"),
+
+    def config(export, **compare):
+        return validate({"method": "qerl", "export": export, "compare": compare}, QerlConfig)
+
+    for cfg, why in (
+        (config({}, seeds=[0, 1]), "compare.qerl: export.in_compare is off, not exported"),
+        (config(on, seeds=[0, 1], methods=["lora"]), "compare.qerl: not in compare.methods, skipped"),
     ):
         caplog.clear()
-        branch = {"compare_group": group, "seeds": [0, 1], "methods": methods}
         with caplog.at_level(logging.INFO):
-            assert export_policy(root, base, "qerl", export, {}, {}, **branch) == {}
-            result = evaluate_exports({}, root, base, {}, "qerl", export, {}, {}, {}, {}, {}, {}, **branch)
-            report = report_exports(result, {}, root, "qerl", export, {}, {}, **branch)
+            assert export_policy(root, base, cfg, group) == {}
+            result = evaluate_exports({}, root, base, {}, cfg, eval_result={})
+            report = report_exports(result, {}, root, cfg, group)
         assert result[SKIPPED_BRANCH] == report[SKIPPED_BRANCH] == why and result["records"] == []
         assert caplog.text.count(why) == 1
-    out = export_policy(root, base, "qerl", on, {}, {}, compare_group=group, seeds=[0, 1])
+    out = export_policy(root, base, config(on, seeds=[0, 1]), group)
     assert sorted(out) == ["seed-0", "seed-1"]
     for folder in map(Path, out.values()):
         assert (folder / folders.MERGED / "config.json").is_file() and (
             folder / "merged_nvfp4" / "config.json"
         ).is_file()
     with pytest.raises(MissingTraining, match=r"seed 2 .*--namespaces=compare\.qerl"):
-        export_policy(root, base, "qerl", on, {}, {}, compare_group=group, seeds=[0, 2])
+        export_policy(root, base, config(on, seeds=[0, 2]), group)
 
 
 def test_a_version_registered_by_reference_generates_from_the_folder(tiny_model_dir, sqlite_store):

@@ -58,7 +58,7 @@ def records(cfg):
     from qerl_pipeline.evaluation.evaluator import subset
     from qerl_pipeline.pipelines.data_prep.nodes import prepare_eval_prompts
 
-    prompts, _ = prepare_eval_prompts({**cfg.data.model_dump(), "eval_sources": ["generator"], "eval_files": {}})
+    prompts, _ = prepare_eval_prompts(cfg.data.model_copy(update={"eval_sources": ["generator"], "eval_files": {}}))
     return subset(prompts["generator"], N_PROMPTS)
 
 
@@ -73,7 +73,7 @@ def exported(cfg, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("export_default")
     assert cfg.method == "qerl" and cfg.model.name == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    bases, report = quantize_base(cfg.model.model_dump(), cfg.quantize.model_dump(), cfg.method, root / "bases")
+    bases, report = quantize_base(cfg.model, cfg.quantize, cfg.method, root / "bases")
     base = bases["base_nvfp4"]
     assert report["n_quantized_linears"] == 7 * 30  # every linear of the 30 layers; the tied head is not one
     policy = build_policy(

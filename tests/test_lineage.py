@@ -1,7 +1,7 @@
 """Lineage you can browse: the adapter is a dataset from train to evaluate; compare is one branch per method.
 
-Fast tier: the pipeline objects themselves (no Kedro session). Integration tier: the graph
-``kedro viz build`` writes (build/api/pipelines/*), which is what a user browses.
+Fast tier: the pipeline objects themselves and the typed sections its nodes get (no Kedro session).
+Integration tier: the graph ``kedro viz build`` writes (build/api/pipelines/*), which is what a user browses.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import pytest
 
 from qerl_pipeline.config import METHOD_FORMAT, METHODS, QerlConfig, validate
+from tests.helpers.project import PROJECT as ROOT
 from tests.helpers.project import project_copy, run_kedro
 
 
@@ -61,8 +62,11 @@ def test_compare_has_one_branch_per_method_on_shared_bases():
         assert sorted(n.name for n in mine) == sorted(
             f"{ns}.{x}"
             for x in (
+                "training_config",
                 "train_policy",
+                "evaluation_config",
                 "evaluate_policies",
+                "export_config",
                 "evaluation_outputs",
                 "export_policy",
                 "evaluate_export",
@@ -74,7 +78,8 @@ def test_compare_has_one_branch_per_method_on_shared_bases():
         assert f"base_{METHOD_FORMAT[m]}" in train.inputs
         # the branch is its method's registration: the method bound into its nodes, no parameter of its own
         assert all(not i.startswith(f"params:{ns}") for n in mine for i in n.inputs), [n.inputs for n in mine]
-        assert all(n.func.keywords == {"method": m} for n in mine if n.name.split(".")[-1] != "evaluation_outputs")
+        configs = [n for n in mine if n.name.endswith("_config")]
+        assert len(configs) == 3 and all(n.func.keywords == {"method": m} for n in configs)
         assert sorted(n.name for n in _consumers(pipe, f"{ns}.trained_adapters")) == sorted(
             f"{ns}.{x}" for x in ("evaluate_policies", "export_policy", "evaluate_export", "report_export")
         )
@@ -139,20 +144,43 @@ def test_kedro_viz_graph(tmp_path):
         assert spaces == sorted(f"compare.{m}" for m in METHODS), (kind, spaces)
 
 
-def test_kedro_validates_every_pipelines_parameters_without_a_warning(caplog):
-    """Kedro's parameter validator reads every registered pipeline's ``params:`` inputs at each run start
-    (kedro-mlflow reads the parameters before the run picks its pipeline) and warns once per union-typed one it
-    cannot validate: no node takes a ``params:`` input typed as a union (the run's log has no WARNING)."""
-    import logging
-
+def test_the_nodes_get_the_validated_sections_and_the_catalog_keeps_them_as_written(tmp_path):
+    """The config hook validates the tree once and hands each node's ``params:`` inputs as that typed tree holds
+    them; the catalog (what kedro-mlflow logs as the run's parameters) keeps the values as written, as
+    ``QerlContext`` does not let Kedro build the sections a second time."""
+    from kedro.config import OmegaConfigLoader
+    from kedro.framework.hooks.manager import _NullPluginManager
     from kedro.framework.project import configure_project, pipelines
-    from kedro.validation.type_extractor import TypeExtractor
+
+    from qerl_pipeline.config import CompareConfig, ModelConfig
+    from qerl_pipeline.hooks import QerlContext, ValidateConfigHook
 
     configure_project("qerl_pipeline")
-    logger, handler = logging.getLogger("kedro.validation.type_extractor"), caplog.handler  # Kedro's loggers
-    logger.addHandler(handler)  # may not propagate (its logging config), so caplog's handler listens on it directly
-    try:
-        TypeExtractor(dict(pipelines)).extract_types_from_pipelines()
-    finally:
-        logger.removeHandler(handler)
-    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    runtime = {"compare": {"seeds": "3 4"}, "model": {"source": "random"}}
+    loader = OmegaConfigLoader(str(ROOT / "conf"), base_env="base", default_run_env="local", runtime_params=runtime)
+    context = QerlContext(
+        project_path=ROOT,
+        config_loader=loader,
+        env=None,
+        package_name="qerl_pipeline",
+        hook_manager=_NullPluginManager(),
+        runtime_params=runtime,
+    )
+    catalog = context.catalog
+    assert catalog.load("params:model")["source"] == "random" and catalog.load("params:compare.seeds") == "3 4"
+    hook = ValidateConfigHook()
+    hook._context = context  # after_context_created's (which also tries the tracking store)
+    pipe = pipelines["compare"]
+    hook.before_pipeline_run({}, pipe, catalog)
+    (node,) = [n for n in pipe.nodes if n.name == "compare.lora.training_config"]
+    inputs = {name: catalog.load(name) for name in node.inputs}
+    typed = hook.before_node_run(node, inputs)
+    assert set(typed) == set(node.inputs) and isinstance(typed["params:model"], ModelConfig)
+    assert typed["params:model"].source == "random" and isinstance(inputs["params:model"], dict)
+    (train,) = [n for n in pipe.nodes if n.name == "compare.lora.train_policy"]
+    (compare,) = hook.before_node_run(train, {"params:compare": {}, "train_prompts": []}).items()  # not the data
+    assert compare[0] == "params:compare" and isinstance(compare[1], CompareConfig) and compare[1].seeds == [3, 4]
+    # a node run without its bundling node (--nodes, --from-nodes) reads the config gathered from this run's
+    hook.before_pipeline_run({}, pipelines["evaluate"].only_nodes("evaluate_policies"), catalog)
+    cfg = catalog.load("evaluation_config")
+    assert cfg.method == "qerl" and cfg.model.source == "random" and cfg.evaluate == hook._config.evaluate

@@ -55,7 +55,7 @@ def setup(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("loss_options")
     cfg = QerlConfig.model_validate(_smoke_params(work))
-    folder, _ = quantize_format(cfg.model.model_dump(), cfg.quantize.model_dump(), work / "bases", fmt="bf16")
+    folder, _ = quantize_format(cfg.model, cfg.quantize, work / "bases", fmt="bf16")
     served = served_model(Path(folder), "bf16", platform="cpu")
     engine = open_engine(served, cfg.model, rollout=cfg.rollout, lora_rank=cfg.lora.rank)
     records = [

@@ -221,7 +221,9 @@ def test_calibrated_options_fail_clearly(tmp_path):
     assert calibration_texts(bad, 1) == ["q1"]
     with pytest.raises(ValueError, match="method"):
         method_format("dpo")
-    with pytest.raises(Exception, match="nvfp4_algorithm"):
-        quantize_base({"source": "random"}, {"nvfp4_algorithm": "smoothquant"}, "qerl")
+    from qerl_pipeline.config import ConfigError, ModelConfig, QerlConfig, QuantizeConfig, validate
+
+    with pytest.raises(ConfigError, match="quantize.nvfp4_algorithm"):
+        validate({"quantize": {"nvfp4_algorithm": "smoothquant"}}, QerlConfig)
     with pytest.raises(ValueError, match="nf4_double_quant"):
-        quantize_base({"source": "random"}, {"nf4_double_quant": True}, "qlora")
+        quantize_base(ModelConfig(source="random"), QuantizeConfig(nf4_double_quant=True), "qlora")

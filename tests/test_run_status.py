@@ -11,6 +11,7 @@ tests/test_compare_pipeline.py.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -179,7 +180,9 @@ def test_a_signal_to_the_process_ends_its_run_killed_not_finished(sqlite_store, 
         [sys.executable, "-c", _CHILD, sqlite_store], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        run_id = proc.stdout.readline().strip()
+        # its last line before the wait (importing the settings configures Kedro's logging, which says so first)
+        lines = iter(proc.stdout.readline, "")
+        run_id = next((line.strip() for line in lines if re.fullmatch(r"[0-9a-f]{32}", line.strip())), "")
         assert run_id, proc.stderr.read()
         proc.send_signal(sig)
         proc.wait(timeout=120)

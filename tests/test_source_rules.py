@@ -6,13 +6,13 @@
   other projects' issues (``vLLM #53888``) name their project and stay.
 * No function of ``src/qerl_pipeline`` takes more than 10 parameters (``MAX_PARAMETERS``: every
   parameter a caller can pass, ``*args`` and ``**kwargs`` one each, a method's ``self``/``cls``
-  not counted), except two kinds whose signature is fixed from outside:
-  - a Triton kernel: a function with a parameter annotated ``tl.constexpr`` (its parameters are
-    the launch's arguments, pointers, sizes and strides one by one);
-  - a Kedro node whose inputs are the pipeline's wiring: a function some
-    ``pipelines/<name>/pipeline.py`` passes to ``Node(...)`` as the node's function (each
-    parameter is a dataset or a ``params:`` entry the pipeline names).
-  More than 10 elsewhere asks for a record (a dataclass or a config section) that groups them.
+  not counted), except a Triton kernel, a function with a parameter annotated ``tl.constexpr``
+  (its parameters are the launch's arguments, pointers, sizes and strides one by one). More than
+  10 asks for a record (a dataclass or a config section) that groups them.
+* A function of a ``pipelines/*/nodes.py`` takes at most 6 (``MAX_NODE_PARAMETERS``): its data and
+  its typed sections, or the one config its pipeline gathers (``config.gather``), and parses or
+  validates no section (``PARSING``): the config hook validated the tree once and hands the nodes
+  its typed sections (``hooks.ValidateConfigHook.before_node_run``).
 * No one-letter module alias in ``src/``, ``tests/`` or ``scripts/`` (``import x as T``,
   ``from x import y as D``): one letter says nothing of the module, and ``T`` is also the token
   dimension. Import the module by its name, or the names used from it.
@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "qerl_pipeline"
 MAX_LINES = 600
 MAX_PARAMETERS = 10
+MAX_NODE_PARAMETERS = 6
+#: What parses or validates a section; a node function calls none of them.
+PARSING = {"parse", "validate", "model_validate", "model_validate_json", "validate_python", "TypeAdapter"}
 EXEMPT = {"config.py"}
 
 HISTORY = [
@@ -110,34 +113,8 @@ def is_triton_kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     )
 
 
-def node_functions(root: Path = SRC) -> set[tuple[str, str]]:
-    """``(module file relative to root, function name)`` of every function
-    a ``pipelines/*/pipeline.py`` makes a node of."""
-    found = set()
-    for pipeline in sorted((root / "pipelines").glob("*/pipeline.py")):
-        tree = ast.parse(pipeline.read_text())
-        imported = {}  # name -> module file it is imported from
-        for stmt in ast.walk(tree):
-            if isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.module.startswith(root.name + "."):
-                where = Path(*stmt.module.split(".")[1:]).with_suffix(".py")
-                imported.update({alias.asname or alias.name: where for alias in stmt.names})
-        for call in ast.walk(tree):
-            if (
-                isinstance(call, ast.Call)
-                and isinstance(call.func, ast.Name)
-                and call.func.id in ("Node", "node", "with_method")  # with_method: a template node's function
-                and call.args
-                and isinstance(call.args[0], ast.Name)
-            ):
-                name = call.args[0].id
-                where = imported.get(name, pipeline.relative_to(root))
-                found.add((str(where), name))
-    return found
-
-
 def long_signatures(root: Path = SRC) -> list[str]:
-    """Every function over ``MAX_PARAMETERS`` that is neither a Triton kernel nor a Kedro node function."""
-    nodes = node_functions(root)
+    """Every function over ``MAX_PARAMETERS`` that is not a Triton kernel."""
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = str(path.relative_to(root))
@@ -147,7 +124,7 @@ def long_signatures(root: Path = SRC) -> list[str]:
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             n = parameter_count(fn, id(fn) in methods)
-            if n > MAX_PARAMETERS and not is_triton_kernel(fn) and (rel, fn.name) not in nodes:
+            if n > MAX_PARAMETERS and not is_triton_kernel(fn):
                 found.append(f"{rel}:{fn.lineno}: {fn.name} takes {n} parameters")
     return found
 
@@ -157,9 +134,32 @@ def test_no_function_over_10_parameters():
     assert not found, "\n".join(found)
 
 
-def test_the_parameter_check_sees_what_it_looks_for(tmp_path):
-    """Eleven parameters are refused; a method's self is not counted, **kwargs is; a Triton kernel and a node
-    function a pipeline.py wires are let through."""
+def node_rule_breaks(root: Path = SRC) -> list[str]:
+    """Every function of a ``pipelines/*/nodes.py`` over ``MAX_NODE_PARAMETERS`` or calling one of ``PARSING``."""
+    found = []
+    for path in sorted((root / "pipelines").glob("*/nodes.py")):
+        rel = str(path.relative_to(root))
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if (n := parameter_count(fn, False)) > MAX_NODE_PARAMETERS:
+                found.append(f"{rel}:{fn.lineno}: {fn.name} takes {n} parameters")
+            for call in ast.walk(fn):
+                if isinstance(call, ast.Call):
+                    name = getattr(call.func, "id", None) or getattr(call.func, "attr", None)
+                    if name in PARSING:
+                        found.append(f"{rel}:{call.lineno}: {fn.name} calls {name}")
+    return found
+
+
+def test_nodes_take_their_data_and_typed_sections_and_parse_none():
+    found = node_rule_breaks()
+    assert not found, "\n".join(found)
+
+
+def test_the_parameter_checks_see_what_they_look_for(tmp_path):
+    """Eleven parameters are refused; a method's self is not counted, **kwargs is; a Triton kernel is let through.
+    A node function over six parameters, or one that parses a section, is refused."""
     root = tmp_path / "qerl_pipeline"
     (root / "pipelines" / "p").mkdir(parents=True)
     eleven = ", ".join(f"a{i}" for i in range(11))
@@ -171,13 +171,16 @@ def test_the_parameter_check_sees_what_it_looks_for(tmp_path):
         f"class C:\n    def __init__(self, {ten}): pass\n"
         f"def kernel({eleven}, BLOCK: tl.constexpr): pass\n"
     )
-    (root / "pipelines" / "p" / "nodes.py").write_text(f"def wired({eleven}): pass\ndef unwired({eleven}): pass\n")
-    (root / "pipelines" / "p" / "pipeline.py").write_text(
-        "from kedro.pipeline import Node\nfrom qerl_pipeline.pipelines.p.nodes import wired\n"
-        "def create_pipeline():\n    return [Node(wired, 'x', 'y')]\n"
+    (root / "pipelines" / "p" / "nodes.py").write_text(
+        "def six(a, b, c, d, e, cfg): return cfg.x\n"
+        "def seven(a, b, c, d, e, f, **sections): pass\n"
+        "def reads(model): return parse(ModelConfig, model, 'model')\n"
+        "def checks(model): return ModelConfig.model_validate(model)\n"
     )
     found = [line.split(": ", 1)[1] for line in long_signatures(root)]
-    assert found == ["wide takes 11 parameters", "spread takes 11 parameters", "unwired takes 11 parameters"], found
+    assert found == ["wide takes 11 parameters", "spread takes 11 parameters"], found
+    found = [line.split(": ", 1)[1] for line in node_rule_breaks(root)]
+    assert found == ["seven takes 7 parameters", "reads calls parse", "checks calls model_validate"], found
 
 
 # ------------------------------------------------------------------------- module aliases

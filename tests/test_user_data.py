@@ -113,7 +113,7 @@ def test_hub_id_goes_through_load_dataset(monkeypatch):
     with pytest.raises(
         RuntimeError, match=r"training source unavailable: data.train_file: loading someone/my-problems"
     ):
-        prepare_train_prompts(data.model_dump())
+        prepare_train_prompts(data)
 
 
 def test_default_columns_chat_prompts_and_golds(tmp_path):
@@ -144,7 +144,7 @@ def test_default_columns_chat_prompts_and_golds(tmp_path):
         on_bad_row="drop",
         system_prompt="Ignored for chat prompts.",
     )
-    records, summary = prepare_train_prompts(data.model_dump())
+    records, summary = prepare_train_prompts(data)
     assert [r["messages"] for r in records] == [chat, chat] and summary["dropped"] == 3
     # default column names: question / answer
     plain = _jsonl(tmp_path / "plain.jsonl", [{"question": "1 + 2?", "answer": "3"}])
@@ -167,7 +167,7 @@ def test_bad_rows_named_by_file_and_line(tmp_path):
         train_source="file", train_file=UserSetConfig(path=str(path), question="problem", answer="solution")
     )
     with pytest.raises(ValueError) as err:
-        prepare_train_prompts(data.model_dump())
+        prepare_train_prompts(data)
     message = str(err.value)
     assert "4 malformed row(s)" in message
     for line, reason in (
@@ -178,7 +178,7 @@ def test_bad_rows_named_by_file_and_line(tmp_path):
     ):
         (hit,) = [m for m in message.splitlines() if f"({path} line {line})" in m]
         assert reason in hit, hit
-    records, summary = prepare_train_prompts(data.model_copy(update={"on_bad_row": "drop"}).model_dump())
+    records, summary = prepare_train_prompts(data.model_copy(update={"on_bad_row": "drop"}))
     assert [r["question"] for r in sorted(records, key=lambda r: r["id"])] == [ROWS[0]["problem"], ROWS[1]["problem"]]
     assert summary["kept"] == 2 and summary["dropped"] == 4 and summary["unparsable_golds"] == 1
     assert {b["where"] for b in summary["bad_rows"]} == {f"{path} line {n}" for n in (3, 4, 5, 6)}
@@ -200,7 +200,7 @@ def test_a_training_file_with_no_usable_row_is_the_users_error_not_a_traceback(t
         on_bad_row="drop",
     )
     with pytest.raises(NoUsableRows) as err:
-        prepare_train_prompts(data.model_dump())
+        prepare_train_prompts(data)
     assert isinstance(err.value, ValueError) and isinstance(err.value, DataError)
     assert isinstance(err.value, click.ClickException)
     assert err.value.format_message() == f"training source 'file' (file:{path}) gave no usable rows", (
@@ -233,18 +233,18 @@ def test_unparsable_golds_are_reported_and_never_kept(tmp_path):
         eval_files={"mine": UserSetConfig(path=str(evals), **user)},
         generator={"n_train": 4, "n_test": 3},
     )
-    records, train_summary = prepare_train_prompts(data.model_dump())
-    evals_out, eval_summary = prepare_eval_prompts(data.model_dump())
+    records, train_summary = prepare_train_prompts(data)
+    evals_out, eval_summary = prepare_eval_prompts(data)
     assert [r["gold"] for r in records] == ["2"] and [r["gold"] for r in evals_out["mine"]] == ["4"]
     assert list(evals_out) == ["generator", "mine"]  # the user's set beside the built-in ones
-    report = build_data_report(train_summary, eval_summary, data.model_dump())
+    report = build_data_report(train_summary, eval_summary, data)
     assert report["train"]["unparsable_golds"] == 1 and report["eval"]["mine"]["unparsable_golds"] == 1
     assert report["totals"]["unparsable_golds"] == 2 and report["totals"]["dropped_rows"] == 2
     assert report["eval"]["mine"]["kept"] == 1 and report["eval"]["mine"]["rows_read"] == 2
     with pytest.raises(
         ValueError, match=r"mine/mine-line2 \(.*eval.jsonl line 2\): gold answer math-verify cannot parse"
     ):
-        prepare_eval_prompts(data.model_copy(update={"on_bad_row": "fail"}).model_dump())
+        prepare_eval_prompts(data.model_copy(update={"on_bad_row": "fail"}))
 
 
 def test_ids_levels_and_limit(tmp_path):
@@ -258,9 +258,9 @@ def test_ids_levels_and_limit(tmp_path):
     hard, _ = load_user_set("m", "data.train_file", cfg.model_copy(update={"levels": [2]}), seed=0)
     assert {r["level"] for r in hard} == {2} and len(hard) == 3
     data = DataConfig(train_source="file", train_file=cfg.model_copy(update={"id": None, "limit": 3}))
-    records, summary = prepare_train_prompts(data.model_dump())
+    records, summary = prepare_train_prompts(data)
     assert len(records) == 3 and summary["kept"] == 3
-    again, _ = prepare_train_prompts(data.model_dump())
+    again, _ = prepare_train_prompts(data)
     assert again == records  # the seeded shuffle: the same subset each time
 
 
@@ -285,18 +285,18 @@ def test_gsm8k_rows_as_published_train_as_they_are(tmp_path, shared_data):
     raw = _gsm8k_rows(shared_data, 200)
     path = _jsonl(tmp_path / "gsm8k_train.jsonl", raw)
     data = DataConfig(train_source="file", train_file=UserSetConfig(path=str(path)), eval_sources=["generator"])
-    records, summary = prepare_train_prompts(data.model_dump())
+    records, summary = prepare_train_prompts(data)
     assert summary["kept"] == 200 and summary["dropped"] == 0 and summary["answer_forms"] == {"gsm8k": 200}
     by_question = {r["question"]: r["gold"] for r in records}
     assert all(by_question[r["question"].strip()] == _after_marker(r["answer"]) for r in raw)
-    report = build_data_report(summary, prepare_eval_prompts(data.model_dump())[1], data.model_dump())
+    report = build_data_report(summary, prepare_eval_prompts(data)[1], data)
     assert data_metrics(report)["train.answer_forms.gsm8k"]["value"] == 200.0
     first = _jsonl(tmp_path / "first40.jsonl", raw[:40])  # read plain, the whole worked solution is the gold
     plain = data.model_copy(update={"train_file": UserSetConfig(path=str(first), answer_format="plain")})
     with pytest.raises(
         MalformedRows, match=rf"\d+ malformed row\(s\).*\n.*{first} line \d+\): gold answer math-verify cannot"
     ):
-        prepare_train_prompts(plain.model_dump())
+        prepare_train_prompts(plain)
 
 
 def test_a_boxed_solution_column_gives_the_boxed_answer(tmp_path, shared_data):
@@ -315,7 +315,7 @@ def test_a_boxed_solution_column_gives_the_boxed_answer(tmp_path, shared_data):
     for path in (_jsonl(tmp_path / "math.jsonl", rows), _csv(tmp_path / "math.csv", rows)):
         cfg = UserSetConfig(path=str(path), question="problem", answer="solution", id="uid", level="level")
         data = DataConfig(eval_sources=[], eval_files={"mine": cfg})
-        evals, summary = prepare_eval_prompts(data.model_dump())
+        evals, summary = prepare_eval_prompts(data)
         got = evals["mine"]
         assert len(got) == 120 and summary["sources"]["mine"]["answer_forms"] == {"boxed": 120}
         for rec in got:
@@ -339,7 +339,7 @@ def test_answer_formats_row_by_row_and_malformed_markers_named_by_line(tmp_path)
     path = _jsonl(tmp_path / "mixed.jsonl", rows)
     cfg = UserSetConfig(path=str(path), question="q", answer="a")
     data = DataConfig(train_source="file", train_file=cfg, on_bad_row="drop")
-    records, summary = prepare_train_prompts(data.model_dump())
+    records, summary = prepare_train_prompts(data)
     assert {r["question"]: r["gold"] for r in records} == {"a": "9", "b": "\\frac{1}{2}", "c": "7", "g": "1,2"}
     assert summary["answer_forms"] == {"boxed": 2, "gsm8k": 2, "plain": 1}  # read in a form; e, f failed to
     reasons = {b["where"]: b["reason"] for b in summary["bad_rows"]}
@@ -349,7 +349,7 @@ def test_answer_formats_row_by_row_and_malformed_markers_named_by_line(tmp_path)
     # a named format reads every row so: a row without its marker is malformed
     for fmt, line, reason in (("gsm8k", 2, "answer: no '####' marker"), ("boxed", 1, "answer: no \\boxed{...}")):
         only = data.model_copy(update={"train_file": cfg.model_copy(update={"answer_format": fmt})})
-        _, summary = prepare_train_prompts(only.model_dump())
+        _, summary = prepare_train_prompts(only)
         assert {b["where"]: b["reason"] for b in summary["bad_rows"]}[f"{path} line {line}"].startswith(reason), fmt
     with pytest.raises(
         ConfigError, match=r"data.train_file.answer_format: Input should be 'auto', 'plain', 'gsm8k' or"

@@ -1166,18 +1166,12 @@ class CompareConfig(Section):
 SKIPPED_BRANCH = "skipped"
 
 
-def compare_branch(method: str, methods: Any = None, seeds: Any = None) -> tuple[list[int] | None, str]:
-    """What the compare branch of ``method`` does: ``(seeds, skipped)``.
-
-    ``methods``, ``seeds``: the raw ``compare.methods`` and ``compare.seeds`` parameters (None: not given), validated
-    as ``CompareConfig`` validates them (a space-separated string is a list). ``seeds``: the list, None when not
-    given. ``skipped``: "compare.<method>: not in compare.methods, skipped" when ``methods`` leaves ``method`` out
-    (the branch's nodes then log it, train and evaluate nothing and return a ``SKIPPED_BRANCH`` marker), else "".
-    """
-    given = {k: v for k, v in (("methods", methods), ("seeds", seeds)) if v is not None}
-    cc = validate(given, CompareConfig, prefix="compare")
-    skipped = "" if method in cc.methods else f"compare.{method}: not in compare.methods, skipped"
-    return (cc.seeds if seeds is not None else None), skipped
+def compare_branch(compare: CompareConfig, method: str) -> tuple[list[int], str]:
+    """What the compare branch of ``method`` does: ``(seeds, skipped)``: ``compare.seeds``, and
+    "compare.<method>: not in compare.methods, skipped" when ``compare.methods`` leaves ``method`` out (the branch's
+    nodes then log it, train and evaluate nothing and return a ``SKIPPED_BRANCH`` marker), else ""."""
+    skipped = "" if method in compare.methods else f"compare.{method}: not in compare.methods, skipped"
+    return list(compare.seeds), skipped
 
 
 class BenchmarkConfig(Section):
@@ -1347,6 +1341,24 @@ def parse(section: type[Section], params: dict[str, Any] | Section | None, name:
     if isinstance(params, section):
         return params
     return validate(params or {}, section, prefix=name)
+
+
+def gather(method: str | None = None, **sections: Section) -> QerlConfig:
+    """The typed sections a group of nodes reads, as one ``QerlConfig``: the function of the bundling nodes
+    (``training_config``, ``evaluation_config``, ...) that let a node take its data and one config object.
+
+    Nothing is validated again: ``hooks.ValidateConfigHook`` validated the whole tree once and hands each node its
+    typed sections; the sections not given keep their defaults, which no node of the group reads. ``method``: the
+    branch's in a compare (bound by ``pipelines/train/pipeline.py::with_method``), else ``params:method``."""
+    return QerlConfig.model_construct(**({"method": method} if method is not None else {}), **sections)
+
+
+def at_path(cfg: QerlConfig, path: str) -> Any:
+    """The validated value of the parameter at dotted ``path`` (``"compare.seeds"``), as a node receives it."""
+    value: Any = cfg
+    for part in path.split("."):
+        value = getattr(value, part) if isinstance(value, BaseModel) else value[part]
+    return value
 
 
 def flatten(d: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:

@@ -4,7 +4,9 @@ Design. ``ValidateConfigHook.before_pipeline_run`` validates the whole parameter
 (``config.validate``, the one home of the schema's error lines), the AQN noise precision and
 the columns of the user's data sets (``data.user_sets.column_problems``),
 ``tryfirst`` so that it runs before kedro-mlflow's hook: a bad config starts no MLflow run
-and loads no model. A ``ConfigError`` leaves the hook as a ``ParameterError``: still a
+and loads no model. That typed config is what the nodes get, validated once: ``before_node_run`` hands each
+``params:`` input as the tree holds it (``config.at_path``; ``QerlContext`` keeps Kedro from building the sections
+again). A ``ConfigError`` leaves the hook as a ``ParameterError``: still a
 ``ConfigError`` (callers and tests that catch that keep working), and also a
 ``click.ClickException``, the one exception type that click, under Kedro's CLI, prints as a
 short ``Error: ...`` message and turns into exit code 1, instead of the rich traceback Kedro
@@ -14,9 +16,7 @@ parameter in a few lines, while every other exception, a real bug, keeps its ful
 what is allowed (for a misspelt key: the keys its section has), and where parameters live.
 
 Settings that pass alone but not together across sections (``cross_field_errors``) are checked
-here, on the whole tree, and only for the nodes the run has: a node validates just its own
-sections (their defaults would stand in for the rest), so these checks cannot live in
-``QerlConfig``.
+here, on the whole tree, and only for the nodes the run has, so these checks cannot live in ``QerlConfig``.
 
 On a CUDA machine the memory planner is asked last (``planner_refusal``; ``planner.check``
 turns it off): for the methods whose engines the run starts (its training, a compare's
@@ -49,11 +49,13 @@ import signal
 import threading
 
 import click
+from kedro.config import MissingConfigException
+from kedro.framework.context import KedroContext
 from kedro.framework.hooks import hook_impl
 from pydantic import BaseModel
 
 from qerl_pipeline import tracking
-from qerl_pipeline.config import ConfigError, QerlConfig, validate
+from qerl_pipeline.config import ConfigError, QerlConfig, at_path, validate
 from qerl_pipeline.data.user_sets import column_problems
 from qerl_pipeline.platform import current_platform, gpu_memory_bytes
 from qerl_pipeline.tracking_journal import TrackingOutage
@@ -271,6 +273,33 @@ def node_roles(pipeline) -> set[str]:
     return out
 
 
+def gather_unbuilt(pipeline, catalog, cfg: QerlConfig) -> None:
+    """Build each config bundle (``*_config``, ``config.gather``) the run reads but does not build (its nodes
+    selected without their bundling node: ``--nodes``, ``--from-nodes``) as that node would, from this run's
+    parameters, so no node reads a config an earlier run left."""
+    from kedro.framework.project import pipelines
+
+    missing = {name for name in pipeline.inputs() if name.endswith("_config")}
+    for node in {n for registered in pipelines.values() for n in registered.nodes if set(n.outputs) & missing}:
+        (name,) = node.outputs
+        catalog.save(name, node.run({i: at_path(cfg, i.removeprefix("params:")) for i in node.inputs})[name])
+
+
+class QerlContext(KedroContext):
+    """Kedro's context with its parameters as written (``settings.CONTEXT_CLASS``).
+
+    Kedro 1.7 would build each ``params:`` input whose node argument is a Pydantic model again, section by
+    section, with its own error lines, and kedro-mlflow would then log each section's repr as one parameter.
+    Here ``ValidateConfigHook`` validates the whole tree once and hands each node its typed sections."""
+
+    @property
+    def params(self) -> dict:
+        try:
+            return self.config_loader["parameters"]
+        except MissingConfigException:
+            return dict(self._runtime_params or {})
+
+
 class ValidateConfigHook:
     """Fail a run at its start, before any model loads, when a parameter is wrong.
 
@@ -281,10 +310,11 @@ class ValidateConfigHook:
 
     def __init__(self) -> None:
         self._context = None
+        self._config: QerlConfig | None = None
 
     @hook_impl(tryfirst=True)  # before kedro-mlflow's, which connects to the tracking store
     def after_context_created(self, context) -> None:
-        self._context = context
+        self._context, self._config = context, None
         tracking.bound_http_retries()
         uri = tracking_uri(context)
         if uri is not None:
@@ -318,7 +348,18 @@ class ValidateConfigHook:
                 log.warning("memory planner: not asked (NVML cannot tell this GPU's memory)")
             elif line := planner_refusal(cfg, pipeline, total / 2**30):
                 raise PlannerRefusal(line)
+        self._config = cfg
+        gather_unbuilt(pipeline, catalog, cfg)
         log.info("parameters valid: method=%s model=%s", cfg.method, cfg.model.name)
+
+    @hook_impl
+    def before_node_run(self, node, inputs) -> dict | None:
+        """Each ``params:`` input as the validated config holds it (a typed section, ``compare.seeds`` a list);
+        the catalog keeps the values as written, which kedro-mlflow logs as the run's parameters."""
+        if self._config is None:
+            return None
+        cfg = self._config
+        return {name: at_path(cfg, name.removeprefix("params:")) for name in inputs if name.startswith("params:")}
 
 
 class RunStatusHook:

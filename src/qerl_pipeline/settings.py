@@ -9,7 +9,7 @@ harmless, each at its source and no other (``terminal.py`` says why each is harm
 from kedro.config import OmegaConfigLoader
 
 from qerl_pipeline.config import CONFIG_LOADER_ARGS  # noqa: F401 - Kedro reads it from this module
-from qerl_pipeline.hooks import RunStatusHook, ValidateConfigHook
+from qerl_pipeline.hooks import QerlContext, RunStatusHook, ValidateConfigHook
 from qerl_pipeline.rollout.pool import SharedEngineHook
 from qerl_pipeline.terminal import quiet_known_noise
 
@@ -22,3 +22,5 @@ quiet_known_noise()
 HOOKS = (ValidateConfigHook(), RunStatusHook(), SharedEngineHook())
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
+# its parameters as written: ValidateConfigHook validates them once and hands the nodes typed sections
+CONTEXT_CLASS = QerlContext

@@ -32,7 +32,6 @@ from qerl_pipeline.config import (
     RewardConfig,
     RolloutConfig,
     TrackingConfig,
-    parse,
 )
 from qerl_pipeline.evaluation.evaluator import (
     EvalResult,
@@ -66,11 +65,10 @@ def flatten_prompts(eval_prompts: dict[str, list[dict[str, Any]]] | list[dict[st
     return out
 
 
-def evaluate_config(evaluate: dict[str, Any] | EvaluateConfig, data: dict[str, Any] | None = None) -> EvaluateConfig:
+def evaluate_config(evaluate: EvaluateConfig, data: DataConfig) -> EvaluateConfig:
     """The ``evaluate`` section with the user's sets (``data.eval_files``) scored after ``evaluate.benchmarks``."""
-    cfg: EvaluateConfig = parse(EvaluateConfig, evaluate, "evaluate")
-    user_sets = [n for n in parse(DataConfig, data, "data").eval_files if n not in cfg.benchmarks]
-    return cfg.model_copy(update={"benchmarks": [*cfg.benchmarks, *user_sets]}) if user_sets else cfg
+    user_sets = [n for n in data.eval_files if n not in evaluate.benchmarks]
+    return evaluate.model_copy(update={"benchmarks": [*evaluate.benchmarks, *user_sets]}) if user_sets else evaluate
 
 
 def base_weight_mib(base_dir: str | Path) -> float:

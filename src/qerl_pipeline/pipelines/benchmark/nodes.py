@@ -1,7 +1,7 @@
 """benchmark nodes: speed and memory of ours, the TRL peer, and the hardware limit, side by side.
 
-Thin nodes: each takes the measurements before it and its parameter sections (dicts),
-validates the sections into typed configs, calls the library in
+Thin nodes: each takes the measurements before it and its typed sections (the three measuring nodes the
+``benchmark_config`` the pipeline gathers, ``config.gather``), calls the library in
 ``qerl_pipeline.benchmarking`` and returns what the next node needs. The logic, and its
 design, lives there:
 
@@ -32,20 +32,14 @@ from qerl_pipeline.benchmarking import hardware, report, table
 from qerl_pipeline.benchmarking.peer_trl import measure_peer
 from qerl_pipeline.benchmarking.rollout import rollout_benchmark
 from qerl_pipeline.benchmarking.training import measure_methods
-from qerl_pipeline.config import BenchmarkConfig, ModelConfig, QerlConfig, QuantizeConfig, parse, validate
+from qerl_pipeline.config import BenchmarkConfig, ModelConfig, QerlConfig, QuantizeConfig
 from qerl_pipeline.platform import current_platform
 
 log = logging.getLogger(__name__)
 
 
-def _config(**sections: dict[str, Any]) -> QerlConfig:
-    """The given parameter sections as one typed config (errors name ``section.field``)."""
-    return validate(sections, QerlConfig)
-
-
-def measure_hardware_limits(benchmark: dict[str, Any]) -> dict[str, Any]:
+def measure_hardware_limits() -> dict[str, Any]:
     """Measured copy bandwidth (GB/s) and matmul rate (FLOP/s) of this machine."""
-    parse(BenchmarkConfig, benchmark, "benchmark")
     hw = hardware.measure_hardware(current_platform())
     log.info(
         "hardware: %.1f GB/s copy bandwidth, %.1f GFLOP/s %s matmul",
@@ -56,60 +50,25 @@ def measure_hardware_limits(benchmark: dict[str, Any]) -> dict[str, Any]:
     return hw
 
 
-def prepare_bases(model: dict[str, Any], quantize: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, str]:
+def prepare_bases(model: ModelConfig, quantize: QuantizeConfig, benchmark: BenchmarkConfig) -> dict[str, str]:
     """``{format: base folder}`` for every needed format, written (RTN) unless already there."""
-    return bench_bases.prepare_bases(
-        parse(ModelConfig, model, "model"),
-        parse(QuantizeConfig, quantize, "quantize"),
-        parse(BenchmarkConfig, benchmark, "benchmark"),
-    )
+    return bench_bases.prepare_bases(model, quantize, benchmark)
 
 
-def benchmark_rollout(
-    bases: dict[str, str],
-    model: dict[str, Any],
-    lora: dict[str, Any],
-    rollout: dict[str, Any],
-    grpo: dict[str, Any],
-    benchmark: dict[str, Any],
-    reward: dict[str, Any],
-    train: dict[str, Any],
-    data: dict[str, Any],
-) -> dict[str, Any]:
+def benchmark_rollout(bases: dict[str, str], cfg: QerlConfig) -> dict[str, Any]:
     """Rollout tokens/s per format and batch size, with and without LoRA; sync time per step; the reward's time
     (the run's own scorer: ``reward``, ``train.reward_fn``, ``data.system_prompt`` as training has them)."""
-    cfg = _config(model=model, lora=lora, rollout=rollout, grpo=grpo, reward=reward, train=train, data=data)
-    return rollout_benchmark(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
+    return rollout_benchmark(bases, cfg, cfg.benchmark)
 
 
-def benchmark_training(
-    bases: dict[str, str],
-    model: dict[str, Any],
-    lora: dict[str, Any],
-    grpo: dict[str, Any],
-    optim: dict[str, Any],
-    rollout: dict[str, Any],
-    train: dict[str, Any],
-    benchmark: dict[str, Any],
-) -> list[dict[str, Any]]:
+def benchmark_training(bases: dict[str, str], cfg: QerlConfig) -> list[dict[str, Any]]:
     """Training step time, tokens/s, peak memory and parameter bytes per method (own process each)."""
-    cfg = _config(model=model, lora=lora, grpo=grpo, optim=optim, rollout=rollout, train=train)
-    return measure_methods(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
+    return measure_methods(bases, cfg, cfg.benchmark)
 
 
-def benchmark_trl(
-    bases: dict[str, str],
-    model: dict[str, Any],
-    lora: dict[str, Any],
-    grpo: dict[str, Any],
-    optim: dict[str, Any],
-    rollout: dict[str, Any],
-    train: dict[str, Any],
-    benchmark: dict[str, Any],
-) -> dict[str, Any]:
+def benchmark_trl(bases: dict[str, str], cfg: QerlConfig) -> dict[str, Any]:
     """One TRL GRPOTrainer step (after a warm-up) on the bf16 base, or the reason it was skipped."""
-    cfg = _config(model=model, lora=lora, grpo=grpo, optim=optim, rollout=rollout, train=train)
-    return measure_peer(bases, cfg, parse(BenchmarkConfig, benchmark, "benchmark"))
+    return measure_peer(bases, cfg, cfg.benchmark)
 
 
 def build_table(
@@ -118,21 +77,18 @@ def build_table(
     rollout: dict[str, Any],
     training: list[dict[str, Any]],
     trl: dict[str, Any],
-    benchmark: dict[str, Any],
+    benchmark: BenchmarkConfig,
 ) -> dict[str, Any]:
     """Every figure as a row ``(section, subject, metric, value, unit, limit, fraction_of_limit, note)``."""
-    return table.build_table(
-        hardware_figures, bases, rollout, training, trl, parse(BenchmarkConfig, benchmark, "benchmark")
-    )
+    return table.build_table(hardware_figures, bases, rollout, training, trl, benchmark)
 
 
-def write_report(benchmark_table: dict[str, Any], benchmark: dict[str, Any]) -> dict[str, Any]:
+def write_report(benchmark_table: dict[str, Any], benchmark: BenchmarkConfig) -> dict[str, Any]:
     """CSV + markdown + HTML + raw JSON under ``benchmark.report_dir`` (atomic), all figures to MLflow."""
-    bcfg = parse(BenchmarkConfig, benchmark, "benchmark")
-    paths = report.write_report_files(benchmark_table, bcfg.report_dir)
+    paths = report.write_report_files(benchmark_table, benchmark.report_dir)
     metrics = report.report_metrics(benchmark_table["rows"])
     run_id = report.log_report(benchmark_table, paths, metrics)
-    out = Path(bcfg.report_dir)
+    out = Path(benchmark.report_dir)
     log.info("benchmark report: %s (%d figures logged to MLflow run %s)", out, len(metrics), run_id)
     return {
         "report_dir": str(out),

@@ -10,6 +10,7 @@ to ``benchmark.report_dir`` and logged to the run under ``benchmark/``.
 
 from kedro.pipeline import Node, Pipeline
 
+from qerl_pipeline.config import gather
 from qerl_pipeline.pipelines.benchmark.nodes import (
     benchmark_rollout,
     benchmark_training,
@@ -20,22 +21,16 @@ from qerl_pipeline.pipelines.benchmark.nodes import (
     write_report,
 )
 
-_TRAIN_PARAMS = [
-    "params:model",
-    "params:lora",
-    "params:grpo",
-    "params:optim",
-    "params:rollout",
-    "params:train",
-    "params:benchmark",
-]
+#: The sections the measuring nodes read, gathered into one ``benchmark_config`` (``config.gather``).
+SECTIONS = ("model", "lora", "rollout", "grpo", "optim", "train", "reward", "data", "benchmark")
 
 
 def create_pipeline(**kwargs) -> Pipeline:
     """Wire the benchmark nodes."""
     return Pipeline(
         [
-            Node(measure_hardware_limits, "params:benchmark", "benchmark_hardware", name="measure_hardware_limits"),
+            Node(gather, {s: f"params:{s}" for s in SECTIONS}, "benchmark_config", name="benchmark_config"),
+            Node(measure_hardware_limits, None, "benchmark_hardware", name="measure_hardware_limits"),
             Node(
                 prepare_bases,
                 ["params:model", "params:quantize", "params:benchmark"],
@@ -44,27 +39,17 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
             Node(
                 benchmark_rollout,
-                [
-                    "benchmark_bases",
-                    "params:model",
-                    "params:lora",
-                    "params:rollout",
-                    "params:grpo",
-                    "params:benchmark",
-                    "params:reward",
-                    "params:train",
-                    "params:data",
-                ],
+                ["benchmark_bases", "benchmark_config"],
                 "benchmark_rollout",
                 name="benchmark_rollout",
             ),
             Node(
                 benchmark_training,
-                ["benchmark_bases", *_TRAIN_PARAMS],
+                ["benchmark_bases", "benchmark_config"],
                 "benchmark_training",
                 name="benchmark_training",
             ),
-            Node(benchmark_trl, ["benchmark_bases", *_TRAIN_PARAMS], "benchmark_trl", name="benchmark_trl"),
+            Node(benchmark_trl, ["benchmark_bases", "benchmark_config"], "benchmark_trl", name="benchmark_trl"),
             Node(
                 build_table,
                 [

@@ -16,7 +16,7 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from qerl_pipeline.config import SKIPPED_BRANCH, CompareConfig, TrackingConfig, parse
+from qerl_pipeline.config import SKIPPED_BRANCH, CompareConfig, ModelConfig, TrackingConfig, TrainConfig
 from qerl_pipeline.evaluation import report_runs
 from qerl_pipeline.evaluation.report import report_artifacts
 from qerl_pipeline.evaluation.report_claims import claim_metrics, claims
@@ -25,21 +25,20 @@ from qerl_pipeline.tracking import MlflowLogger, name_run, run_name
 from qerl_pipeline.tracking_journal import await_server
 
 
-def open_compare(compare: dict[str, Any], model: dict[str, Any], train: dict[str, Any]) -> dict[str, str]:
+def open_compare(model: ModelConfig, train: TrainConfig) -> dict[str, str]:
     """Name and tag the active (kedro-mlflow) run as the compare run; return ``{"run_id", "experiment_id"}``.
 
     Each branch's training run is created as its child (``tracking.child_run``); a branch
     finished by an earlier, interrupted compare is re-nested under this run.
     """
-    parse(CompareConfig, compare, "compare")
     logger = MlflowLogger()
     run = logger.client.get_run(logger.run_id)
-    name_run(logger.run_id, run_name("compare", None, model, train.get("seed")), "compare")
+    name_run(logger.run_id, run_name("compare", None, model, train.seed), "compare")
     return {"run_id": logger.run_id, "experiment_id": run.info.experiment_id}
 
 
 def build_report(
-    compare_group: dict[str, str], compare: dict[str, Any], tracking: dict[str, Any] | None = None, **branches: Any
+    compare_group: dict[str, str], compare: CompareConfig, tracking: TrackingConfig, **branches: Any
 ) -> dict[str, Any]:
     """The comparison report of the branches' runs (the claims also logged to the compare run).
 
@@ -53,9 +52,8 @@ def build_report(
     runs like the rest). Only ``compare.methods`` are read; the others' branches were skipped. Returns
     ``report_outputs``'s dict.
     """
-    cc: CompareConfig = parse(CompareConfig, compare, "compare")
     selection = {}
-    for method in cc.methods:
+    for method in compare.methods:
         summary = branches.get(f"{method}_summary")
         if summary is None:
             raise ValueError(f"compare.methods: no branch for {method!r} in the compare pipeline")
@@ -68,8 +66,10 @@ def build_report(
         runs = summary.get("runs", [summary])  # one entry per seed (train/nodes.py)
         selection[method] = [{"run_id": r["mlflow_run_id"], "eval_run_id": None, "seed": r.get("seed")} for r in runs]
     client = MlflowClient()
-    await_server(client.tracking_uri, parse(TrackingConfig, tracking, "tracking").outage_s)
-    return report_outputs(report_runs.load_selected(selection, client=client), compare_group["run_id"], cc.methods)
+    await_server(client.tracking_uri, tracking.outage_s)
+    return report_outputs(
+        report_runs.load_selected(selection, client=client), compare_group["run_id"], compare.methods
+    )
 
 
 def report_outputs(runs: list[report_runs.RunData], compare_run_id: str, methods: list[str]) -> dict[str, Any]:

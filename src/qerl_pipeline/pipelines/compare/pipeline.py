@@ -25,7 +25,7 @@ parameters are known). Each branch's nodes train and evaluate every seed in turn
 folder ``<train.output_dir>/compare/seed-<k>/<method>``, one adapter ``seed-<k>/`` in the
 branch's ``trained_adapters`` folder and one child MLflow run (tagged ``seed``) per method and
 seed. A seed sets ``train.seed``, ``rollout.seed`` and ``aqn.seed`` of its training
-(``train/nodes.py::seeded_sections``); the base, the prompts and the evaluation are the same
+(``train/nodes.py::seeded``); the base, the prompts and the evaluation are the same
 for every seed. The base alone is evaluated once per branch, not once per seed.
 
 Methods (``compare.methods``): what the compare trains, evaluates and reports. Every branch
@@ -65,16 +65,16 @@ from qerl_pipeline.config import COMPARE_METHODS, METHOD_FORMAT
 from qerl_pipeline.evaluation.report import REPORT_FILES
 from qerl_pipeline.pipelines.compare.nodes import build_report, open_compare
 from qerl_pipeline.pipelines.data_prep.pipeline import create_pipeline as data_prep
+from qerl_pipeline.pipelines.evaluate.pipeline import SECTIONS as EVAL_SECTIONS
 from qerl_pipeline.pipelines.evaluate.pipeline import evaluation_nodes
+from qerl_pipeline.pipelines.export.pipeline import SECTIONS as EXPORT_SECTIONS
 from qerl_pipeline.pipelines.export.pipeline import export_nodes
 from qerl_pipeline.pipelines.quantize.pipeline import format_nodes
-from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SECTIONS, SEEDS_PARAM, training_nodes
+from qerl_pipeline.pipelines.train.pipeline import COMPARE_PARAM, training_nodes
+from qerl_pipeline.pipelines.train.pipeline import SECTIONS as TRAIN_SECTIONS
 
-#: Parameters every branch shares (all: its method is bound), compare's seeds and methods included.
-SHARED_PARAMS = sorted(
-    {f"params:{s}" for s in SECTIONS}
-    | {"params:evaluate", "params:export", "params:quantize", SEEDS_PARAM, METHODS_PARAM}
-)
+#: Parameters every branch shares (all: its method is bound), compare's section included.
+SHARED_PARAMS = sorted({f"params:{s}" for s in (*TRAIN_SECTIONS, *EVAL_SECTIONS, *EXPORT_SECTIONS)} | {COMPARE_PARAM})
 #: The report nodes' outputs (``nodes.report_outputs``'s keys) -> datasets; ``<stem>.<ext>`` ->
 #: ``compare_report_<stem>_<ext>``.
 OUTPUTS = {
@@ -95,7 +95,7 @@ def _group() -> Pipeline:
         [
             Node(
                 open_compare,
-                ["params:compare", "params:model", "params:train"],
+                ["params:model", "params:train"],
                 "compare_group",
                 name="open_compare_run",
             )

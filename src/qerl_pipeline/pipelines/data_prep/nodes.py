@@ -1,7 +1,7 @@
 """data_prep nodes: read the configured sources and write prompt records and a report.
 
-Each node takes ``params:data`` (``DataConfig``) and is a plain function, usable outside
-Kedro. Malformed rows (``data.prompts.row_problem``) fail the node or are dropped per
+Each node takes ``params:data`` as a ``DataConfig`` and is a plain function, usable outside Kedro.
+Malformed rows (``data.prompts.row_problem``) fail the node or are dropped per
 ``data.on_bad_row``; either way each is named by id and source (and, in the user's sets, by
 file and line), in the error or in the log and the report. The user's sets
 (``data.train_source: file`` with ``data.train_file``, and ``data.eval_files``) are read by
@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from qerl_pipeline.config import DataConfig, SourceConfig, parse
+from qerl_pipeline.config import DataConfig, SourceConfig
 from qerl_pipeline.data.generator import generate_splits
 from qerl_pipeline.data.prompts import UNPARSABLE_GOLD, BadRow, bad_rows_error, make_record, split_valid, system_prompt
 from qerl_pipeline.data.sources import SourceUnavailable, load_source
@@ -113,7 +113,7 @@ def _report_bad(bad: list[BadRow], cfg: DataConfig) -> None:
         log.warning("... dropped %d more malformed rows (all listed in the data report)", len(bad) - 50)
 
 
-def prepare_train_prompts(data: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def prepare_train_prompts(cfg: DataConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Training prompt records from ``data.train_source`` and a summary for the report.
 
     generator: its train split (``data.generator``). gsm8k/bigmath: ``data.sources.<name>_train``
@@ -122,7 +122,6 @@ def prepare_train_prompts(data: dict[str, Any]) -> tuple[list[dict[str, Any]], d
     source always fails the run. In the train pipeline this node runs before the base model
     loads (tests/test_user_data.py checks the order), so a bad row stops the run before that.
     """
-    cfg: DataConfig = parse(DataConfig, data, "data")
     name = cfg.train_source
     if name == GENERATOR:
         rows, origin, split, limit = (
@@ -154,14 +153,13 @@ def prepare_train_prompts(data: dict[str, Any]) -> tuple[list[dict[str, Any]], d
     return records, summary
 
 
-def prepare_eval_prompts(data: dict[str, Any]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+def prepare_eval_prompts(cfg: DataConfig) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     """Eval prompt records keyed by source name (``data.eval_sources``) and a summary.
 
     'generator' is the generator's held-out split (disjoint from its train split). The user's
     sets (``data.eval_files``) follow ``data.eval_sources``, each under its name. Bad rows of
     every source are collected first, so a failing run lists them all at once.
     """
-    cfg: DataConfig = parse(DataConfig, data, "data")
     out: dict[str, list[dict[str, Any]]] = {}
     summary: dict[str, Any] = {"sources": {}, "skipped": {}}
     all_bad: list[BadRow] = []
@@ -198,13 +196,10 @@ def prepare_eval_prompts(data: dict[str, Any]) -> tuple[dict[str, list[dict[str,
     return out, summary
 
 
-def build_data_report(
-    train_summary: dict[str, Any], eval_summary: dict[str, Any], data: dict[str, Any]
-) -> dict[str, Any]:
+def build_data_report(train_summary: dict[str, Any], eval_summary: dict[str, Any], cfg: DataConfig) -> dict[str, Any]:
     """The data report: per-set counts (rows read, kept, dropped, of those with a gold math-verify cannot
     parse; for the user's sets the rows read in each answer form, ``answer_forms``), dropped rows (id, source,
     reason; file and line for the user's sets), skipped sources, settings."""
-    cfg: DataConfig = parse(DataConfig, data, "data")
     dropped = train_summary["dropped"] + sum(s["dropped"] for s in eval_summary["sources"].values())
     return {
         "train": train_summary,

@@ -18,7 +18,7 @@ What the engine serves is ``rollout.serving.served_model``'s decision (packed NV
 bitsandbytes NF4 on CUDA, the dense decoded copy on CPU), at ``model.dtype``
 (``engine_dtype``); the run is tagged ``rollout.served_format`` and ``rollout.served_dtype``.
 
-Policy names: ``trained`` (base + the adapter of ``params:method``) and ``base`` (the same
+Policy names: ``trained`` (base + the adapter of the method) and ``base`` (the same
 served base without adapter, when ``evaluate.include_base``). With ``evaluate.model_path`` (an
 exported folder, e.g. ``merged_nvfp4/``) that folder alone, served as ``export/serve.py`` says and
 scored the same way, is the policy, named after the folder; base and adapter are not read. In a compare branch
@@ -36,16 +36,7 @@ from typing import Any
 import pandas as pd
 
 from qerl_pipeline.adapter import adapter_meta, trained_adapter
-from qerl_pipeline.config import (
-    SKIPPED_BRANCH,
-    EvaluateConfig,
-    ModelConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrackingConfig,
-    compare_branch,
-    parse,
-)
+from qerl_pipeline.config import SKIPPED_BRANCH, EvaluateConfig, QerlConfig, compare_branch
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.evaluation.evaluator import EvalResult, log_benchmark_inputs
 from qerl_pipeline.evaluation.seeds import (
@@ -67,52 +58,43 @@ def run_evaluation(
     eval_prompts: dict[str, list[dict[str, Any]]],
     base_dir: Any,
     trained_adapters: Any,
-    method: str,
-    evaluate: dict[str, Any],
-    reward: dict[str, Any],
-    model: dict[str, Any],
-    rollout: dict[str, Any],
-    data: dict[str, Any] | None = None,
+    cfg: QerlConfig,
     compare_group: dict | None = None,
-    # the raw compare.seeds / compare.methods (a list or the space-separated string; config.compare_branch reads
-    # them): typed Any, as Kedro's parameter validator warns at every run start on a union-typed params: input
-    seeds: Any = None,
-    methods: Any = None,
-    tracking: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``trained`` (base + the adapter of ``method``, per seed in a compare branch) and ``base``.
+    """Evaluate ``trained`` (base + the adapter of ``cfg.method``, per seed in a compare branch) and ``base``.
 
-    Standalone, the active MLflow run (a separate evaluation run) is named and tagged with the
-    engine's ``rollout.served_*`` tags, ``method`` and the training run it evaluates
+    ``cfg``: the ``evaluation_config`` the pipeline gathers (``evaluate``, ``reward``, ``model``, ``rollout``,
+    ``data``, ``tracking``; ``compare`` in a branch). Standalone, the active MLflow run (a separate evaluation run)
+    is named and tagged with the engine's ``rollout.served_*`` tags, the method and the training run it evaluates
     (``qerl.trained_run_id``); in a compare branch each seed's evaluation is logged into that
     seed's training run (``evaluation.seeds``). The user's sets (``data.eval_files``) are
     evaluated after ``evaluate.benchmarks``. Returns the ``eval_result`` dataset's data.
-    A compare branch whose method ``methods`` (``compare.methods``) leaves out evaluates
+    A compare branch whose method ``compare.methods`` leaves out evaluates
     nothing and starts no engine: it logs why and returns an empty result marked ``skipped``
     (``config.compare_branch``). A tracking server away is waited for up to ``tracking.outage_s``.
     """
+    method, mc, outage_s = cfg.method, cfg.model, cfg.tracking.outage_s
+    branch_seeds: list[int | None] = [None]
     if compare_group:
-        seeds, skipped = compare_branch(method, methods, seeds)
+        seeds, skipped = compare_branch(cfg.compare, method)
         if skipped:
             log.info(skipped)
             return {**EvalResult(records=[]).as_dict(), SKIPPED_BRANCH: skipped}
-    cfg = evaluate_config(evaluate, data)
-    mc: ModelConfig = parse(ModelConfig, model, "model")
-    outage_s = parse(TrackingConfig, tracking, "tracking").outage_s
+        branch_seeds = list(seeds)
+    ecfg = evaluate_config(cfg.evaluate, cfg.data)
     records = flatten_prompts(eval_prompts)
-    if cfg.model_path and not compare_group:
-        return _evaluate_folder(Path(cfg.model_path), records, cfg, reward, mc, rollout, method)
-    branch_seeds = (seeds if seeds is not None else [0]) if compare_group else [None]
+    if ecfg.model_path and not compare_group:
+        return _evaluate_folder(Path(ecfg.model_path), records, ecfg, cfg)
     adapters = {s: trained_adapter(folder_of(trained_adapters), method, s) for s in branch_seeds}
     result = evaluate_adapters(
         method,
         folder_of(base_dir),
         adapters,
         records,
-        cfg,
-        parse(RewardConfig, reward, "reward"),
+        ecfg,
+        cfg.reward,
         mc,
-        parse(RolloutConfig, rollout, "rollout"),
+        cfg.rollout,
         branch=bool(compare_group),
         outage_s=outage_s,
     )
@@ -126,29 +108,23 @@ def run_evaluation(
             "evaluate",
             {**result.tags, "method": method, **({"qerl.trained_run_id": trained_run} if trained_run else {})},
         )
-        log_benchmark_inputs(logger, records, cfg)
+        log_benchmark_inputs(logger, records, ecfg)
     return result.as_dict()
 
 
 def _evaluate_folder(
-    folder: Path,
-    records: list[dict[str, Any]],
-    cfg: EvaluateConfig,
-    reward: dict[str, Any],
-    mc: ModelConfig,
-    rollout: dict[str, Any],
-    method: str,
+    folder: Path, records: list[dict[str, Any]], ecfg: EvaluateConfig, cfg: QerlConfig
 ) -> dict[str, Any]:
     """``evaluate.model_path``: the exported folder alone, as the policy named after it; the run tagged with it
     and, when the folder is part of an export (``export.json`` beside it), the training run it came from."""
-    result = evaluate_folder(
-        folder, records, cfg, parse(RewardConfig, reward, "reward"), mc, parse(RolloutConfig, rollout, "rollout")
-    )
+    result = evaluate_folder(folder, records, ecfg, cfg.reward, cfg.model, cfg.rollout)
     manifest = read_manifest(folder.parent)
-    tags = {**result.tags, "method": manifest.get("method") or method, "qerl.model_path": str(folder)}
+    tags = {**result.tags, "method": manifest.get("method") or cfg.method, "qerl.model_path": str(folder)}
     if manifest.get("training_run_id"):
         tags["qerl.trained_run_id"] = manifest["training_run_id"]
-    label_run(run_name("evaluate", f"{tags['method']} {folder.name}", mc, manifest.get("seed")), "evaluate", tags)
+    label_run(
+        run_name("evaluate", f"{tags['method']} {folder.name}", cfg.model, manifest.get("seed")), "evaluate", tags
+    )
     return result.as_dict()
 
 

@@ -13,14 +13,14 @@ logged to the run's MLflow run (named ``evaluate <method> · <model> · seed <n>
 ``qerl.trained_run_id``).
 
 ``evaluation_nodes(method)`` is the template compare instantiates per method
-(namespace ``compare.<method>``); there it evaluates every seed of ``params:compare.seeds``,
-each logged into its own training run, or nothing when ``params:compare.methods`` leaves its method out.
+(namespace ``compare.<method>``); there it evaluates every seed of ``compare.seeds``,
+each logged into its own training run, or nothing when ``compare.methods`` leaves its method out.
 """
 
 from kedro.pipeline import Node, Pipeline
 
 from qerl_pipeline.pipelines.evaluate.nodes import eval_outputs, run_evaluation
-from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SEEDS_PARAM, with_method
+from qerl_pipeline.pipelines.train.pipeline import config_node
 
 PROMPTS_DATASET = "eval_prompts"
 #: The quantize pipeline's dataset holding the base folder of ``params:method``.
@@ -35,26 +35,27 @@ def _upstream() -> Pipeline:
     return data_prep().to_outputs(PROMPTS_DATASET) + quantize().only_nodes("select_base")
 
 
+#: Parameter sections the evaluation reads, gathered (with its method) into ``evaluation_config``.
+SECTIONS = ("evaluate", "reward", "model", "rollout", "data", "tracking")
+
+
 def evaluation_nodes(method: str | None = None) -> Pipeline:
-    """Engine + scoring -> ``eval_result`` -> ``eval_records``, ``eval_accuracy``, ``eval_metrics``."""
+    """``evaluation_config``, engine + scoring -> ``eval_result`` -> ``eval_records``, ``eval_accuracy``,
+    ``eval_metrics``."""
     inputs = {
         "eval_prompts": PROMPTS_DATASET,
         "base_dir": BASE_DATASET,
         "trained_adapters": ADAPTERS_DATASET,
-        "evaluate": "params:evaluate",
-        "reward": "params:reward",
-        "model": "params:model",
-        "rollout": "params:rollout",
-        "data": "params:data",
-        "tracking": "params:tracking",
+        "cfg": "evaluation_config",
     }
+    sections = SECTIONS
     if method is not None:  # every seed of compare.seeds, each logged into its training run, if compare.methods has it
         inputs["compare_group"] = "compare_group"
-        inputs["seeds"] = SEEDS_PARAM
-        inputs["methods"] = METHODS_PARAM
+        sections = (*SECTIONS, "compare")
     return Pipeline(
         [
-            Node(*with_method(run_evaluation, inputs, method), "eval_result", name="evaluate_policies"),
+            config_node("evaluation_config", sections, method),
+            Node(run_evaluation, inputs, "eval_result", name="evaluate_policies"),
             Node(
                 eval_outputs,
                 "eval_result",

@@ -30,16 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_pipeline.adapter import adapter_meta, trained_adapter
-from qerl_pipeline.config import (
-    SKIPPED_BRANCH,
-    ExportConfig,
-    ModelConfig,
-    QuantizeConfig,
-    RewardConfig,
-    RolloutConfig,
-    compare_branch,
-    parse,
-)
+from qerl_pipeline.config import SKIPPED_BRANCH, ModelConfig, QerlConfig, compare_branch
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.evaluation.evaluator import EvalResult
 from qerl_pipeline.evaluation.seeds import accuracy_rows, evaluate_config, flatten_prompts
@@ -61,27 +52,18 @@ from qerl_pipeline.tracking import MlflowLogger, label_run, run_name, scalar_met
 log = logging.getLogger(__name__)
 
 
-def _trainings(
-    trained_adapters: Any,
-    method: str,
-    train: dict | None,
-    ec: ExportConfig,
-    compare_group: dict | None,
-    seeds: Any,
-    methods: Any,
-) -> tuple[dict[str, tuple[int | None, Path]], str]:
+def _trainings(trained_adapters: Any, cfg: QerlConfig, branch: bool) -> tuple[dict[str, tuple[int | None, Path]], str]:
     """``({dataset key: (seed, adapter folder)}, "")`` of the trainings to export, or ``({}, why none)``."""
-    root = folder_of(trained_adapters)
-    want = int((train or {}).get("seed", 0))
-    if not compare_group:
+    root, method, want = folder_of(trained_adapters), cfg.method, cfg.train.seed
+    if not branch:
         adapter = trained_adapter(root, method, want_seed=want)
         return {method: (adapter_meta(adapter).get("seed", want), adapter)}, ""
-    seeds, skipped = compare_branch(method, methods, seeds)
+    seeds, skipped = compare_branch(cfg.compare, method)
     if skipped:
         return {}, skipped
-    if not ec.in_compare:
+    if not cfg.export.in_compare:
         return {}, f"compare.{method}: export.in_compare is off, not exported"
-    return {f"seed-{s}": (s, trained_adapter(root, method, s)) for s in (seeds if seeds is not None else [want])}, ""
+    return {f"seed-{s}": (s, trained_adapter(root, method, s)) for s in seeds}, ""
 
 
 def _check_base(adapter: Path, base_dir: Path) -> None:
@@ -114,22 +96,14 @@ def _stage(adapter: Path) -> Path:
 
 
 def export_policy(
-    trained_adapters: Any,
-    base: Any,
-    method: str,
-    export: dict[str, Any],
-    train: dict[str, Any],
-    quantize: dict[str, Any],
-    compare_group: dict | None = None,
-    seeds: Any = None,
-    methods: Any = None,
+    trained_adapters: Any, base: Any, cfg: QerlConfig, compare_group: dict | None = None
 ) -> dict[str, str]:
     """Write the export of each training to export (module docstring); the ``exports`` dataset's save.
 
-    ``base``: the folder of bases (``existing_base_models``, standalone) or the method's base folder (compare)."""
-    ec: ExportConfig = parse(ExportConfig, export, "export")
-    qc: QuantizeConfig = parse(QuantizeConfig, quantize, "quantize")
-    targets, why = _trainings(trained_adapters, method, train, ec, compare_group, seeds, methods)
+    ``base``: the folder of bases (``existing_base_models``, standalone) or the method's base folder (compare);
+    ``cfg``: the ``export_config`` the pipeline gathers."""
+    method, ec, qc = cfg.method, cfg.export, cfg.quantize
+    targets, why = _trainings(trained_adapters, cfg, bool(compare_group))
     if why:
         log.info(why)
         return {}
@@ -145,31 +119,15 @@ def export_policy(
 
 
 def evaluate_exports(
-    exports: Any,
-    trained_adapters: Any,
-    base: Any,
-    eval_prompts: Any,
-    method: str,
-    export: dict[str, Any],
-    evaluate: dict[str, Any],
-    reward: dict[str, Any],
-    model: dict[str, Any],
-    rollout: dict[str, Any],
-    data: dict[str, Any],
-    train: dict[str, Any],
-    compare_group: dict | None = None,
-    seeds: Any = None,
-    methods: Any = None,
-    eval_result: Any = None,
+    exports: Any, trained_adapters: Any, base: Any, eval_prompts: Any, cfg: QerlConfig, eval_result: Any = None
 ) -> dict[str, Any]:
     """``trained`` (+ ``base``) and ``merged_nvfp4`` of every exported training (``export.accuracy``).
 
-    ``eval_result`` (a compare branch's evaluation) only orders this node after it, so its logged
-    evaluation of ``trained`` is reused."""
-    del eval_result
-    ec: ExportConfig = parse(ExportConfig, export, "export")
-    targets, why = _trainings(trained_adapters, method, train, ec, compare_group, seeds, methods)
-    if not why and not ec.evaluate:
+    ``eval_result``: a compare branch's evaluation (given in a branch only), which orders this node after it, so
+    its logged evaluation of ``trained`` is reused."""
+    method = cfg.method
+    targets, why = _trainings(trained_adapters, cfg, eval_result is not None)
+    if not why and not cfg.export.evaluate:
         why = f"export.evaluate is off: {QUANTIZED} of {method} not scored"
         log.info(why)
     if why:  # a branch that exports nothing: export_policy said why
@@ -181,10 +139,10 @@ def evaluate_exports(
         {s: a for s, a in targets.values()},
         {s: root / key for key, (s, _) in targets.items()},
         flatten_prompts(eval_prompts),
-        evaluate_config(evaluate, data),
-        parse(RewardConfig, reward, "reward"),
-        parse(ModelConfig, model, "model"),
-        parse(RolloutConfig, rollout, "rollout"),
+        evaluate_config(cfg.evaluate, cfg.data),
+        cfg.reward,
+        cfg.model,
+        cfg.rollout,
     )
     return result.as_dict()
 
@@ -203,17 +161,12 @@ def report_exports(
     export_eval_result: dict[str, Any],
     exports: Any,
     trained_adapters: Any,
-    method: str,
-    export: dict[str, Any],
-    model: dict[str, Any],
-    train: dict[str, Any],
+    cfg: QerlConfig,
     compare_group: dict | None = None,
-    seeds: Any = None,
-    methods: Any = None,
 ) -> dict[str, Any]:
     """The ``export_report``; each export logged into its training's run and registered (module docstring)."""
-    ec: ExportConfig = parse(ExportConfig, export, "export")
-    targets, why = _trainings(trained_adapters, method, train, ec, compare_group, seeds, methods)
+    method, ec, model = cfg.method, cfg.export, cfg.model
+    targets, why = _trainings(trained_adapters, cfg, bool(compare_group))
     if why:
         return {"method": method, SKIPPED_BRANCH: why}
     evaluated = not export_eval_result.get(SKIPPED_BRANCH)
@@ -256,7 +209,7 @@ def report_exports(
     rows = cost_rows(records) if records else []
     report = {
         "method": method,
-        "model": (model or {}).get("name"),
+        "model": model.name,
         "dtype": ec.dtype,
         "exports": entries,
         "evaluated": bool(records),
@@ -270,7 +223,7 @@ def report_exports(
     return report
 
 
-def _label_export_run(method: str, model: dict[str, Any], entry: dict[str, Any]) -> None:
+def _label_export_run(method: str, model: ModelConfig, entry: dict[str, Any]) -> None:
     """Name and tag the ``kedro run``'s own MLflow run as an export's, unless it is the training's run itself
     (``--pipelines=train,export`` in one run: it stays the training's)."""
     run_id = entry.get("training_run_id")

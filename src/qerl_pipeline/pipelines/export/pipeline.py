@@ -24,7 +24,7 @@ report comes after it.
 from kedro.pipeline import Node, Pipeline
 
 from qerl_pipeline.pipelines.export.nodes import evaluate_exports, export_policy, report_exports
-from qerl_pipeline.pipelines.train.pipeline import METHODS_PARAM, SEEDS_PARAM, with_method
+from qerl_pipeline.pipelines.train.pipeline import config_node
 
 PROMPTS_DATASET = "eval_prompts"
 ADAPTERS_DATASET = "trained_adapters"
@@ -39,48 +39,32 @@ def _upstream() -> Pipeline:
     return data_prep().to_outputs(PROMPTS_DATASET)
 
 
+#: Parameter sections the export nodes read, gathered (with the method) into ``export_config``.
+SECTIONS = ("export", "train", "quantize", "evaluate", "reward", "model", "rollout", "data")
+
+
 def export_nodes(method: str | None = None) -> Pipeline:
-    """``export_policy`` -> ``exports`` -> ``evaluate_export`` -> ``export_eval_result`` -> ``report_export``."""
+    """``export_config``; ``export_policy`` -> ``exports`` -> ``evaluate_export`` -> ``export_eval_result`` ->
+    ``report_export``."""
     in_compare = method is not None
-    base = BRANCH_BASE_DATASET if in_compare else BASES_DATASET
-    common = {
-        "trained_adapters": ADAPTERS_DATASET,
-        "export": "params:export",
-        "train": "params:train",
-    }
-    branch = {"compare_group": "compare_group", "seeds": SEEDS_PARAM, "methods": METHODS_PARAM} if in_compare else {}
+    common = {"trained_adapters": ADAPTERS_DATASET, "cfg": "export_config"}
+    group = {"compare_group": "compare_group"} if in_compare else {}
     evaluate_inputs = {
         **common,
         "exports": "exports",
-        "base": base,
+        "base": BRANCH_BASE_DATASET if in_compare else BASES_DATASET,
         "eval_prompts": PROMPTS_DATASET,
-        **{s: f"params:{s}" for s in ("evaluate", "reward", "model", "rollout", "data")},
-        **branch,
     }
     if in_compare:  # after the branch's evaluation, whose logged evaluation of `trained` is then reused
         evaluate_inputs["eval_result"] = "eval_result"
     return Pipeline(
         [
+            config_node("export_config", (*SECTIONS, "compare") if in_compare else SECTIONS, method),
+            Node(export_policy, {**common, "base": evaluate_inputs["base"], **group}, "exports", name="export_policy"),
+            Node(evaluate_exports, evaluate_inputs, "export_eval_result", name="evaluate_export"),
             Node(
-                *with_method(export_policy, {**common, "base": base, "quantize": "params:quantize", **branch}, method),
-                "exports",
-                name="export_policy",
-            ),
-            Node(
-                *with_method(evaluate_exports, evaluate_inputs, method), "export_eval_result", name="evaluate_export"
-            ),
-            Node(
-                *with_method(
-                    report_exports,
-                    {
-                        **common,
-                        "export_eval_result": "export_eval_result",
-                        "exports": "exports",
-                        "model": "params:model",
-                        **branch,
-                    },
-                    method,
-                ),
+                report_exports,
+                {**common, "export_eval_result": "export_eval_result", "exports": "exports", **group},
                 "export_report",
                 name="report_export",
             ),

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from qerl_pipeline.config import METHOD_FORMAT, LoraConfig, ModelConfig, QuantizeConfig, parse
+from qerl_pipeline.config import METHOD_FORMAT, LoraConfig, ModelConfig, QuantizeConfig
 from qerl_pipeline.models import resolve_dtype
 from qerl_pipeline.quantization.checkpoint import base_dir_for
 from qerl_pipeline.quantization.policy import build_policy, measure_training_memory
@@ -56,22 +56,20 @@ def method_format(method: str) -> str:
 
 
 def _ensure(
-    model: dict[str, Any], quantize: dict[str, Any], fmt: str, existing_base_models: Any
+    model: ModelConfig, quantize: QuantizeConfig, fmt: str, existing_base_models: Any
 ) -> tuple[Path, dict[str, Any]]:
     """The ``fmt`` base under ``existing_base_models`` (reused or written); None: a fresh temporary root."""
-    mcfg = parse(ModelConfig, model, "model")
-    qcfg = parse(QuantizeConfig, quantize, "quantize")
     root = (
         Path(tempfile.mkdtemp(prefix=f"qerl_base_{fmt}_"))
         if existing_base_models is None
         else Path(existing_base_models)
     )
-    folder, report, _ = ensure_base(mcfg, qcfg, fmt, base_dir_for(root, fmt), force=qcfg.force)
+    folder, report, _ = ensure_base(model, quantize, fmt, base_dir_for(root, fmt), force=quantize.force)
     return folder, report
 
 
 def quantize_base(
-    model: dict[str, Any], quantize: dict[str, Any], method: str, existing_base_models: Path | str | None = None
+    model: ModelConfig, quantize: QuantizeConfig, method: str, existing_base_models: Path | str | None = None
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """The method's base in ``existing_base_models/base_<format>``, reused when its fingerprint matches.
 
@@ -88,7 +86,7 @@ def quantize_base(
 
 
 def quantize_format(
-    model: dict[str, Any], quantize: dict[str, Any], existing_base_models: Path | str, *, fmt: str
+    model: ModelConfig, quantize: QuantizeConfig, existing_base_models: Path | str, *, fmt: str
 ) -> tuple[str, dict[str, Any]]:
     """``(folder, report)`` of the ``fmt`` base in ``existing_base_models/base_<fmt>``, reused when it matches.
 
@@ -112,17 +110,15 @@ def select_base(base_models: Path, method: str) -> str:
     return str(path)
 
 
-def measure_policy(base_model: Path, method: str, lora: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+def measure_policy(base_model: Path, method: str, lora: LoraConfig, model: ModelConfig) -> dict[str, Any]:
     """Build the training policy on the written base; measure resident and peak parameter memory.
 
     One forward+backward on a short sequence: ``peak_param_bytes`` is the resident
     parameters/buffers plus the most decoded dense weight alive at once.
     """
-    lcfg = parse(LoraConfig, lora, "lora")
-    mcfg = parse(ModelConfig, model, "model")
     fmt = method_format(method)
     t0 = time.perf_counter()
-    policy = build_policy(Path(base_model), fmt, lcfg, dtype=resolve_dtype(mcfg), device="cpu")
+    policy = build_policy(Path(base_model), fmt, lora, dtype=resolve_dtype(model), device="cpu")
     build_s = time.perf_counter() - t0
     policy.train()
     vocab = policy.get_base_model().config.vocab_size

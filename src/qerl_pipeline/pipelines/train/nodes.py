@@ -7,7 +7,7 @@ differs is where each training goes:
   it logs into the run kedro-mlflow opened for this ``kedro run`` (``tracking.TrainingRun``);
   outputs ``({method: adapter}, summary)``.
 * compare branch (``compare_group``, the compare's MLflow run): every seed of ``compare.seeds``
-  (``seeded_sections``), run folder ``<train.output_dir>/compare/seed-<k>/<method>``, a child run
+  (``seeded``), run folder ``<train.output_dir>/compare/seed-<k>/<method>``, a child run
   of the compare run tagged ``seed``, the compare's shared engines (``rollout/pool.py``); outputs
   ``({"seed-<k>": adapter}, {"method", "seeds", "runs"})`` (the branch's ``trained_adapters``
   folder holds ``seed-<k>/``).
@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from qerl_pipeline.config import SKIPPED_BRANCH, QerlConfig, compare_branch, flatten, validate
+from qerl_pipeline.config import SKIPPED_BRANCH, CompareConfig, QerlConfig, compare_branch, flatten
 from qerl_pipeline.datasets.hf_model_folder import folder_of
 from qerl_pipeline.metric_names import REWARD_MEAN
 from qerl_pipeline.rl.launch import launch
@@ -39,51 +39,38 @@ from qerl_pipeline.tracking import TrainingRun, run_name
 log = logging.getLogger(__name__)
 
 
-def train_config(method: str, sections: dict[str, Any]) -> QerlConfig:
-    """A ``QerlConfig`` from the node's parameter sections (validated, dotted-path errors)."""
-    return validate({"method": method, **{k: v for k, v in sections.items() if v is not None}}, QerlConfig)
-
-
 def train_policy(
     train_prompts: list[dict],
     base_model: Any,
-    method: str,
+    cfg: QerlConfig,
     data_report: dict | None = None,
     compare_group: dict | None = None,
-    # the raw compare.seeds / compare.methods (a list or the space-separated string; config.compare_branch reads
-    # them): typed Any, as Kedro's parameter validator warns at every run start on a union-typed params: input
-    seeds: Any = None,
-    methods: Any = None,
-    **sections: dict,
+    compare: CompareConfig | None = None,
 ) -> tuple[dict[str, str], dict[str, Any]]:
-    """Train ``method`` on ``train_prompts`` over the base folder, once per seed (module docstring).
+    """Train ``cfg.method`` on ``train_prompts`` over the base folder, once per seed (module docstring).
 
-    ``sections``: the parameter sections the pipeline wires in by name (``pipeline.SECTIONS``:
-    ``model``, ``lora``, ``rollout``, ``grpo``, ``aqn``, ``optim``, ``train``, ``reward``, ``data``,
-    ``tracking``),
-    validated together into the training's ``QerlConfig`` (``train_config``).
-
-    A compare branch whose method ``methods`` (``compare.methods``) leaves out trains nothing:
-    it logs why and returns no adapter and the summary ``{"method", "skipped", "seeds": [], "runs": []}``
-    (``config.compare_branch``).
+    ``cfg``: the ``training_config`` the pipeline gathers from the sections the training reads
+    (``pipeline.SECTIONS``, ``config.gather``). A compare branch (``compare_group``) trains every seed of
+    ``compare.seeds``; one whose method ``compare.methods`` leaves out trains nothing: it logs why and returns no
+    adapter and the summary ``{"method", "skipped", "seeds": [], "runs": []}`` (``config.compare_branch``).
 
     ``data_report`` (data_prep's) and the base's quantize report (stored with the base) are
     logged into each training run (``data/report.json``, ``quantize/report.json`` and
     ``quantize/<name>`` metrics), so the run holds what it was trained on. The first output is
     the ``trained_adapters`` dataset's save (PEFT files, trained norms, ``qerl_adapter.json``).
     """
+    method = cfg.method
     if not compare_group:
-        adapter, summary = _train_seed(train_config(method, sections), train_prompts, base_model, data_report)
+        adapter, summary = _train_seed(cfg, train_prompts, base_model, data_report)
         return {method: adapter}, summary
-    seeds, skipped = compare_branch(method, methods, seeds)
+    seeds, skipped = compare_branch(compare or CompareConfig(), method)
     if skipped:
         log.info(skipped)
         return {}, {"method": method, SKIPPED_BRANCH: skipped, "seeds": [], "runs": []}
     adapters, runs = {}, []
-    for seed in seeds if seeds is not None else [int((sections.get("train") or {}).get("seed", 0))]:
-        cfg = train_config(method, seeded_sections(sections, seed))
+    for seed in seeds:
         adapters[f"seed-{seed}"], summary = _train_seed(
-            cfg, train_prompts, base_model, data_report, compare_group, seed
+            seeded(cfg, seed), train_prompts, base_model, data_report, compare_group, seed
         )
         runs.append(summary)
     return adapters, {"method": method, "seeds": [r["seed"] for r in runs], "runs": runs}
@@ -96,8 +83,8 @@ def dataset_name(cfg: QerlConfig) -> str:
     return (user.path or user.hub_id) if cfg.data.train_source == "file" and user else cfg.data.train_source
 
 
-def seeded_sections(sections: dict[str, Any], seed: int) -> dict[str, Any]:
-    """``sections`` with ``train.seed``, ``rollout.seed`` and ``aqn.seed`` set to ``seed`` (compare's seeds).
+def seeded(cfg: QerlConfig, seed: int) -> QerlConfig:
+    """``cfg`` with ``train.seed``, ``rollout.seed`` and ``aqn.seed`` set to ``seed`` (compare's seeds).
 
     These are every random stream of one training: data order, dropout and torch's seed
     (``train.seed``), the rollout sampling (``rollout.seed``) and the AQN noise draws
@@ -105,10 +92,11 @@ def seeded_sections(sections: dict[str, Any], seed: int) -> dict[str, Any]:
     evaluation's sampling seed stay as configured: every seed trains the same base on the same
     prompts and is evaluated the same way, so the seeds differ only in the training's randomness.
     """
-    out = dict(sections)
-    for name in ("train", "rollout", "aqn"):
-        out[name] = {**(sections.get(name) or {}), "seed": int(seed)}
-    return out
+    return cfg.model_copy(
+        update={
+            name: getattr(cfg, name).model_copy(update={"seed": int(seed)}) for name in ("train", "rollout", "aqn")
+        }
+    )
 
 
 def _train_seed(

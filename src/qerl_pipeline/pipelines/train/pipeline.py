@@ -14,9 +14,9 @@ Datasets (conf/base/catalog_train.yml):
 
 ``training_nodes(method)`` is the template compare instantiates once per method (Kedro
 namespace ``compare.<method>``, the method bound: ``with_method``); there the node also takes
-``compare_group`` (the compare run), ``params:compare.seeds`` and ``params:compare.methods``, and
-trains once per seed, each in a child MLflow run, or nothing when ``compare.methods`` leaves its
-method out.
+``compare_group`` (the compare run) and ``params:compare``, and trains once per seed, each in a
+child MLflow run, or nothing when ``compare.methods`` leaves its method out. Its sections come
+typed, gathered by the ``training_config`` node (``config_node``) into the one config it takes.
 """
 
 from functools import partial, update_wrapper
@@ -24,6 +24,7 @@ from typing import Any
 
 from kedro.pipeline import Node, Pipeline
 
+from qerl_pipeline.config import gather
 from qerl_pipeline.pipelines.train.nodes import train_policy
 
 #: Upstream datasets the train node consumes.
@@ -31,12 +32,11 @@ PROMPTS_DATASET = "train_prompts"
 BASE_DATASET = "base_model"
 #: data_prep's report (counts, dropped rows): logged into the training run with the base's quantize report.
 DATA_REPORT = "data_prep_report"
-#: Parameter sections the train node reads (besides ``params:method``).
+#: Parameter sections the training reads, gathered (with its method) into ``training_config`` (``config.gather``).
 SECTIONS = ("model", "lora", "rollout", "grpo", "aqn", "optim", "train", "reward", "data", "tracking")
-#: compare's seeds (``compare.seeds``): the compare templates train and evaluate each of them.
-SEEDS_PARAM = "params:compare.seeds"
-#: compare's methods (``compare.methods``): a compare template whose method it leaves out trains and evaluates nothing.
-METHODS_PARAM = "params:compare.methods"
+#: compare's section: its templates train and evaluate each of ``compare.seeds``, and nothing when
+#: ``compare.methods`` leaves their method out.
+COMPARE_PARAM = "params:compare"
 
 
 def _upstream() -> Pipeline:
@@ -55,22 +55,32 @@ def with_method(func, inputs: dict[str, str], method: str | None) -> tuple[Any, 
     return update_wrapper(partial(func, method=method), func), inputs
 
 
+def config_node(name: str, sections: tuple[str, ...], method: str | None) -> Node:
+    """The node gathering ``sections`` (typed, as the config hook hands them) and the method into the ``name``
+    dataset, the one config object of the nodes after it (``config.gather``); ``kedro viz`` draws what it reads."""
+    return Node(*with_method(gather, {s: f"params:{s}" for s in sections}, method), name, name=name)
+
+
 def training_nodes(method: str | None = None) -> Pipeline:
-    """The training node: prompts + base + parameters -> ``trained_adapters``, ``train_summary``; ``method``:
-    compare's branch of that method."""
+    """``training_config``, then the training node: prompts + base + config -> ``trained_adapters``,
+    ``train_summary``; ``method``: compare's branch of that method."""
     inputs = {
         "train_prompts": PROMPTS_DATASET,
         "base_model": BASE_DATASET,
         "data_report": DATA_REPORT,
-        **{s: f"params:{s}" for s in SECTIONS},
+        "cfg": "training_config",
     }
     # one training per seed of compare.seeds, in the compare run, if compare.methods has it (train/nodes.py)
     if method is not None:
         inputs["compare_group"] = "compare_group"
-        inputs["seeds"] = SEEDS_PARAM
-        inputs["methods"] = METHODS_PARAM
-    func, inputs = with_method(train_policy, inputs, method)
-    return Pipeline([Node(func, inputs, ["trained_adapters", "train_summary"], name="train_policy")], tags="train")
+        inputs["compare"] = COMPARE_PARAM
+    return Pipeline(
+        [
+            config_node("training_config", SECTIONS, method),
+            Node(train_policy, inputs, ["trained_adapters", "train_summary"], name="train_policy"),
+        ],
+        tags="train",
+    )
 
 
 def create_pipeline(**kwargs) -> Pipeline:

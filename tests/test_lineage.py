@@ -113,8 +113,8 @@ def test_a_compare_branch_entry_is_an_unknown_key_naming_it():
 
 @pytest.mark.kedro_run
 def test_kedro_viz_graph(tmp_path):
-    """``kedro viz build``: train -> trained_adapters -> evaluate and export;
-    one train and one evaluate node per method."""
+    """``kedro viz build``: train -> trained_adapters -> evaluate and export; the parameters the training reads
+    drawn into its config's node; one train and one evaluate node per method."""
     root = project_copy(tmp_path / "project")
     run_kedro(root, "viz", "build", timeout=300)
 
@@ -126,6 +126,12 @@ def test_kedro_viz_graph(tmp_path):
     (adapters,) = [i for i, n in nodes.items() if n["name"] == "trained_adapters" and n["type"] == "data"]
     (train,) = [i for i, n in nodes.items() if n["name"] == "train_policy" and n["type"] == "task"]
     assert {"source": train, "target": adapters} in edges
+    # the parameters the training reads feed the node that gathers its config, which feeds the training
+    (config,) = [i for i, n in nodes.items() if n["name"] == "training_config" and n["type"] == "task"]
+    (gathered,) = [i for i, n in nodes.items() if n["name"] == "training_config" and n["type"] == "data"]
+    read = {nodes[e["source"]]["name"].removeprefix("params:") for e in edges if e["target"] == config}
+    assert {"method", "model", "optim", "aqn", "grpo"} <= read, read
+    assert {"source": config, "target": gathered} in edges and {"source": gathered, "target": train} in edges
     enodes, eedges = graph("evaluate")
     (evaluate,) = [i for i, n in enodes.items() if n["name"] == "evaluate_policies" and n["type"] == "task"]
     assert {"source": adapters, "target": evaluate} in eedges  # the same dataset id in both graphs

@@ -13,7 +13,7 @@ Declared, so ``kedro viz`` shows the experiment:
   pipeline's (``...export_policy`` -> ``...exports``, ``...export_report``; it exports and scores the
   4-bit merged policy of every seed only with ``export.in_compare``, off by default: on CPU each
   export is another engine start and evaluation per method and seed). Every parameter section is
-  shared; the branch's method is bound into its nodes (``train.pipeline.with_method``), so a method is
+  shared; the branch's method is bound into its config nodes (``train.pipeline.with_method``), so a method is
   its registration (``config.register_method``), with no ``compare.<method>`` entry in parameters.yml;
 * ``build_comparison_report``, joining the branches: means and 95% intervals over the seeds and
   the paper's claims put to the data (``evaluation/report.py``, ``evaluation/stats.py``). Every

@@ -280,6 +280,8 @@ def gather_unbuilt(pipeline, catalog, cfg: QerlConfig) -> None:
     from kedro.framework.project import pipelines
 
     missing = {name for name in pipeline.inputs() if name.endswith("_config")}
+    if not missing:  # every whole-pipeline run: its bundling nodes are in it
+        return
     for node in {n for registered in pipelines.values() for n in registered.nodes if set(n.outputs) & missing}:
         (name,) = node.outputs
         catalog.save(name, node.run({i: at_path(cfg, i.removeprefix("params:")) for i in node.inputs})[name])

@@ -76,11 +76,10 @@ def run_evaluation(
     method, mc, outage_s = cfg.method, cfg.model, cfg.tracking.outage_s
     branch_seeds: list[int | None] = [None]
     if compare_group:
-        seeds, skipped = compare_branch(cfg.compare, method)
+        branch_seeds, skipped = compare_branch(cfg.compare, method)
         if skipped:
             log.info(skipped)
             return {**EvalResult(records=[]).as_dict(), SKIPPED_BRANCH: skipped}
-        branch_seeds = list(seeds)
     ecfg = evaluate_config(cfg.evaluate, cfg.data)
     records = flatten_prompts(eval_prompts)
     if ecfg.model_path and not compare_group:

@@ -33,9 +33,11 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -312,14 +314,17 @@ SERVER_MODULE = "qerl_pipeline.rollout.server"
 
 @pytest.mark.vllm
 @pytest.mark.kedro_run
-def test_sigkill_of_a_training_run_and_its_engine_server_leaves_no_engine_process(tmp_path):
+def test_sigkill_of_a_training_run_and_its_engine_server_leaves_no_engine_process(tmp_path, request):
     """The issue's acceptance test: ``kill -9`` of a ``kedro run``'s process group and of its
     engine server mid-training; a few seconds later no process of the run is left."""
     pytest.importorskip("vllm")
     root = project_copy(tmp_path / "project")
     out = tmp_path / "out"
-    scratch = tmp_path / "t"  # TMPDIR: the engine's temp dir (its log) stays here after the kill
-    scratch.mkdir()
+    # TMPDIR: the engine's temp dir (its log) stays here after the kill. A short folder of its own under /tmp, not
+    # in tmp_path: vLLM puts its ZMQ ipc sockets in TMPDIR, and a socket path is at most 107 characters, which an
+    # xdist worker's tmp_path (.../pytest-of-root/pytest-0/popen-gw0/test_sigkill_of_.../t/<uuid>) exceeds.
+    scratch = Path(tempfile.mkdtemp(prefix="qerl-orphans-"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     log = tmp_path / "kedro.log"  # kept for a look after a failure
     step_1_done = out / "qerl" / "adapters" / "step-000001"
     run: subprocess.Popen | None = None
